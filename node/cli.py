@@ -1,0 +1,154 @@
+"""``gossipd``: run a site daemon, a local mesh, the demo, status queries and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from gossipd.node.errors import GossipdError
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    import torch
+    from gossipd.node.config import load_config
+    from gossipd.node.site import Site
+
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    site = Site(config)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await site.run(stop)
+
+    asyncio.run(main())
+    if site.loop_thread.error is not None:
+        print(f"gossipd: training failed: {site.loop_thread.error!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
+    from gossipd.node.mesh import MeshSpec
+
+    fields = {
+        "nodes": args.nodes,
+        "job": args.job,
+        "protocol": args.protocol,
+        "duration_s": args.duration_s,
+        "max_steps": args.max_steps,
+        "push_probability": args.push_probability,
+        "codec": args.codec,
+        "learning_rate": args.learning_rate,
+        "workdir": Path(args.workdir) if args.workdir else None,
+        "plot_path": Path(args.plot) if args.plot else None,
+        "seed": args.seed,
+        "quiet": args.json,
+    }
+    fields.update(overrides)
+    return MeshSpec(**fields)  # type: ignore[arg-type]
+
+
+def _run_mesh(args: argparse.Namespace) -> int:
+    from gossipd.node.mesh import print_table, run_mesh
+
+    result = run_mesh(_mesh_spec(args))  # type: ignore[arg-type]
+    print_table(result, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from gossipd.node.status import query_status
+
+    reply = asyncio.run(query_status(args.address, args.timeout_s))
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        for key, value in reply.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from gossipd.bench import transport
+
+    return transport.main(args.bench_args)
+
+
+def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
+    p.add_argument("--nodes", type=int, default=nodes)
+    p.add_argument("--job", default=job, help="digits, synthetic or module:factory")
+    p.add_argument("--protocol", default="sumweight", choices=["sumweight"])
+    p.add_argument("--duration-s", type=float, default=duration_s)
+    p.add_argument("--max-steps", type=int, default=0, help="stop each node after N steps")
+    p.add_argument("--push-probability", type=float, default=None)
+    p.add_argument("--codec", default="raw", choices=["raw", "fp16", "bf16"])
+    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--workdir", default=None, help="keep node state here (default: temporary)")
+    p.add_argument("--plot", default=None, help="write a PNG of loss, accuracy, consensus")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("node", help="run one site daemon")
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.set_defaults(func=_run_node)
+
+    mesh = sub.add_parser("mesh", help="local multi-process meshes")
+    mesh_sub = mesh.add_subparsers(dest="mesh_command", required=True)
+    p = mesh_sub.add_parser("up", help="spawn N daemons on loopback, train, report, stop")
+    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    p.set_defaults(func=_run_mesh)
+
+    p = sub.add_parser("demo", help="4-node digits mesh, about two minutes, table and plot")
+    _add_mesh_args(p, nodes=4, duration_s=90.0, job="digits")
+    p.set_defaults(func=_run_mesh, plot_default="gossipd-demo.png")
+
+    p = sub.add_parser("status", help="ask a running node what it is doing")
+    p.add_argument("--address", required=True, help="HOST:PORT of the node's gRPC server")
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_status)
+
+    bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("transport", help="gossipd vs raw TCP vs gloo goodput", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if getattr(args, "plot_default", None) and args.plot is None:
+        args.plot = args.plot_default
+    try:
+        return int(args.func(args))
+    except GossipdError as err:
+        print(f"gossipd: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Site configuration: one TOML file per daemon, validated before anything starts.
+
+Every error names the key, the value it got and what would fix it, because the
+person reading it is an operator at another site with no access to our logs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from gossipd.node.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+def _check_address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT (for example 127.0.0.1:50051)")
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JobConfig(_Section):
+    name: str = Field("digits", description="digits, synthetic, or a plugin module:factory")
+    seed: int = 0
+    shard_index: int = Field(0, ge=0)
+    num_shards: int = Field(1, ge=1)
+    learning_rate: float | None = Field(None, ge=0.0)
+    batch_size: int | None = Field(None, ge=1)
+    max_steps: int = Field(0, ge=0, description="stop training after this many steps; 0: never")
+    duration_s: float = Field(0.0, ge=0.0, description="stop training after this long; 0: never")
+    eval_every_steps: int = Field(100, ge=0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> JobConfig:
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"job.shard_index {self.shard_index} must be below job.num_shards "
+                f"{self.num_shards}; shards are numbered 0..num_shards-1"
+            )
+        return self
+
+
+class GossipConfig(_Section):
+    protocol: Literal["sumweight"] = "sumweight"
+    push_probability: float = Field(0.5, ge=0.0, le=1.0)
+    codec: Literal["raw", "fp16", "bf16"] = "raw"
+    segment_bytes: int = Field(4 << 20, ge=1024)
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    push_timeout_s: float = Field(30.0, gt=0)
+    seed: int = Field(0, description="seed of this node's peer choices")
+
+
+class MembershipConfig(_Section):
+    anti_entropy_interval_s: float = Field(1.0, gt=0)
+    suspect_after_failures: int = Field(3, ge=1)
+    drop_after_s: float = Field(15.0, gt=0)
+
+
+class LimitsConfig(_Section):
+    max_chunk_bytes: int = Field(4 << 20, ge=1024)
+    max_segment_bytes: int = Field(1 << 30, ge=1024)
+    inbox_size: int = Field(16, ge=1)
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(200, ge=0, description="0: only at shutdown")
+
+
+class MetricsConfig(_Section):
+    listen: str | None = Field(
+        "127.0.0.1:0", description="HOST:PORT of the Prometheus endpoint; port 0 picks a free one"
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else _check_address(v)
+
+
+class NodeConfig(_Section):
+    mesh_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    node_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = Field(None, description="address peers dial; default: listen")
+    seeds: list[str] = Field(default_factory=list)
+    data_dir: Path = Path("gossipd-state")
+    join: bool = Field(
+        False, description="start at weight 0 and copy a live peer's model before training"
+    )
+    join_timeout_s: float = Field(60.0, gt=0)
+    shutdown_timeout_s: float = Field(10.0, gt=0)
+    job: JobConfig = JobConfig()
+    gossip: GossipConfig = GossipConfig()
+    membership: MembershipConfig = MembershipConfig()
+    limits: LimitsConfig = LimitsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @field_validator("listen", "advertise")
+    @classmethod
+    def _addresses(cls, v: str | None) -> str | None:
+        return None if v is None else _check_address(v)
+
+    @field_validator("seeds")
+    @classmethod
+    def _seed_addresses(cls, v: list[str]) -> list[str]:
+        return [_check_address(s) for s in v]
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError, source: str) -> ConfigError:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            known = _known_keys(NodeConfig, e["loc"])
+            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            lines.append(f"  {key}: unknown key; {hint}")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key} = {e.get('input')!r}: {msg}")
+    return ConfigError("\n".join(lines))
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> NodeConfig:
+    try:
+        return NodeConfig.model_validate(data)
+    except ValidationError as err:
+        raise _explain(err, source) from None
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config {path} is not valid TOML: {err}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,353 @@
+"""`gossipd mesh up` and `gossipd demo`: N real daemons on loopback, watched from outside.
+
+The launcher only does what an operator would: write one config per site,
+start ``gossipd node`` processes, and talk to them over their public RPCs
+(Status, PullModel). Consensus distance is max over nodes of ‖x_i − x̄‖/‖x̄‖,
+computed from the models the nodes serve; the start value comes from each
+node's ``initial.pt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from gossipd.node.errors import GossipdError
+from gossipd.node.status import query_status
+from gossipd.node.transport import Identity, PeerClient
+from gossipd.node.wire import Limits
+
+STARTUP_TIMEOUT_S = 120.0
+SETTLE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class MeshSpec:
+    nodes: int = 4
+    job: str = "digits"
+    protocol: str = "sumweight"
+    duration_s: float = 30.0
+    max_steps: int = 0
+    push_probability: float | None = None
+    codec: str = "raw"
+    learning_rate: float | None = None
+    workdir: Path | None = None
+    plot_path: Path | None = None
+    seed: int = 0
+    quiet: bool = False
+    sample_interval_s: float = 2.0
+    job_options: dict[str, Any] = field(default_factory=dict)
+    eval_every_steps: int = 100
+    checkpoint_every_steps: int = 200
+
+
+def free_ports(count: int) -> list[int]:
+    """Ask the kernel for ``count`` distinct free loopback ports."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: Path) -> str:
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    seeds = [a for i, a in enumerate(addresses) if i != index]
+    job = {
+        "name": spec.job,
+        "seed": spec.seed + index,
+        "shard_index": index,
+        "num_shards": spec.nodes,
+        "duration_s": spec.duration_s,
+        "max_steps": spec.max_steps,
+        "eval_every_steps": spec.eval_every_steps,
+    }
+    if spec.learning_rate is not None:
+        job["learning_rate"] = spec.learning_rate
+    gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
+    if spec.push_probability is not None:
+        gossip["push_probability"] = spec.push_probability
+    lines = [
+        f'mesh_id = "{mesh_id}"',
+        f'node_id = "node-{index}"',
+        f'listen = "{addresses[index]}"',
+        f"seeds = {json.dumps(seeds)}",
+        f'data_dir = "{root / f"node-{index}"}"',
+        "",
+        "[job]",
+        *(f"{k} = {json.dumps(v)}" for k, v in job.items()),
+        "",
+        "[job.options]",
+        *(f"{k} = {json.dumps(v)}" for k, v in spec.job_options.items()),
+        "",
+        "[gossip]",
+        *(f"{k} = {json.dumps(v)}" for k, v in gossip.items()),
+        "",
+        "[checkpoint]",
+        f"every_steps = {spec.checkpoint_every_steps}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class LocalMesh:
+    """Processes of one local mesh; always use as a context manager so every child is reaped."""
+
+    def __init__(self, spec: MeshSpec, root: Path) -> None:
+        self.spec = spec
+        self.root = root
+        self.mesh_id = f"local-{secrets.token_hex(3)}"
+        self.ports = free_ports(spec.nodes)
+        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.configs: list[Path] = []
+        for i in range(spec.nodes):
+            path = root / f"node-{i}.toml"
+            path.write_text(node_toml(spec, self.mesh_id, i, self.ports, root))
+            self.configs.append(path)
+
+    def node_dir(self, index: int) -> Path:
+        return self.root / f"node-{index}"
+
+    def start(self, index: int) -> None:
+        self.node_dir(index).mkdir(parents=True, exist_ok=True)
+        log = open(self.node_dir(index) / "node.log", "ab")  # noqa: SIM115 - closed with the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.procs[index] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gossipd.node.cli",
+                "--log-level",
+                "INFO",
+                "node",
+                "--config",
+                str(self.configs[index]),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        log.close()
+
+    def kill(self, index: int) -> None:
+        """SIGKILL, as a crash would: no leave, no final checkpoint."""
+        proc = self.procs.pop(index)
+        proc.kill()
+        proc.wait(timeout=30)
+
+    def stop(self, index: int, timeout_s: float = 30.0) -> int:
+        proc = self.procs.pop(index)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+            return -9
+
+    def __enter__(self) -> LocalMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for index in list(self.procs):
+            self.stop(index)
+
+    def check_alive(self) -> None:
+        for index, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.node_dir(index) / "node.log").read_text()[-2000:]
+                raise GossipdError(f"node-{index} exited with {proc.returncode}:\n{tail}")
+
+    async def status(self, index: int) -> dict[str, Any]:
+        return await query_status(self.addresses[index], 10.0)
+
+    async def statuses(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self.status(i) for i in sorted(self.procs))))
+
+    async def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Until every node answers and sees all the others as live."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                states = await self.statuses()
+                if all(len(s["live_peers"]) == len(self.procs) - 1 for s in states):
+                    return
+            except GossipdError:
+                pass
+            if time.monotonic() > deadline:
+                raise GossipdError(f"mesh not ready after {timeout_s:.0f} s; see {self.root}")
+            await asyncio.sleep(0.2)
+
+    async def pull_all(self) -> list[torch.Tensor]:
+        """Every node's model as one flat float64 vector, pulled over gRPC."""
+        from gossipd.node.jobs import JobSpec, build_job
+        from gossipd.node.segments import FlatModel
+
+        if not hasattr(self, "_plan"):
+            job = build_job(JobSpec(self.spec.job, options=dict(self.spec.job_options)))
+            self._plan = FlatModel(job.model).plan
+        states = await self.statuses()
+        identity = Identity(self.mesh_id, "launcher", "", 0, states[0]["fingerprint"])
+        models = []
+        for i in sorted(self.procs):
+            client = PeerClient(self.addresses[i], identity)
+            try:
+                segs = await client.pull(self._plan, Limits(), 60.0)
+            finally:
+                await client.close()
+            models.append(torch.cat([segs[k].double() for k in sorted(segs)]))
+        return models
+
+    def initial_models(self) -> list[torch.Tensor]:
+        out = []
+        for i in range(self.spec.nodes):
+            payload = torch.load(self.node_dir(i) / "initial.pt", weights_only=True)
+            out.append(torch.cat([s.double().flatten() for s in payload["segments"]]))
+        return out
+
+    def initial_weight_sum(self) -> float:
+        total = 0.0
+        for i in range(self.spec.nodes):
+            payload = torch.load(self.node_dir(i) / "initial.pt", weights_only=True)
+            total += sum(payload["weights"]) / len(payload["weights"])
+        return total
+
+    async def wait_settled(self, timeout_s: float = SETTLE_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Until every node finished training and has no push in flight."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            states = await self.statuses()
+            if all(s["training_done"] and s["pushes_in_flight"] == 0 for s in states):
+                return states
+            if time.monotonic() > deadline:
+                raise GossipdError(f"mesh did not settle within {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+
+def consensus_distance(models: list[torch.Tensor]) -> float:
+    mean = torch.stack(models).mean(0)
+    norm = float(mean.norm()) or 1.0
+    return max(float((m - mean).norm()) / norm for m in models)
+
+
+def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
+    path = mesh.node_dir(index) / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+    timeline: list[dict[str, float]] = []
+    with LocalMesh(spec, root) as mesh:
+        for i in range(spec.nodes):
+            mesh.start(i)
+        await mesh.wait_ready()
+        start_models = mesh.initial_models()
+        distance_start = consensus_distance(start_models)
+        sum_weight_start = mesh.initial_weight_sum()
+        t0 = time.monotonic()
+        timeline.append({"t": 0.0, "consensus_distance": distance_start})
+        while True:
+            mesh.check_alive()
+            states = await mesh.statuses()
+            if all(s["training_done"] for s in states):
+                break
+            dist = consensus_distance(await mesh.pull_all())
+            t = time.monotonic() - t0
+            timeline.append({"t": t, "consensus_distance": dist})
+            if not spec.quiet:
+                steps = " ".join(f"{s['step']:>5}" for s in states)
+                loss = sum(s["loss"] for s in states) / len(states)
+                print(
+                    f"[{t:6.1f}s] steps {steps}  mean loss {loss:.4f}  consensus {dist:.2e}",
+                    file=progress,
+                    flush=True,
+                )
+            if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
+                raise GossipdError("nodes did not finish training in time; see node logs")
+            await asyncio.sleep(spec.sample_interval_s)
+        states = await mesh.wait_settled()
+        end_models = await mesh.pull_all()
+        distance_end = consensus_distance(end_models)
+        timeline.append({"t": time.monotonic() - t0, "consensus_distance": distance_end})
+        sum_weight_end = sum(sum(s["sum_weights"]) / len(s["sum_weights"]) for s in states)
+        exit_codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+        nodes = []
+        for i, state in enumerate(states):
+            summary = _summary(mesh, i)
+            entry = {"node_id": state["node_id"], "steps": state["step"], "loss": state["loss"]}
+            entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
+            nodes.append(entry)
+    result = {
+        "mesh_id": mesh.mesh_id,
+        "job": spec.job,
+        "protocol": spec.protocol,
+        "nodes": nodes,
+        "consensus_distance_start": distance_start,
+        "consensus_distance_end": distance_end,
+        "sum_weight_start": sum_weight_start,
+        "sum_weight_end": sum_weight_end,
+        "wall_s": time.monotonic() - t0,
+        "exit_codes": exit_codes,
+        "ok": all(c == 0 for c in exit_codes),
+        "workdir": str(root),
+        "timeline": timeline,
+    }
+    if spec.plot_path is not None:
+        from gossipd.node.plot import plot_mesh
+
+        plot_mesh(result, [mesh.node_dir(i) for i in range(spec.nodes)], spec.plot_path)
+        result["plot"] = str(spec.plot_path)
+    return result
+
+
+def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
+    if spec.nodes < 2:
+        raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
+    progress = progress or (sys.stderr if spec.quiet else sys.stdout)
+    if spec.workdir is not None:
+        spec.workdir.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(_run(spec, spec.workdir, progress))
+    root = Path(tempfile.mkdtemp(prefix="gossipd-mesh-"))
+    try:
+        return asyncio.run(_run(spec, root, progress))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def print_table(result: dict[str, Any], file: TextIO) -> None:
+    keys = sorted({k for n in result["nodes"] for k in n if k.startswith("test_")})
+    header = f"{'node':<10}{'steps':>8}{'loss':>10}" + "".join(f"{k:>16}" for k in keys)
+    print(header, file=file)
+    for n in result["nodes"]:
+        row = f"{n['node_id']:<10}{n['steps']:>8}{n['loss']:>10.4f}"
+        row += "".join(f"{n.get(k, float('nan')):>16.4f}" for k in keys)
+        print(row, file=file)
+    print(
+        f"consensus distance {result['consensus_distance_start']:.3e} -> "
+        f"{result['consensus_distance_end']:.3e}; sum of weights {result['sum_weight_start']:.6f}"
+        f" -> {result['sum_weight_end']:.6f}; {result['wall_s']:.1f} s",
+        file=file,
+    )
+    if "plot" in result:
+        print(f"plot: {result['plot']}", file=file)

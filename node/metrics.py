@@ -1,0 +1,80 @@
+"""Prometheus metrics of one node, on a registry of its own so several nodes fit in a process."""
+
+from __future__ import annotations
+
+from gossipd.node.trainer import StepReport
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class NodeMetrics:
+    def __init__(self, node_id: str, num_segments: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.info = Gauge(
+            "gossipd_node_info",
+            "Constant 1, labelled with identity",
+            ["node_id", "mesh_id", "fingerprint"],
+            registry=r,
+        )
+        self.steps = Counter("gossipd_steps_total", "Local optimizer steps", registry=r)
+        self.loss = Gauge("gossipd_loss", "Training loss of the last step", registry=r)
+        self.step_seconds = Histogram(
+            "gossipd_step_seconds",
+            "Wall time of one local step including the gossip bookkeeping",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.bytes = Counter(
+            "gossipd_gossip_bytes_total",
+            "Payload bytes by direction and result",
+            ["direction", "result"],
+            registry=r,
+        )
+        self.messages = Counter(
+            "gossipd_gossip_messages_total",
+            "Push and pull messages by direction and result",
+            ["direction", "result"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "gossipd_rejected_payloads_total",
+            "Inbound payloads refused, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.merges = Counter(
+            "gossipd_merges_total", "Segments merged into the local model", registry=r
+        )
+        self.sum_weight = Gauge(
+            "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
+        )
+        self.live_peers = Gauge("gossipd_live_peers", "Peers currently considered live", registry=r)
+        self.eval_metric = Gauge(
+            "gossipd_eval", "Latest evaluation metrics of the job", ["metric"], registry=r
+        )
+        self.port: int | None = None
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        self.port = server.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def record_step(self, report: StepReport, step_time_s: float, loss: float | None) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(step_time_s)
+        if loss is not None:
+            self.loss.set(loss)
+        for m in report.merged:
+            self.merges.inc(len(m.merged_segments))
+
+    def record_weights(self, weights: list[float]) -> None:
+        for i, w in enumerate(weights):
+            self.sum_weight.labels(str(i)).set(w)

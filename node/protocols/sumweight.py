@@ -1,0 +1,183 @@
+"""Sum-weight gossip (GoSGD; Blot, Picard, Thome, Cord, Neurocomputing 2019), sans-IO.
+
+After each local step, with probability p, a node s picks a live peer r uniformly
+at random and pushes (x_s, w_s/2) for every segment. The receiver merges
+x_r ← (w_r·x_r + w_s·x_s)/(w_r + w_s) and w_r ← w_r + w_s.
+
+Invariant: the sum of weights over the mesh is constant when no message is lost,
+and each node's x is already unbiased (no de-biasing division). To keep it exact
+over a real network:
+
+* the sent half is *reserved*, not removed; it is removed only when the receiver
+  acknowledges that segment (acknowledge-then-commit), and returned on failure,
+  so a dead peer never swallows mass;
+* the receiver de-duplicates by (sender, incarnation, sequence, segment), so a
+  retried push whose acknowledgement was lost never merges twice;
+* a merge uses the node's *available* weight (weight minus reservations), which
+  keeps Σ w·x exact while pushes are in flight.
+
+A leaving node pushes all its available weight to one peer; a joining node
+starts at weight 0 and only gains weight through ordinary pushes.
+
+This module does no I/O: it takes events and returns actions, and its random
+choices come from the ``random.Random`` it is given.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# How many recent sequences are remembered per (sender, incarnation). Pushes from
+# one sender are spread over many receivers, so the window counts the sender's
+# pushes to us; a retry older than this is treated as already merged.
+DEDUP_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class Push:
+    """Send these segments of the current model, with these weights, to ``peer``."""
+
+    peer: str
+    sequence: int
+    weights: dict[int, float]
+
+
+@dataclass(frozen=True)
+class Merge:
+    """Apply x ← (1 − alpha)·x + alpha·x_received to ``segment``."""
+
+    segment: int
+    alpha: float
+    weight_after: float
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """Already merged earlier: acknowledge again, change nothing."""
+
+    segment: int
+
+
+class SumWeightGossip:
+    """State of one node: per-segment sum-weights, reservations and the de-duplication window."""
+
+    def __init__(
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        push_probability: float,
+        rng: random.Random,
+        initial_weight: float = 1.0,
+        sequence_start: int = 0,
+        max_in_flight: int = 2,
+    ) -> None:
+        if not 0.0 <= push_probability <= 1.0:
+            raise ValueError(f"push_probability must be in [0, 1], got {push_probability}")
+        if num_segments < 1:
+            raise ValueError(f"num_segments must be at least 1, got {num_segments}")
+        if not (math.isfinite(initial_weight) and initial_weight >= 0):
+            raise ValueError(f"initial_weight must be finite and >= 0, got {initial_weight}")
+        self.node_id = node_id
+        self.push_probability = push_probability
+        self.max_in_flight = max_in_flight
+        self.rng = rng
+        self.weights: list[float] = [float(initial_weight)] * num_segments
+        self.reserved: list[float] = [0.0] * num_segments
+        self.in_flight: dict[int, Push] = {}
+        self.peers: set[str] = set()
+        self._sequence = sequence_start
+        self._seen: dict[tuple[str, int], tuple[set[tuple[int, int]], deque[tuple[int, int]]]] = {}
+
+    # -- membership -----------------------------------------------------------------
+    def on_peer_up(self, peer: str) -> None:
+        if peer != self.node_id:
+            self.peers.add(peer)
+
+    def on_peer_down(self, peer: str) -> None:
+        self.peers.discard(peer)
+
+    # -- weights --------------------------------------------------------------------
+    def available(self, segment: int) -> float:
+        return self.weights[segment] - self.reserved[segment]
+
+    def _push(self, peer: str, fraction: float) -> Push | None:
+        weights = {s: self.available(s) * fraction for s in range(len(self.weights))}
+        if not any(w > 0 for w in weights.values()):
+            return None
+        self._sequence += 1
+        for s, w in weights.items():
+            self.reserved[s] += w
+        push = Push(peer, self._sequence, weights)
+        self.in_flight[push.sequence] = push
+        return push
+
+    def on_step_end(self) -> list[Push]:
+        """Maybe push half of the available weight to a random live peer.
+
+        With ``max_in_flight`` pushes unacknowledged the node skips its turn: a
+        slow receiver then slows its senders instead of filling its inbox.
+        """
+        if not self.peers or len(self.in_flight) >= self.max_in_flight:
+            return []
+        if self.rng.random() >= self.push_probability:
+            return []
+        peer = self.rng.choice(sorted(self.peers))
+        push = self._push(peer, 0.5)
+        return [push] if push else []
+
+    def on_leave(self, peer: str | None = None) -> Push | None:
+        """Hand all available weight to ``peer`` (or a random live one) before leaving."""
+        if peer is None:
+            if not self.peers:
+                return None
+            peer = self.rng.choice(sorted(self.peers))
+        return self._push(peer, 1.0)
+
+    def on_push_acked(self, sequence: int, acked_segments: Sequence[int]) -> None:
+        """Commit acknowledged segments; the rest of the reservation returns to the node."""
+        push = self.in_flight.pop(sequence, None)
+        if push is None:
+            return
+        acked = set(acked_segments)
+        for s, w in push.weights.items():
+            self.reserved[s] -= w
+            if s in acked:
+                self.weights[s] -= w
+            self.reserved[s] = max(self.reserved[s], 0.0)
+            self.weights[s] = max(self.weights[s], 0.0)
+
+    def on_push_failed(self, sequence: int) -> None:
+        self.on_push_acked(sequence, ())
+
+    # -- receiving ------------------------------------------------------------------
+    def on_message(
+        self, sender: str, incarnation: int, sequence: int, segment: int, weight: float
+    ) -> Merge | Duplicate:
+        if not 0 <= segment < len(self.weights):
+            raise ValueError(f"segment {segment} out of range 0..{len(self.weights) - 1}")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"sum-weight {weight} is not a finite non-negative number")
+        key = (sender, incarnation)
+        seen, order = self._seen.setdefault(key, (set(), deque()))
+        ident = (sequence, segment)
+        if ident in seen:
+            return Duplicate(segment)
+        seen.add(ident)
+        order.append(ident)
+        if len(order) > DEDUP_WINDOW * len(self.weights):
+            seen.discard(order.popleft())
+        mine = self.available(segment)
+        total = mine + weight
+        alpha = weight / total if total > 0 else 0.0
+        self.weights[segment] += weight
+        return Merge(segment, alpha, self.weights[segment])
+
+    def forget_sender(self, sender: str, keep_incarnation: int) -> None:
+        """Drop de-duplication state of a sender's older incarnations (it restarted)."""
+        for key in [k for k in self._seen if k[0] == sender and k[1] < keep_incarnation]:
+            del self._seen[key]

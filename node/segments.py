@@ -1,0 +1,187 @@
+"""Segment plans, model fingerprints, and flat per-segment storage of a model.
+
+A model's shareable tensors (parameters and floating-point buffers such as
+BatchNorm running statistics) are cut into contiguous segments of about equal
+bytes. Each segment lives in one flat buffer and the module's tensors are
+re-pointed to views of it, so merging or snapshotting a segment is one vector
+operation with no gather or scatter copies. Integer buffers (for example
+``num_batches_tracked``) are counters, not estimates, and stay local.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from gossipd.node.errors import MeshMismatch
+
+DEFAULT_SEGMENT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Segment:
+    index: int
+    dtype: torch.dtype
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    segments: tuple[Segment, ...]
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of every name, shape, dtype and the cut points: equal iff models are compatible."""
+        desc = [
+            [s.index, str(s.dtype), [[t.name, list(t.shape), str(t.dtype)] for t in s.tensors]]
+            for s in self.segments
+        ]
+        blob = json.dumps(desc, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def shareable_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and floating-point buffers, in registration order: what gossip averages."""
+    out: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters()]
+    out += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    return out
+
+
+def plan_segments(
+    named: Sequence[tuple[str, torch.Tensor]], segment_bytes: int = DEFAULT_SEGMENT_BYTES
+) -> SegmentPlan:
+    """Cut tensors, in order, into single-dtype segments of about ``segment_bytes`` each.
+
+    A tensor is never split, so a tensor larger than ``segment_bytes`` forms a
+    segment of its own; a dtype change always starts a new segment.
+    """
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+    if not named:
+        raise ValueError("the model has no parameters or floating-point buffers to share")
+    segments: list[Segment] = []
+    current: list[TensorSpec] = []
+    current_bytes = 0
+    for name, tensor in named:
+        if not tensor.is_floating_point():
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; only floats are shared")
+        spec = TensorSpec(name, tuple(tensor.shape), tensor.dtype)
+        nbytes = spec.numel * tensor.element_size()
+        if current and (current[0].dtype != spec.dtype or current_bytes + nbytes > segment_bytes):
+            segments.append(Segment(len(segments), current[0].dtype, tuple(current)))
+            current, current_bytes = [], 0
+        current.append(spec)
+        current_bytes += nbytes
+    segments.append(Segment(len(segments), current[0].dtype, tuple(current)))
+    return SegmentPlan(tuple(segments))
+
+
+class FlatModel:
+    """Owns one flat buffer per segment and makes the module's tensors views into it.
+
+    The Parameter objects keep their identity (only ``.data`` is re-pointed), so
+    an optimizer built before or after binding keeps working. Only the trainer
+    thread may touch these buffers.
+    """
+
+    def __init__(self, module: torch.nn.Module, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        named = shareable_tensors(module)
+        self.plan = plan_segments(named, segment_bytes)
+        self.module = module
+        self.buffers: list[torch.Tensor] = []
+        by_name = dict(named)
+        for seg in self.plan.segments:
+            device = by_name[seg.tensors[0].name].device
+            flat = torch.empty(seg.numel, dtype=seg.dtype, device=device)
+            offset = 0
+            for spec in seg.tensors:
+                tensor = by_name[spec.name]
+                view = flat[offset : offset + spec.numel].view(spec.shape)
+                view.copy_(tensor.detach())
+                tensor.data = view
+                offset += spec.numel
+            self.buffers.append(flat)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.plan.fingerprint
+
+    def check_bound(self) -> None:
+        """Fail loudly if user code replaced a tensor, which would silently stop its gossip."""
+        named = dict(shareable_tensors(self.module))
+        for seg, flat in zip(self.plan.segments, self.buffers, strict=True):
+            base = flat.data_ptr()
+            end = base + flat.numel() * flat.element_size()
+            for spec in seg.tensors:
+                ptr = named[spec.name].data_ptr()
+                if not base <= ptr < end:
+                    raise MeshMismatch(
+                        f"tensor {spec.name!r} no longer lives in gossip segment {seg.index}; "
+                        "update parameters in place (param.data.copy_) instead of reassigning"
+                    )
+
+    def snapshot(self, segments: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
+        """Detached CPU copies of the given segments, safe to stream while training goes on."""
+        idx = range(len(self.buffers)) if segments is None else segments
+        return {i: self.buffers[i].detach().to("cpu", copy=True) for i in idx}
+
+    def load_segment(self, index: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.buffers[index].copy_(values)
+
+    def merge_segment(self, index: int, values: torch.Tensor, alpha: float) -> None:
+        """x ← (1 − α)·x + α·values, in place: the sum-weight merge with α = w_s/(w_r + w_s)."""
+        with torch.no_grad():
+            flat = self.buffers[index]
+            flat.mul_(1.0 - alpha).add_(values.to(flat.device, flat.dtype), alpha=alpha)
+
+    def checksum(self) -> str:
+        """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
+        digest = hashlib.sha256()
+        for flat in self.buffers:
+            digest.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:32]
+
+
+def check_fingerprint(local: str, remote: str, who: str) -> None:
+    if local != remote:
+        raise MeshMismatch(
+            f"model fingerprint mismatch with {who}: ours is {local}, theirs is {remote}; "
+            "every node of a mesh must run the same job, model and segment_bytes"
+        )

@@ -1,0 +1,218 @@
+"""The gRPC face of a node: validate, convert, hand off; never let an exception escape.
+
+Request bytes are parsed by our own deserializer, so a frame that is not valid
+protobuf reaches the method as :class:`Malformed` and is answered with
+INVALID_ARGUMENT instead of grpc's generic UNKNOWN. Every gossipd error maps to
+its status code with the same text the local log gets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch
+from gossipd.node.segments import check_fingerprint
+from gossipd.node.wire import ReceivedSegment, SegmentAssembler
+from gossipd.proto import SCHEMA_VERSION
+from gossipd.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
+SERVICE = "gossipd.v1.Gossip"
+T = TypeVar("T", bound=Message)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Bytes that did not parse as the expected message."""
+
+    type_name: str
+    size: int
+    error: str
+
+
+def _parser(cls: type[T]) -> Callable[[bytes], T | Malformed]:
+    def parse(data: bytes) -> T | Malformed:
+        try:
+            return cls.FromString(data)
+        except DecodeError as err:
+            return Malformed(cls.DESCRIPTOR.full_name, len(data), str(err))
+
+    return parse
+
+
+def _require(message: T | Malformed) -> T:
+    if isinstance(message, Malformed):
+        raise InvalidFrame(
+            f"{message.size} bytes do not parse as {message.type_name}: {message.error}"
+        )
+    return message
+
+
+class Handlers(Protocol):
+    """What the servicer hands off to; the daemon's Node implements it."""
+
+    mesh_id: str
+    fingerprint: str
+
+    def new_assembler(self) -> SegmentAssembler: ...
+    def on_handshake(self, request: pb.HandshakeRequest, peer: str) -> pb.HandshakeReply: ...
+    def check_sender(self, sender: str, incarnation: int) -> None: ...
+    async def on_push(
+        self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
+    ) -> pb.PushReply: ...
+    def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.PullFrame]: ...
+    def on_leave(self, request: pb.LeaveRequest) -> None: ...
+    def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
+    async def on_status(self) -> pb.StatusReply: ...
+    def on_rejected(self, peer: str, err: GossipdError) -> None: ...
+
+
+class GossipServicer:
+    def __init__(self, node: Handlers) -> None:
+        self.node = node
+
+    def check_mesh(self, mesh_id: str, who: str) -> None:
+        if mesh_id != self.node.mesh_id:
+            raise MeshMismatch(
+                f"{who} belongs to mesh {mesh_id!r} but this node is in mesh "
+                f"{self.node.mesh_id!r}; check mesh_id in both configs"
+            )
+
+    async def _guard(
+        self, context: grpc.aio.ServicerContext, peer: str, call: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        try:
+            return await call()
+        except GossipdError as err:
+            self.node.on_rejected(peer, err)
+            await context.abort(err.code, str(err))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as err:
+            log.exception("internal error serving %s", peer)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err!r}")
+
+    async def Handshake(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def call() -> pb.HandshakeReply:
+            req = _require(request)
+            if req.schema_version != SCHEMA_VERSION:
+                raise MeshMismatch(
+                    f"schema version {req.schema_version} is not ours ({SCHEMA_VERSION}); "
+                    "run the same gossipd release on every site"
+                )
+            self.check_mesh(req.mesh_id, f"node {req.node.node_id!r}")
+            check_fingerprint(self.node.fingerprint, req.fingerprint, f"node {req.node.node_id!r}")
+            return self.node.on_handshake(req, context.peer())
+
+        return await self._guard(context, context.peer(), call)
+
+    async def PushSegments(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        peer = context.peer()
+
+        async def call() -> pb.PushReply:
+            nonlocal peer
+            frames = aiter(request_iterator)
+            first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
+            if first.WhichOneof("kind") != "open":
+                raise InvalidFrame("a push stream must start with a PushOpen frame")
+            opened = first.open
+            peer = opened.sender or peer
+            self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
+            check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
+            self.node.check_sender(opened.sender, opened.incarnation)
+            assembler = self.node.new_assembler()
+            segments: list[ReceivedSegment] = []
+            async for message in frames:
+                frame = _require(message)
+                kind = frame.WhichOneof("kind")
+                if kind == "header":
+                    if frame.header.sequence != opened.sequence or frame.header.sender != (
+                        opened.sender
+                    ):
+                        raise InvalidFrame(
+                            f"header says {frame.header.sender!r}#{frame.header.sequence} inside "
+                            f"push {opened.sender!r}#{opened.sequence}"
+                        )
+                    done = assembler.header(frame.header)
+                elif kind == "chunk":
+                    done = assembler.chunk(frame.chunk)
+                else:
+                    raise InvalidFrame(f"unexpected {kind or 'empty'} frame inside a push stream")
+                if done is not None:
+                    segments.append(done)
+            assembler.close()
+            if len(segments) != opened.segment_count:
+                raise InvalidFrame(
+                    f"push announced {opened.segment_count} segments but carried {len(segments)}"
+                )
+            return await self.node.on_push(opened, segments, context.time_remaining())
+
+        return await self._guard(context, peer, call)
+
+    async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def check() -> pb.PullRequest:
+            req = _require(request)
+            self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
+            check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
+            return req
+
+        req = await self._guard(context, context.peer(), check)
+        try:
+            async for frame in self.node.on_pull(req):
+                yield frame
+        except GossipdError as err:
+            await context.abort(err.code, str(err))
+
+    async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def call() -> pb.LeaveReply:
+            req = _require(request)
+            self.check_mesh(req.mesh_id, f"node {req.node_id!r}")
+            self.node.on_leave(req)
+            return pb.LeaveReply()
+
+        return await self._guard(context, context.peer(), call)
+
+    async def Peers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def call() -> pb.PeersReply:
+            req = _require(request)
+            self.check_mesh(req.mesh_id, f"node {req.sender.node_id!r}")
+            return self.node.on_peers(req)
+
+        return await self._guard(context, context.peer(), call)
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def call() -> pb.StatusReply:
+            _require(request)
+            return await self.node.on_status()
+
+        return await self._guard(context, context.peer(), call)
+
+
+def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
+    """Register with tolerant deserializers (the generated helper would answer UNKNOWN)."""
+
+    def ser(message: Message) -> bytes:
+        return message.SerializeToString()
+
+    handlers = {
+        "Handshake": grpc.unary_unary_rpc_method_handler(
+            servicer.Handshake, _parser(pb.HandshakeRequest), ser
+        ),
+        "PushSegments": grpc.stream_unary_rpc_method_handler(
+            servicer.PushSegments, _parser(pb.PushFrame), ser
+        ),
+        "PullModel": grpc.unary_stream_rpc_method_handler(
+            servicer.PullModel, _parser(pb.PullRequest), ser
+        ),
+        "Leave": grpc.unary_unary_rpc_method_handler(servicer.Leave, _parser(pb.LeaveRequest), ser),
+        "Peers": grpc.unary_unary_rpc_method_handler(servicer.Peers, _parser(pb.PeersRequest), ser),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, _parser(pb.StatusRequest), ser
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

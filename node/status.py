@@ -1,0 +1,39 @@
+"""`gossipd status`: one Status RPC, returned as plain data for humans and scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from gossipd.node.errors import GossipdError
+from gossipd.node.transport import CHANNEL_OPTIONS
+from gossipd.proto import gossip_pb2 as pb
+from gossipd.proto import gossip_pb2_grpc as pb_grpc
+
+
+def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    return {
+        "node_id": reply.node_id,
+        "mesh_id": reply.mesh_id,
+        "protocol": reply.protocol,
+        "step": reply.step,
+        "loss": reply.loss,
+        "sum_weights": list(reply.sum_weights),
+        "live_peers": list(reply.live_peers),
+        "fingerprint": reply.fingerprint,
+        "params_checksum": reply.params_checksum,
+        "pushes_in_flight": reply.pushes_in_flight,
+        "training_done": reply.training_done,
+    }
+
+
+async def query_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            reply = await pb_grpc.GossipStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise GossipdError(
+                f"no status from {address}: {err.code().name}: {err.details()}; "
+                "is a gossipd node listening there?"
+            ) from None
+    return status_dict(reply)

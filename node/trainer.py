@@ -1,0 +1,262 @@
+"""The trainer side of a node: owns the parameters and the gossip core.
+
+The event loop never writes parameters and the trainer never awaits the
+network. They meet here: the loop puts validated inbound pushes into a bounded
+inbox and push outcomes into an event queue; the trainer drains both at each
+step boundary, merges under ``torch.no_grad()``, and hands outbound snapshots to
+the loop through a callback (``call_soon_threadsafe`` in the daemon).
+
+Each :meth:`GossipTrainer.step` returns a :class:`StepReport`, so a caller sees
+what happened in its own loop (merged, pushed, rejected, failed), not only in a log.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from gossipd.node.errors import Busy
+from gossipd.node.protocols.sumweight import Duplicate, Push, SumWeightGossip
+from gossipd.node.segments import FlatModel
+from gossipd.node.wire import ReceivedSegment
+from gossipd.proto import gossip_pb2 as pb
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    sender: str
+    sequence: int
+    merged_segments: tuple[int, ...]
+    duplicate_segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    peer: str
+    sequence: int
+    acked_segments: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    peer: str
+    reason: str
+    detail: str
+
+
+@dataclass
+class StepReport:
+    """What gossip did since the previous step; ``ok`` is False if anything failed."""
+
+    step: int
+    merged: list[MergeRecord] = field(default_factory=list)
+    pushed: list[PushRecord] = field(default_factory=list)
+    failed: list[PushRecord] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    started_push_to: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.rejected
+
+
+@dataclass
+class InboundPush:
+    """A whole, validated push waiting for the trainer; ``reply`` resolves with the acks."""
+
+    sender: str
+    incarnation: int
+    sequence: int
+    segments: list[ReceivedSegment]
+    reply: concurrent.futures.Future[list[pb.SegmentAck]] = field(
+        default_factory=concurrent.futures.Future
+    )
+
+
+@dataclass(frozen=True)
+class OutboundPush:
+    push: Push
+    snapshot: dict[int, torch.Tensor]
+
+
+class Inbox:
+    """Bounded, thread-safe: the loop's ``put`` fails fast with ``Busy`` instead of blocking."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: queue.Queue[InboundPush] = queue.Queue(maxsize=capacity)
+
+    def put(self, item: InboundPush) -> None:
+        try:
+            self._items.put_nowait(item)
+        except queue.Full:
+            raise Busy(
+                f"receiver inbox is full ({self._items.maxsize} pushes waiting for a step "
+                "boundary); retry later or raise limits.inbox_size"
+            ) from None
+
+    def get(self, timeout_s: float | None) -> InboundPush | None:
+        try:
+            return self._items.get(timeout=timeout_s) if timeout_s else self._items.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class GossipTrainer:
+    """Sum-weight gossip around a model the caller trains; call :meth:`step` after each step."""
+
+    def __init__(
+        self,
+        node_id: str,
+        model: torch.nn.Module,
+        *,
+        push_probability: float,
+        segment_bytes: int,
+        inbox_size: int = 16,
+        seed: int = 0,
+        initial_weight: float = 1.0,
+    ) -> None:
+        self.node_id = node_id
+        self.flat = FlatModel(model, segment_bytes)
+        self.core = SumWeightGossip(
+            node_id,
+            len(self.flat.plan),
+            push_probability=push_probability,
+            rng=random.Random(seed),
+            initial_weight=initial_weight,
+        )
+        self.inbox = Inbox(inbox_size)
+        self.steps = 0
+        self.last_loss = float("nan")
+        self.training_done = False
+        self.send: Callable[[OutboundPush], None] = lambda out: None
+        self._events: queue.SimpleQueue[Callable[[StepReport], None]] = queue.SimpleQueue()
+        # Held by whoever reads or writes parameters: the trainer while stepping,
+        # the loop while snapshotting for PullModel or status.
+        self.lock = threading.RLock()
+        self.summary = _Summary(len(self.flat.plan))
+
+    @property
+    def fingerprint(self) -> str:
+        return self.flat.fingerprint
+
+    # -- called from the event loop (any thread) -------------------------------------
+    def post(self, event: Callable[[StepReport], None]) -> None:
+        """Run ``event`` on the trainer thread at the next step boundary."""
+        self._events.put(event)
+
+    def post_push_result(self, push: Push, acks: list[pb.SegmentAck], error: str | None) -> None:
+        def apply(report: StepReport) -> None:
+            acked = tuple(
+                a.segment
+                for a in acks
+                if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
+            )
+            self.core.on_push_acked(push.sequence, acked)
+            record = PushRecord(push.peer, push.sequence, acked, error)
+            (report.failed if error else report.pushed).append(record)
+
+        self.post(apply)
+
+    def post_rejection(self, peer: str, reason: str, detail: str) -> None:
+        self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))
+
+    def post_peer(self, peer: str, up: bool) -> None:
+        self.post(lambda report: (self.core.on_peer_up if up else self.core.on_peer_down)(peer))
+
+    # -- called from the trainer thread ----------------------------------------------
+    def step(self, loss: float | None = None) -> StepReport:
+        """Close one local step: merge what arrived, settle push outcomes, maybe push."""
+        with self.lock:
+            self.steps += 1
+            if loss is not None:
+                self.last_loss = float(loss)
+            report = StepReport(self.steps)
+            self.drain(report)
+            for push in self.core.on_step_end():
+                report.started_push_to = push.peer
+                self.send(OutboundPush(push, self.flat.snapshot(push.weights)))
+            self.summary.update(self)
+            return report
+
+    def drain(self, report: StepReport, wait_s: float | None = None) -> None:
+        """Apply pending events and merge every queued push; optionally wait for the first."""
+        while True:
+            try:
+                self._events.get_nowait()(report)
+            except queue.Empty:
+                break
+        item = self.inbox.get(wait_s)
+        while item is not None:
+            self._merge(item, report)
+            item = self.inbox.get(None)
+        while True:
+            try:
+                self._events.get_nowait()(report)
+            except queue.Empty:
+                break
+
+    def idle(self, wait_s: float) -> StepReport:
+        """After training ends, keep merging what peers push so they can still settle."""
+        with self.lock:
+            report = StepReport(self.steps)
+            self.drain(report, wait_s)
+            self.summary.update(self)
+            return report
+
+    def leave(self, peer: str | None = None) -> OutboundPush | None:
+        with self.lock:
+            push = self.core.on_leave(peer)
+            return OutboundPush(push, self.flat.snapshot(push.weights)) if push else None
+
+    def _merge(self, item: InboundPush, report: StepReport) -> None:
+        if not item.reply.set_running_or_notify_cancel():
+            return  # the loop gave up waiting; the sender keeps its weight
+        try:
+            merged, dupes, acks = [], [], []
+            for seg in item.segments:
+                action = self.core.on_message(
+                    item.sender, item.incarnation, item.sequence, seg.segment, seg.sum_weight
+                )
+                if isinstance(action, Duplicate):
+                    dupes.append(seg.segment)
+                    result = pb.SEGMENT_RESULT_DUPLICATE
+                else:
+                    self.flat.merge_segment(seg.segment, seg.values, action.alpha)
+                    merged.append(seg.segment)
+                    result = pb.SEGMENT_RESULT_MERGED
+                acks.append(
+                    pb.SegmentAck(
+                        segment=seg.segment,
+                        result=result,
+                        receiver_weight=self.core.weights[seg.segment],
+                    )
+                )
+            report.merged.append(
+                MergeRecord(item.sender, item.sequence, tuple(merged), tuple(dupes))
+            )
+            item.reply.set_result(acks)
+        except Exception as err:  # never strand the waiting servicer
+            item.reply.set_exception(err)
+            raise
+
+
+class _Summary:
+    """A consistent copy of trainer state for readers on other threads (status, metrics)."""
+
+    def __init__(self, num_segments: int) -> None:
+        self.steps = 0
+        self.loss = float("nan")
+        self.weights = [0.0] * num_segments
+        self.peers: list[str] = []
+
+    def update(self, trainer: GossipTrainer) -> None:
+        self.steps = trainer.steps
+        self.loss = trainer.last_loss
+        self.weights = list(trainer.core.weights)
+        self.peers = sorted(trainer.core.peers)

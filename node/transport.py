@@ -1,0 +1,212 @@
+"""The client side of the wire: one gRPC channel per peer, pushes and pulls in chunks.
+
+A push splits its segments over up to ``streams`` concurrent client streams so
+several segments are on the wire at once; each stream repeats the push's
+sequence number, and the receiver de-duplicates per (sequence, segment), so a
+retry of any part is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+from gossipd.node.codec import Codec
+from gossipd.node.errors import (
+    Busy,
+    GossipdError,
+    InvalidFrame,
+    MeshMismatch,
+    PeerUnreachable,
+    UnknownPeer,
+)
+from gossipd.node.segments import SegmentPlan
+from gossipd.node.trainer import OutboundPush
+from gossipd.node.wire import DEFAULT_CHUNK_BYTES, Limits, SegmentAssembler, segment_frames
+from gossipd.proto import SCHEMA_VERSION
+from gossipd.proto import gossip_pb2 as pb
+from gossipd.proto import gossip_pb2_grpc as pb_grpc
+
+_MAX_MESSAGE_BYTES = 16 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.http2.bdp_probe", 1),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+# Failures worth one retry with the same sequence: the receiver de-duplicates.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
+    grpc.StatusCode.FAILED_PRECONDITION: MeshMismatch,
+    grpc.StatusCode.UNAUTHENTICATED: UnknownPeer,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidFrame,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Busy,
+    grpc.StatusCode.UNAVAILABLE: PeerUnreachable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PeerUnreachable,
+    grpc.StatusCode.CANCELLED: PeerUnreachable,
+}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who we are on the wire."""
+
+    mesh_id: str
+    node_id: str
+    address: str
+    incarnation: int
+    fingerprint: str
+    protocol: str = "sumweight"
+
+    def info(self) -> pb.NodeInfo:
+        return pb.NodeInfo(node_id=self.node_id, address=self.address, incarnation=self.incarnation)
+
+
+def remote_error(err: grpc.aio.AioRpcError, peer: str) -> GossipdError:
+    """The peer's status as one of our errors, keeping its text."""
+    cls = _ERRORS.get(err.code(), GossipdError)
+    return cls(f"{peer}: {err.code().name}: {err.details()}")
+
+
+class PeerClient:
+    def __init__(
+        self,
+        address: str,
+        identity: Identity,
+        *,
+        codec: Codec = Codec.RAW,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        streams: int = 4,
+    ) -> None:
+        self.address = address
+        self.identity = identity
+        self.codec = codec
+        self.chunk_bytes = chunk_bytes
+        self.streams = max(1, streams)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GossipStub(self.channel)
+        self.introduced = False
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+    async def handshake(self, timeout_s: float) -> pb.HandshakeReply:
+        request = pb.HandshakeRequest(
+            schema_version=SCHEMA_VERSION,
+            mesh_id=self.identity.mesh_id,
+            node=self.identity.info(),
+            fingerprint=self.identity.fingerprint,
+            protocol=self.identity.protocol,
+        )
+        try:
+            reply = await self.stub.Handshake(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise remote_error(err, self.address) from None
+        self.introduced = True
+        return reply
+
+    async def push(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
+        """Stream the snapshot; on a transient failure retry once with the same sequence."""
+        for attempt in (0, 1):
+            try:
+                if not self.introduced:
+                    await self.handshake(timeout_s)
+                return await self._push_once(out, timeout_s)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    self.introduced = False  # the peer restarted and forgot us
+                if attempt or err.code() not in _TRANSIENT | {grpc.StatusCode.UNAUTHENTICATED}:
+                    raise remote_error(err, self.address) from None
+        raise AssertionError("unreachable")
+
+    async def _push_once(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
+        segments = sorted(out.push.weights)
+        groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
+        replies = await asyncio.gather(
+            *(
+                self.stub.PushSegments(self._frames(out, group), timeout=timeout_s)
+                for group in groups
+            )
+        )
+        return [ack for reply in replies for ack in reply.acks]
+
+    async def _frames(self, out: OutboundPush, segments: list[int]) -> AsyncIterator[pb.PushFrame]:
+        yield pb.PushFrame(
+            open=pb.PushOpen(
+                mesh_id=self.identity.mesh_id,
+                sender=self.identity.node_id,
+                fingerprint=self.identity.fingerprint,
+                sequence=out.push.sequence,
+                segment_count=len(segments),
+                incarnation=self.identity.incarnation,
+            )
+        )
+        for index in segments:
+            for frame in segment_frames(
+                sender=self.identity.node_id,
+                sequence=out.push.sequence,
+                segment=index,
+                sum_weight=out.push.weights[index],
+                flat=out.snapshot[index],
+                codec=self.codec,
+                chunk_bytes=self.chunk_bytes,
+            ):
+                if isinstance(frame, bytes):
+                    yield pb.PushFrame(chunk=frame)
+                else:
+                    yield pb.PushFrame(header=frame)
+
+    async def pull(
+        self, plan: SegmentPlan, limits: Limits, timeout_s: float
+    ) -> dict[int, torch.Tensor]:
+        """The peer's whole model, verified segment by segment."""
+        request = pb.PullRequest(
+            mesh_id=self.identity.mesh_id,
+            requester=self.identity.node_id,
+            fingerprint=self.identity.fingerprint,
+            codec=int(self.codec),
+        )
+        assembler = SegmentAssembler(plan, limits)
+        received: dict[int, torch.Tensor] = {}
+        try:
+            async for frame in self.stub.PullModel(request, timeout=timeout_s):
+                kind = frame.WhichOneof("kind")
+                if kind == "header":
+                    seg = assembler.header(frame.header)
+                elif kind == "chunk":
+                    seg = assembler.chunk(frame.chunk)
+                else:
+                    raise InvalidFrame(f"{self.address} sent an empty PullFrame")
+                if seg is not None:
+                    received[seg.segment] = seg.values
+        except grpc.aio.AioRpcError as err:
+            raise remote_error(err, self.address) from None
+        assembler.close()
+        if len(received) != len(plan):
+            raise InvalidFrame(
+                f"{self.address} sent {len(received)} of {len(plan)} segments in PullModel"
+            )
+        return received
+
+    async def leave(self, timeout_s: float) -> None:
+        try:
+            await self.stub.Leave(
+                pb.LeaveRequest(mesh_id=self.identity.mesh_id, node_id=self.identity.node_id),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise remote_error(err, self.address) from None
+
+    async def peers(self, known: list[pb.NodeInfo], timeout_s: float) -> list[pb.NodeInfo]:
+        request = pb.PeersRequest(
+            mesh_id=self.identity.mesh_id, sender=self.identity.info(), known=known
+        )
+        try:
+            reply = await self.stub.Peers(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise remote_error(err, self.address) from None
+        return list(reply.peers)

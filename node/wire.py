@@ -1,0 +1,168 @@
+"""Turning segments into frames and frames back into segments, validating everything.
+
+Every inbound frame is checked against the local segment plan before a byte of
+payload is kept: index in range, dtype and element count as planned, codec
+known, size within limits, header and payload in agreement, checksum, finite
+values. A segment is handed on whole or not at all, so a rejected payload can
+never leave a model half-merged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from gossipd.node import codec as wirecodec
+from gossipd.node.codec import Codec
+from gossipd.node.errors import InvalidFrame, PayloadTooLarge
+from gossipd.node.segments import SegmentPlan
+from gossipd.proto import gossip_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds on what a peer may send; anything above is refused before allocation."""
+
+    max_chunk_bytes: int = 4 << 20
+    max_segment_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class ReceivedSegment:
+    segment: int
+    sum_weight: float
+    values: torch.Tensor
+
+
+def segment_frames(
+    *,
+    sender: str,
+    sequence: int,
+    segment: int,
+    sum_weight: float,
+    flat: torch.Tensor,
+    codec: Codec,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[pb.SegmentHeader | bytes]:
+    """A header, then the encoded payload in ``chunk_bytes`` pieces."""
+    data = wirecodec.encode(flat, codec)
+    yield pb.SegmentHeader(
+        sender=sender,
+        segment=segment,
+        sequence=sequence,
+        sum_weight=sum_weight,
+        dtype=wirecodec.DTYPE_TO_WIRE[flat.dtype],
+        numel=flat.numel(),
+        codec=int(codec),
+        payload_bytes=len(data),
+        checksum=wirecodec.checksum(data),
+    )
+    for start in range(0, len(data), chunk_bytes):
+        yield data[start : start + chunk_bytes].tobytes()
+
+
+class SegmentAssembler:
+    """Feeds on headers and chunks of one stream; yields complete, verified segments."""
+
+    def __init__(self, plan: SegmentPlan, limits: Limits) -> None:
+        self.plan = plan
+        self.limits = limits
+        self._header: pb.SegmentHeader | None = None
+        self._buffer: bytearray | None = None
+        self._filled = 0
+        self._seen: set[int] = set()
+
+    def header(self, header: pb.SegmentHeader) -> ReceivedSegment | None:
+        if self._header is not None:
+            raise InvalidFrame(
+                f"header for segment {header.segment} arrived before segment "
+                f"{self._header.segment} was complete ({self._filled} of "
+                f"{self._header.payload_bytes} bytes)"
+            )
+        n = len(self.plan)
+        if header.segment >= n:
+            raise InvalidFrame(f"segment index {header.segment} is out of range (model has {n})")
+        if header.segment in self._seen:
+            raise InvalidFrame(f"segment {header.segment} sent twice in one stream")
+        seg = self.plan.segments[header.segment]
+        try:
+            codec = Codec(header.codec)
+        except ValueError:
+            raise InvalidFrame(f"unknown codec {header.codec} for segment {seg.index}") from None
+        dtype = wirecodec.WIRE_TO_DTYPE.get(header.dtype)
+        if dtype != seg.dtype:
+            raise InvalidFrame(
+                f"segment {seg.index} has dtype {seg.dtype} here but the header says "
+                f"{dtype or header.dtype}"
+            )
+        if header.numel != seg.numel:
+            raise InvalidFrame(
+                f"segment {seg.index} has {seg.numel} elements here but the header says "
+                f"{header.numel}"
+            )
+        expected = seg.numel * wirecodec.encoded_itemsize(codec, seg.dtype)
+        if header.payload_bytes != expected:
+            raise InvalidFrame(
+                f"segment {seg.index} in {codec.name.lower()} is {expected} bytes but the "
+                f"header says {header.payload_bytes}"
+            )
+        if expected > self.limits.max_segment_bytes:
+            raise PayloadTooLarge(
+                f"segment {seg.index} is {expected} bytes, over the limit of "
+                f"{self.limits.max_segment_bytes} (limits.max_segment_bytes)"
+            )
+        if not math.isfinite(header.sum_weight) or header.sum_weight < 0:
+            raise InvalidFrame(
+                f"sum-weight {header.sum_weight} for segment {seg.index} is not a finite "
+                "non-negative number"
+            )
+        self._header = header
+        self._buffer = bytearray(expected)
+        self._filled = 0
+        return self._complete_if_full()
+
+    def chunk(self, data: bytes) -> ReceivedSegment | None:
+        if self._header is None or self._buffer is None:
+            raise InvalidFrame(f"a {len(data)}-byte chunk arrived with no segment header before it")
+        if len(data) > self.limits.max_chunk_bytes:
+            raise PayloadTooLarge(
+                f"chunk of {len(data)} bytes is over the limit of {self.limits.max_chunk_bytes}"
+            )
+        end = self._filled + len(data)
+        if end > len(self._buffer):
+            raise InvalidFrame(
+                f"segment {self._header.segment} overflows: {end} bytes received, header "
+                f"says {len(self._buffer)}"
+            )
+        self._buffer[self._filled : end] = data
+        self._filled = end
+        return self._complete_if_full()
+
+    def close(self) -> None:
+        """End of stream: a segment still open means the stream was truncated."""
+        if self._header is not None:
+            raise InvalidFrame(
+                f"stream ended inside segment {self._header.segment}: {self._filled} of "
+                f"{self._header.payload_bytes} bytes received"
+            )
+
+    def _complete_if_full(self) -> ReceivedSegment | None:
+        header, buffer = self._header, self._buffer
+        assert header is not None and buffer is not None
+        if self._filled < len(buffer):
+            return None
+        self._header, self._buffer = None, None
+        self._seen.add(header.segment)
+        actual = wirecodec.checksum(buffer)
+        if actual != header.checksum:
+            raise InvalidFrame(
+                f"checksum mismatch on segment {header.segment}: header says "
+                f"{header.checksum:#018x}, payload hashes to {actual:#018x}"
+            )
+        seg = self.plan.segments[header.segment]
+        values = wirecodec.decode(buffer, Codec(header.codec), seg.dtype, seg.numel)
+        return ReceivedSegment(header.segment, header.sum_weight, values)

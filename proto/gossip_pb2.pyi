@@ -1,0 +1,221 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_RAW: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+
+class SegmentResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEGMENT_RESULT_UNSPECIFIED: _ClassVar[SegmentResult]
+    SEGMENT_RESULT_MERGED: _ClassVar[SegmentResult]
+    SEGMENT_RESULT_DUPLICATE: _ClassVar[SegmentResult]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+CODEC_UNSPECIFIED: Codec
+CODEC_RAW: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+SEGMENT_RESULT_UNSPECIFIED: SegmentResult
+SEGMENT_RESULT_MERGED: SegmentResult
+SEGMENT_RESULT_DUPLICATE: SegmentResult
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "address", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("schema_version", "mesh_id", "node", "fingerprint", "protocol")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    mesh_id: str
+    node: NodeInfo
+    fingerprint: str
+    protocol: str
+    def __init__(self, schema_version: _Optional[int] = ..., mesh_id: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    node: NodeInfo
+    fingerprint: str
+    step: int
+    peers: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class PushOpen(_message.Message):
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    sender: str
+    fingerprint: str
+    sequence: int
+    segment_count: int
+    incarnation: int
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class SegmentHeader(_message.Message):
+    __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SUM_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    segment: int
+    sequence: int
+    sum_weight: float
+    dtype: DType
+    numel: int
+    codec: Codec
+    payload_bytes: int
+    checksum: int
+    def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PushFrame(_message.Message):
+    __slots__ = ("open", "header", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: PushOpen
+    header: SegmentHeader
+    chunk: bytes
+    def __init__(self, open: _Optional[_Union[PushOpen, _Mapping]] = ..., header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class SegmentAck(_message.Message):
+    __slots__ = ("segment", "result", "receiver_weight")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    result: SegmentResult
+    receiver_weight: float
+    def __init__(self, segment: _Optional[int] = ..., result: _Optional[_Union[SegmentResult, str]] = ..., receiver_weight: _Optional[float] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[SegmentAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[SegmentAck, _Mapping]]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("mesh_id", "requester", "fingerprint", "codec")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    requester: str
+    fingerprint: str
+    codec: Codec
+    def __init__(self, mesh_id: _Optional[str] = ..., requester: _Optional[str] = ..., fingerprint: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+
+class PullFrame(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: SegmentHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("mesh_id", "node_id")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    node_id: str
+    def __init__(self, mesh_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeersRequest(_message.Message):
+    __slots__ = ("mesh_id", "sender", "known")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    sender: NodeInfo
+    known: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[_Union[NodeInfo, _Mapping]] = ..., known: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class PeersReply(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SUM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_DONE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    mesh_id: str
+    step: int
+    sum_weights: _containers.RepeatedScalarFieldContainer[float]
+    live_peers: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: str
+    params_checksum: str
+    protocol: str
+    loss: float
+    pushes_in_flight: int
+    training_done: bool
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ...) -> None: ...
