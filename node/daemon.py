@@ -155,6 +155,38 @@ class Node:
         peer = self.membership.peers[out.push.peer]
         return await self.client(peer.address).push(out, self.config.gossip.push_timeout_s)
 
+    async def leave_mesh(self) -> None:
+        """Settle pushes in flight, hand all weight to a live peer, then tell every peer.
+
+        Call only once the trainer thread has stopped stepping.
+        """
+        pushes = [t for t in self.tasks if t.get_name() != "anti-entropy"]
+        if pushes:
+            await asyncio.wait(pushes, timeout=self.config.gossip.push_timeout_s)
+        self.trainer.idle(0)
+        live = {s.node_id for s in self.membership.live()}
+        candidates = sorted(live & self.trainer.core.peers)
+        out = self.trainer.leave(self.rng.choice(candidates)) if candidates else None
+        if out is not None:
+            try:
+                acks = await self.push_now(out)
+            except GossipdError as err:
+                with self.trainer.lock:
+                    self.trainer.core.on_push_failed(out.push.sequence)
+                log.warning("weight hand-off to %s failed: %s", out.push.peer, err)
+            else:
+                with self.trainer.lock:
+                    self.trainer.core.on_push_acked(out.push.sequence, [a.segment for a in acks])
+                log.info("handed weight to %s", out.push.peer)
+            self.trainer.summary.update(self.trainer)
+        clients = [self.client(s.address) for s in self.membership.live()]
+        results = await asyncio.gather(
+            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
+        )
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("Leave to %s failed: %s", client.address, result)
+
     async def introduce(self, address: str) -> pb.NodeInfo | None:
         """Handshake with ``address``; on success the peer is live and its peers are learned."""
         try:

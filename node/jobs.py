@@ -18,14 +18,15 @@ import contextlib
 import functools
 import importlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
-from gossipd.node.errors import JobError
 from torch import nn
+
+from gossipd.node.errors import JobError
 
 BUILTIN_JOBS: tuple[str, ...] = ("digits", "synthetic")
 PLUGIN_SYNTAX = "package.module:factory"
@@ -61,10 +62,7 @@ def build_job(spec: JobSpec) -> Job:
     _check_spec(spec)
     if ":" in spec.name:
         return _build_plugin(spec)
-    builders: dict[str, Callable[[JobSpec], Job]] = {
-        "digits": DigitsJob,
-        "synthetic": SyntheticJob,
-    }
+    builders: dict[str, Callable[[JobSpec], Job]] = {"digits": DigitsJob, "synthetic": SyntheticJob}
     if spec.name not in builders:
         raise JobError(
             f"unknown job {spec.name!r}: use one of {', '.join(BUILTIN_JOBS)}, "
@@ -149,6 +147,8 @@ def _init_seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
                     nn.init.uniform_(module.bias, -bound, bound, generator=gen)
             elif isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d):
                 module.reset_parameters()
+            elif isinstance(module, _PaddedLinear) and module.bulk is not None:
+                module.bulk.uniform_(-0.05, 0.05, generator=gen)  # 6x faster than normal_
     return model
 
 
@@ -188,6 +188,13 @@ class _SupervisedJob:
     test_y: torch.Tensor
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batches: _Batches
+    DEFAULT_LR = 0.05
+    DEFAULT_BATCH = 32
+
+    def _start_training(self, spec: JobSpec, num_samples: int, momentum: float) -> None:
+        lr = self.DEFAULT_LR if spec.learning_rate is None else spec.learning_rate
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=momentum)
+        self.batches = _Batches(num_samples, spec.batch_size or self.DEFAULT_BATCH, spec.seed)
 
     @property
     def frozen(self) -> bool:
@@ -270,9 +277,6 @@ class DigitsJob(_SupervisedJob):
     ``sample_ids`` and ``test_ids`` are row numbers in ``load_digits()``, for audits.
     """
 
-    DEFAULT_LR = 0.05
-    DEFAULT_BATCH = 32
-
     def __init__(self, spec: JobSpec) -> None:
         opts = _options(spec, {"model": "mlp", "partition": "iid"})
         self.spec = spec
@@ -285,12 +289,8 @@ class DigitsJob(_SupervisedJob):
         self.test_x = torch.from_numpy(x[test_ids])
         self.test_y = torch.from_numpy(y[test_ids])
         self.model = _init_seeded(lambda: _digits_model(opts["model"]), spec.seed)
-        lr = self.DEFAULT_LR if spec.learning_rate is None else spec.learning_rate
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
         self.loss_fn = nn.functional.cross_entropy
-        self.batches = _Batches(
-            len(self.sample_ids), spec.batch_size or self.DEFAULT_BATCH, spec.seed
-        )
+        self._start_training(spec, len(self.sample_ids), momentum=0.9)
 
 
 class _PaddedLinear(nn.Module):
@@ -321,8 +321,6 @@ class SyntheticJob(_SupervisedJob):
     Plain SGD without momentum, so the optimizer holds no per-parameter state.
     """
 
-    DEFAULT_LR = 0.05
-    DEFAULT_BATCH = 32
     TEST_SAMPLES = 256
 
     def __init__(self, spec: JobSpec) -> None:
@@ -353,22 +351,13 @@ class SyntheticJob(_SupervisedJob):
         self.w_star = w_star
 
         self.model = _init_seeded(lambda: _PaddedLinear(dim, bulk_numel), spec.seed)
-        if self.model.bulk is not None:
-            bulk_gen = torch.Generator().manual_seed(spec.seed)
-            with torch.no_grad():
-                self.model.bulk.uniform_(-0.05, 0.05, generator=bulk_gen)  # 6x faster than normal_
-        lr = self.DEFAULT_LR if spec.learning_rate is None else spec.learning_rate
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.0)
         self.loss_fn = nn.functional.mse_loss
-        self.batches = _Batches(len(pos), spec.batch_size or self.DEFAULT_BATCH, spec.seed)
+        self._start_training(spec, len(pos), momentum=0.0)
 
 
-_REQUIRED: Sequence[tuple[str, type | None]] = (
-    ("model", nn.Module),
-    ("optimizer", torch.optim.Optimizer),
-    ("train_step", None),
-    ("evaluate", None),
-)
+_REQUIRED: dict[str, type | None] = {  # attribute -> its type; None: any callable
+    "model": nn.Module, "optimizer": torch.optim.Optimizer, "train_step": None, "evaluate": None
+}  # fmt: skip
 
 
 def _build_plugin(spec: JobSpec) -> Job:
@@ -397,7 +386,7 @@ def _build_plugin(spec: JobSpec) -> Job:
         raise JobError(f"plugin factory {spec.name!r} raised {type(exc).__name__}: {exc}") from exc
 
     problems = []
-    for attr, kind in _REQUIRED:
+    for attr, kind in _REQUIRED.items():
         value = getattr(job, attr, None)
         if value is None:
             problems.append(f"missing {attr!r}")

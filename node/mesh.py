@@ -198,21 +198,23 @@ class LocalMesh:
                 raise GossipdError(f"mesh not ready after {timeout_s:.0f} s; see {self.root}")
             await asyncio.sleep(0.2)
 
-    async def pull_all(self) -> list[torch.Tensor]:
-        """Every node's model as one flat float64 vector, pulled over gRPC."""
+    def load_plan(self) -> None:
+        """Build the job once here too: pulled models are validated against its segment plan."""
         from gossipd.node.jobs import JobSpec, build_job
         from gossipd.node.segments import FlatModel
 
-        if not hasattr(self, "_plan"):
-            job = build_job(JobSpec(self.spec.job, options=dict(self.spec.job_options)))
-            self._plan = FlatModel(job.model).plan
+        job = build_job(JobSpec(self.spec.job, options=dict(self.spec.job_options)))
+        self.plan = FlatModel(job.model).plan
+
+    async def pull_all(self) -> list[torch.Tensor]:
+        """Every node's model as one flat float64 vector, pulled over gRPC."""
         states = await self.statuses()
         identity = Identity(self.mesh_id, "launcher", "", 0, states[0]["fingerprint"])
         models = []
         for i in sorted(self.procs):
             client = PeerClient(self.addresses[i], identity)
             try:
-                segs = await client.pull(self._plan, Limits(), 60.0)
+                segs = await client.pull(self.plan, Limits(), 60.0)
             finally:
                 await client.close()
             models.append(torch.cat([segs[k].double() for k in sorted(segs)]))
@@ -259,13 +261,15 @@ def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
 async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     timeline: list[dict[str, float]] = []
     with LocalMesh(spec, root) as mesh:
+        t0 = time.monotonic()
+        start_unix_s = time.time()
         for i in range(spec.nodes):
             mesh.start(i)
+        mesh.load_plan()
         await mesh.wait_ready()
         start_models = mesh.initial_models()
         distance_start = consensus_distance(start_models)
         sum_weight_start = mesh.initial_weight_sum()
-        t0 = time.monotonic()
         timeline.append({"t": 0.0, "consensus_distance": distance_start})
         while True:
             mesh.check_alive()
@@ -308,6 +312,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         "sum_weight_start": sum_weight_start,
         "sum_weight_end": sum_weight_end,
         "wall_s": time.monotonic() - t0,
+        "start_unix_s": start_unix_s,
         "exit_codes": exit_codes,
         "ok": all(c == 0 for c in exit_codes),
         "workdir": str(root),

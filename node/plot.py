@@ -25,7 +25,7 @@ def plot_mesh(result: dict[str, Any], node_dirs: list[Path], path: Path) -> Path
         rows = _history(node_dir)
         if not rows:
             continue
-        t = [r["t"] for r in rows]
+        t = [r["unix_s"] - result["start_unix_s"] for r in rows]
         ax_loss.plot(t, [r["loss"] for r in rows], label=node_dir.name)
         if "test_accuracy" in rows[0]:
             ax_acc.plot(t, [r["test_accuracy"] for r in rows], label=node_dir.name)

@@ -10,7 +10,6 @@ pid, for tools), ``history.jsonl`` (one line per evaluation) and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from typing import Any
 
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig
-from gossipd.node.daemon import RPC_TIMEOUT_S, Node
+from gossipd.node.daemon import Node
 from gossipd.node.errors import GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
@@ -110,7 +109,6 @@ class Site:
         self.loop_thread = TrainingLoop(self)
         self.resumed_from: int | None = None
         self.last_eval: dict[str, float] = {}
-        self.started = time.time()
 
     # -- trainer-thread helpers -------------------------------------------------------
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
@@ -126,7 +124,7 @@ class Site:
         self.last_eval = result
         for key, value in result.items():
             self.metrics.eval_metric.labels(key).set(value)
-        line = {"t": time.time() - self.started, "step": step, "loss": loss, **result}
+        line = {"unix_s": time.time(), "step": step, "loss": loss, **result}
         with open(self.data_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -220,36 +218,9 @@ class Site:
         if self.loop_thread.is_alive():
             await asyncio.to_thread(self.loop_thread.join, max(0.1, deadline - time.monotonic()))
         try:
-            await asyncio.wait_for(self._leave(), max(0.1, deadline - time.monotonic() - 1.0))
+            await asyncio.wait_for(self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0))
         except (TimeoutError, GossipdError) as err:
             log.warning("leaving the mesh did not complete: %r", err)
         self.save_checkpoint()
         self.write_summary(training_done=self.loop_thread.finished.is_set())
         await self.node.close(grace_s=0.5)
-
-    async def _leave(self) -> None:
-        pushes = [t for t in self.node.tasks if t.get_name() != "anti-entropy"]
-        if pushes:
-            await asyncio.wait(pushes, timeout=self.config.gossip.push_timeout_s)
-        self.trainer.idle(0)
-        out = self.trainer.leave()
-        if out is not None:
-            try:
-                acks = await self.node.push_now(out)
-            except GossipdError as err:
-                self.trainer.core.on_push_failed(out.push.sequence)
-                log.warning("weight hand-off to %s failed: %s", out.push.peer, err)
-            else:
-                acked = [a.segment for a in acks]
-                with self.trainer.lock:
-                    self.trainer.core.on_push_acked(out.push.sequence, acked)
-                log.info("handed weight to %s", out.push.peer)
-        clients = [self.node.client(s.address) for s in self.node.membership.live()]
-        results = await asyncio.gather(
-            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
-        )
-        for client, result in zip(clients, results, strict=True):
-            if isinstance(result, BaseException):
-                log.debug("Leave to %s failed: %s", client.address, result)
-        with contextlib.suppress(Exception):
-            self.trainer.summary.update(self.trainer)

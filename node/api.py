@@ -1,0 +1,125 @@
+"""Gossip for your own training loop: wrap the model and optimizer, call ``step`` once per step.
+
+    from gossipd.node.api import GossipNode
+
+    with GossipNode({"mesh_id": "lab", "node_id": "site-a", "seeds": [...]}, model, opt) as g:
+        for x, y in loader:
+            opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); opt.step()
+            report = g.step(loss.item())
+            if not report.ok:
+                print(report.failed, report.rejected)
+
+The network runs on an asyncio loop in a background thread; merges happen
+inside ``step`` on the caller's thread, so parameters are only ever written by
+the caller. Run the optimizer step inside ``with g.lock:`` if peers must never
+pull a half-updated model. Optimizer state stays local; only parameters and
+floating-point buffers travel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossipd.node import checkpoint
+from gossipd.node.config import NodeConfig, load_config, parse_config
+from gossipd.node.daemon import Node
+from gossipd.node.errors import GossipdError
+from gossipd.node.trainer import FairLock, GossipTrainer, StepReport
+
+
+class GossipNode:
+    def __init__(
+        self,
+        config: NodeConfig | dict[str, Any] | str | Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        if isinstance(config, (str, Path)):
+            config = load_config(config)
+        elif isinstance(config, dict):
+            config = parse_config(config, "GossipNode(config=...)")
+        self.config = config
+        self.optimizer = optimizer
+        self.trainer = GossipTrainer(
+            config.node_id,
+            model,
+            push_probability=config.gossip.push_probability,
+            segment_bytes=config.gossip.segment_bytes,
+            inbox_size=config.limits.inbox_size,
+            seed=config.gossip.seed,
+            initial_weight=0.0 if config.join else 1.0,
+        )
+        self.node = Node(config, self.trainer)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"gossipd-{config.node_id}", daemon=True
+        )
+        self._thread.start()
+        self._call(self.node.start(), start_timeout_s)
+        self.closed = False
+
+    def _call(self, coro: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    @property
+    def lock(self) -> FairLock:
+        return self.trainer.lock
+
+    @property
+    def address(self) -> str:
+        return self.node.address
+
+    @property
+    def sum_weights(self) -> list[float]:
+        return list(self.trainer.summary.weights)
+
+    def step(self, loss: float | None = None) -> StepReport:
+        """Merge what peers sent, settle push outcomes, maybe push; say what happened."""
+        if self.closed:
+            raise GossipdError("GossipNode.step() after close(); create a new GossipNode")
+        self.trainer.flat.check_bound()
+        return self.trainer.step(loss)
+
+    def wait_for_peers(self, count: int, timeout_s: float = 30.0) -> bool:
+        return bool(self._call(self.node.wait_for_peers(count, timeout_s), timeout_s + 5.0))
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        with self.trainer.lock:
+            ckpt = checkpoint.Checkpoint(
+                node_id=self.config.node_id,
+                fingerprint=self.trainer.fingerprint,
+                step=self.trainer.steps,
+                weights=list(self.trainer.core.weights),
+                segments=[b.detach().cpu().clone() for b in self.trainer.flat.buffers],
+                optimizer=self.optimizer.state_dict() if self.optimizer else None,
+            )
+        return checkpoint.save(Path(directory), ckpt)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Hand weight to a peer, say goodbye, stop the network thread."""
+        if self.closed:
+            return
+        self.closed = True
+        timeout_s = timeout_s or self.config.shutdown_timeout_s
+        try:
+            self._call(asyncio.wait_for(self.node.leave_mesh(), timeout_s), timeout_s + 1.0)
+        except (TimeoutError, GossipdError):
+            pass
+        finally:
+            self._call(self.node.close(grace_s=0.2), 10.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+            self._loop.close()
+
+    def __enter__(self) -> GossipNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

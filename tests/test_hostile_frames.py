@@ -1,0 +1,298 @@
+"""Hostile input against a real daemon over a real socket.
+
+Every case checks three things: the status code and message say what was
+wrong, the daemon keeps serving, and its parameters are bit-for-bit unchanged
+(the checksum reported by Status). A valid push at the end proves the checksum
+does move when something is merged, so the unchanged checks can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from gossipd.node import codec as wirecodec
+from gossipd.node.codec import Codec
+from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.segments import FlatModel
+from gossipd.proto import SCHEMA_VERSION
+from gossipd.proto import gossip_pb2 as pb
+
+MESH = "test-mesh"
+SENDER = "attacker"
+INCARNATION = 7
+MAX_CHUNK = 64 << 10
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class Wire:
+    """A hand-driven client: raw bytes in, status code and message out."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        job = build_job(JobSpec("synthetic", learning_rate=0.0))
+        self.flat = FlatModel(job.model)
+        self.fingerprint = self.flat.fingerprint
+
+    async def call(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            path = f"/gossipd.v1.Gossip/{method}"
+            try:
+                if isinstance(frames, list):
+                    rpc = channel.stream_unary(path, _identity, _identity)
+                    reply = await rpc(iter(frames), timeout=20)
+                else:
+                    rpc = channel.unary_unary(path, _identity, _identity)
+                    reply = await rpc(frames, timeout=20)
+            except grpc.aio.AioRpcError as err:
+                return err.code(), err.details()
+            return grpc.StatusCode.OK, reply
+
+    def run(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
+        return asyncio.run(self.call(method, frames))
+
+    def handshake(self, sender: str = SENDER) -> None:
+        request = pb.HandshakeRequest(
+            schema_version=SCHEMA_VERSION,
+            mesh_id=MESH,
+            node=pb.NodeInfo(node_id=sender, address="127.0.0.1:1", incarnation=INCARNATION),
+            fingerprint=self.fingerprint,
+        )
+        code, _ = self.run("Handshake", request.SerializeToString())
+        assert code == grpc.StatusCode.OK
+
+    def open_frame(self, **overrides: Any) -> bytes:
+        fields = dict(
+            mesh_id=MESH,
+            sender=SENDER,
+            fingerprint=self.fingerprint,
+            sequence=1,
+            segment_count=1,
+            incarnation=INCARNATION,
+        )
+        fields.update(overrides)
+        return pb.PushFrame(open=pb.PushOpen(**fields)).SerializeToString()
+
+    def segment(self, values: torch.Tensor, **overrides: Any) -> list[bytes]:
+        data = bytes(wirecodec.encode(values, Codec.RAW))
+        fields = dict(
+            sender=SENDER,
+            segment=0,
+            sequence=1,
+            sum_weight=1.0,
+            dtype=pb.DTYPE_FLOAT32,
+            numel=values.numel(),
+            codec=pb.CODEC_RAW,
+            payload_bytes=len(data),
+            checksum=wirecodec.checksum(data),
+        )
+        chunk = overrides.pop("chunk", data)
+        fields.update(overrides)
+        return [
+            pb.PushFrame(header=pb.SegmentHeader(**fields)).SerializeToString(),
+            pb.PushFrame(chunk=chunk).SerializeToString(),
+        ]
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from gossipd.node.mesh import free_ports
+    from tests.conftest import start_daemon
+
+    handle = start_daemon(
+        tmp_path_factory.mktemp("victim"),
+        "victim",
+        free_ports(1)[0],
+        limits={"max_chunk_bytes": MAX_CHUNK},
+        metrics={"listen": "127.0.0.1:0"},
+    )
+    yield handle
+    assert handle.stop() == 0, handle.log()
+
+
+@pytest.fixture(scope="module")
+def wire(victim: Any) -> Wire:
+    w = Wire(victim.address)
+    w.handshake()
+    return w
+
+
+def _values(wire: Wire, fill: float) -> torch.Tensor:
+    return torch.full((wire.flat.plan.segments[0].numel,), fill)
+
+
+def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]]]:
+    good = _values(wire, 0.5)
+    nan = good.clone()
+    nan[3] = math.nan
+    inf = good.clone()
+    inf[0] = math.inf
+    half = bytes(wirecodec.encode(good, Codec.RAW))[: good.numel() * 2]
+    return {
+        "garbage push frame": ("PushSegments", lambda: [b"\xff\xff\xff\xff\x0fnot protobuf"]),
+        "garbage handshake": ("Handshake", lambda: b"\x0a\xff\xff\xff\xff\x0f"),
+        "garbage after open": ("PushSegments", lambda: [wire.open_frame(), b"\xff\xfe\xfd"]),
+        "push without open": ("PushSegments", lambda: wire.segment(good)),
+        "truncated stream": (
+            "PushSegments",
+            lambda: [
+                wire.open_frame(),
+                wire.segment(good, chunk=half)[0],
+                pb.PushFrame(chunk=half).SerializeToString()[: len(half) // 2 + 3],
+            ],
+        ),
+        "stream ends mid-segment": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, chunk=half)],
+        ),
+        "wrong fingerprint": (
+            "PushSegments",
+            lambda: [wire.open_frame(fingerprint="0" * 32), *wire.segment(good)],
+        ),
+        "wrong mesh": (
+            "PushSegments",
+            lambda: [wire.open_frame(mesh_id="other"), *wire.segment(good)],
+        ),
+        "unknown sender": (
+            "PushSegments",
+            lambda: [wire.open_frame(sender="stranger"), *wire.segment(good, sender="stranger")],
+        ),
+        "NaN payload": ("PushSegments", lambda: [wire.open_frame(), *wire.segment(nan)]),
+        "infinite payload": ("PushSegments", lambda: [wire.open_frame(), *wire.segment(inf)]),
+        "checksum mismatch": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, checksum=12345)],
+        ),
+        "wrong numel": ("PushSegments", lambda: [wire.open_frame(), *wire.segment(good, numel=5)]),
+        "segment out of range": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, segment=99)],
+        ),
+        "negative sum-weight": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=-1.0)],
+        ),
+        "oversize chunk": (
+            "PushSegments",
+            lambda: [
+                wire.open_frame(),
+                wire.segment(good)[0],
+                pb.PushFrame(chunk=b"\0" * (MAX_CHUNK * 2)).SerializeToString(),
+            ],
+        ),
+        "oversize frame": (
+            "PushSegments",
+            lambda: [wire.open_frame(), b"\x1a" + _varint(32 << 20) + b"\0" * (32 << 20)],
+        ),
+        "segment count lies": (
+            "PushSegments",
+            lambda: [wire.open_frame(segment_count=2), *wire.segment(good)],
+        ),
+    }
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        if n:
+            out += struct.pack("B", byte | 0x80)
+        else:
+            return out + struct.pack("B", byte)
+
+
+EXPECTED = {
+    "garbage push frame": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
+    "garbage handshake": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
+    "garbage after open": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
+    "push without open": (grpc.StatusCode.INVALID_ARGUMENT, "PushOpen"),
+    "truncated stream": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
+    "stream ends mid-segment": (grpc.StatusCode.INVALID_ARGUMENT, "stream ended inside segment 0"),
+    "wrong fingerprint": (grpc.StatusCode.FAILED_PRECONDITION, "fingerprint mismatch"),
+    "wrong mesh": (grpc.StatusCode.FAILED_PRECONDITION, "mesh 'other'"),
+    "unknown sender": (grpc.StatusCode.UNAUTHENTICATED, "'stranger'"),
+    "NaN payload": (grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+    "infinite payload": (grpc.StatusCode.INVALID_ARGUMENT, "infinite"),
+    "checksum mismatch": (grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+    "wrong numel": (grpc.StatusCode.INVALID_ARGUMENT, "header says 5"),
+    "segment out of range": (grpc.StatusCode.INVALID_ARGUMENT, "segment index 99"),
+    "negative sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight -1.0"),
+    "oversize chunk": (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
+    "oversize frame": (grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    "segment count lies": (grpc.StatusCode.INVALID_ARGUMENT, "announced 2 segments"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_hostile_frame_is_rejected_and_model_unchanged(victim: Any, wire: Wire, case: str) -> None:
+    before = victim.status()
+    method, frames = _cases(wire)[case]
+    code, details = wire.run(method, frames())
+    want_code, want_text = EXPECTED[case]
+    assert code == want_code, (case, code, details)
+    assert want_text in details, (case, details)
+    after = victim.status()
+    assert after["params_checksum"] == before["params_checksum"], case
+    assert after["sum_weights"] == before["sum_weights"], case
+    assert victim.proc.poll() is None, victim.log()
+
+
+def test_valid_push_merges_once_and_duplicate_changes_nothing(victim: Any, wire: Wire) -> None:
+    before = victim.status()
+    frames = [wire.open_frame(sequence=50), *wire.segment(_values(wire, 0.25), sequence=50)]
+    code, reply = wire.run("PushSegments", frames)
+    assert code == grpc.StatusCode.OK
+    acks = pb.PushReply.FromString(reply).acks
+    assert [a.result for a in acks] == [pb.SEGMENT_RESULT_MERGED]
+    merged = victim.status()
+    assert merged["params_checksum"] != before["params_checksum"]
+    assert merged["sum_weights"][0] == pytest.approx(before["sum_weights"][0] + 1.0)
+
+    code, reply = wire.run("PushSegments", frames)
+    assert code == grpc.StatusCode.OK
+    assert [a.result for a in pb.PushReply.FromString(reply).acks] == [pb.SEGMENT_RESULT_DUPLICATE]
+    again = victim.status()
+    assert again["params_checksum"] == merged["params_checksum"]
+    assert again["sum_weights"] == merged["sum_weights"]
+
+
+def test_pull_with_wrong_fingerprint_is_refused(wire: Wire) -> None:
+    request = pb.PullRequest(mesh_id=MESH, requester=SENDER, fingerprint="f" * 32)
+
+    async def pull() -> tuple[grpc.StatusCode, str]:
+        async with grpc.aio.insecure_channel(wire.address) as channel:
+            rpc = channel.unary_stream("/gossipd.v1.Gossip/PullModel", _identity, _identity)
+            try:
+                async for _ in rpc(request.SerializeToString(), timeout=20):
+                    pass
+            except grpc.aio.AioRpcError as err:
+                return err.code(), err.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    code, details = asyncio.run(pull())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fingerprint mismatch" in details
+
+
+def test_rejections_are_counted_by_reason_in_prometheus(victim: Any, wire: Wire) -> None:
+    wire.run("PushSegments", [wire.open_frame(), *wire.segment(_values(wire, 0.5), checksum=1)])
+    port = victim.node_json()["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    line = next(
+        row
+        for row in text.splitlines()
+        if row.startswith('gossipd_rejected_payloads_total{reason="InvalidFrame"}')
+    )
+    assert float(line.split()[-1]) >= 1
