@@ -1,0 +1,91 @@
+"""Kill -9 one daemon mid-run: the rest keep training; restarted, it resumes and catches up.
+
+The fault is injected at a named point (the victim's first checkpoint at step
+CHECKPOINT_EVERY or later), not after a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+
+CHECKPOINT_EVERY = 100
+TIMEOUT_S = 180.0
+
+
+def _until(check: Callable[[], bool], what: str, mesh: LocalMesh) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not check():
+        mesh.check_alive()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_killed_node_others_continue_and_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
+    spec = MeshSpec(
+        nodes=3,
+        job="digits",
+        duration_s=0.0,
+        push_probability=0.5,
+        checkpoint_every_steps=CHECKPOINT_EVERY,
+        eval_every_steps=0,
+    )
+    status = lambda mesh, i: asyncio.run(mesh.status(i))  # noqa: E731
+    with LocalMesh(spec, tmp_path) as mesh:
+        for i in range(3):
+            mesh.start(i)
+        mesh.load_plan()
+        asyncio.run(mesh.wait_ready())
+        ckpt = mesh.node_dir(2) / "checkpoint.pt"
+        _until(ckpt.exists, "node-2's first periodic checkpoint", mesh)
+        saved_step = torch.load(ckpt, weights_only=True)["step"]
+        assert saved_step >= CHECKPOINT_EVERY
+
+        mesh.kill(2)
+        at_kill = [status(mesh, i)["step"] for i in (0, 1)]
+        _until(
+            lambda: all("node-2" not in status(mesh, i)["live_peers"] for i in (0, 1)),
+            "survivors to mark node-2 down",
+            mesh,
+        )
+        _until(
+            lambda: all(status(mesh, i)["step"] >= at_kill[i] + 300 for i in (0, 1)),
+            "survivors to keep training",
+            mesh,
+        )
+
+        saved_step = torch.load(ckpt, weights_only=True)["step"]
+        mesh.start(2)
+        _until(lambda: _answers(mesh, 2), "node-2 to restart", mesh)
+        resumed = status(mesh, 2)
+        assert resumed["step"] >= saved_step, (resumed, saved_step)
+        asyncio.run(mesh.wait_ready())
+        _until(
+            lambda: status(mesh, 2)["step"] >= saved_step + 300,
+            "node-2 to train past its checkpoint",
+            mesh,
+        )
+        # Caught up: the restarted node's model is back in consensus with the others.
+        _until(
+            lambda: consensus_distance(asyncio.run(mesh.pull_all())) < 0.05,
+            "consensus including the restarted node",
+            mesh,
+        )
+        assert "resumed node-2" in (mesh.node_dir(2) / "node.log").read_text()
+        for i in sorted(mesh.procs):
+            assert mesh.stop(i) == 0
+
+
+def _answers(mesh: LocalMesh, index: int) -> bool:
+    try:
+        asyncio.run(mesh.status(index))
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,56 @@
+"""Four real daemons on loopback train digits together through `gossipd mesh up`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
+    tmp_path: Path,
+) -> None:
+    plot = tmp_path / "mesh.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gossipd.node.cli",
+            "mesh",
+            "up",
+            "--nodes",
+            "4",
+            "--job",
+            "digits",
+            "--protocol",
+            "sumweight",
+            "--duration-s",
+            "20",
+            "--workdir",
+            str(tmp_path / "mesh"),
+            "--plot",
+            str(plot),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["nodes"]) == 4
+    for node in result["nodes"]:
+        assert node["test_accuracy"] >= 0.90, node
+        assert node["steps"] > 0
+    assert result["consensus_distance_end"] * 10 <= result["consensus_distance_start"], result
+    # Nothing was lost or created: every push was acknowledged before it was committed.
+    assert abs(result["sum_weight_end"] - result["sum_weight_start"]) < 1e-9, result
+    assert result["sum_weight_start"] == 4.0
+    assert result["exit_codes"] == [0, 0, 0, 0]
+    assert plot.stat().st_size > 10_000
+    # Each daemon left a final checkpoint and a history of evaluations.
+    for i in range(4):
+        node_dir = tmp_path / "mesh" / f"node-{i}"
+        assert (node_dir / "checkpoint.pt").exists()
+        assert (node_dir / "history.jsonl").read_text().strip()
