@@ -59,6 +59,10 @@ class GossipConfig(_Section):
 
 
 class MembershipConfig(_Section):
+    start_after_peers: int = Field(
+        0, ge=0, description="wait for this many live peers before the first step"
+    )
+    start_timeout_s: float = Field(120.0, gt=0)
     anti_entropy_interval_s: float = Field(1.0, gt=0)
     suspect_after_failures: int = Field(3, ge=1)
     drop_after_s: float = Field(15.0, gt=0)

@@ -62,6 +62,7 @@ class Node:
         self.tasks: set[asyncio.Task[None]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()
+        self._membership_round = asyncio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,20 +135,20 @@ class Node:
         peer = self.membership.peers.get(out.push.peer)
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         if peer is None:
-            self.trainer.post_push_result(out.push, [], f"peer {out.push.peer} left the view")
+            self.trainer.post_push_result(out, [], f"peer {out.push.peer} left the view")
             return
         try:
             acks = await self.client(peer.address).push(out, self.config.gossip.push_timeout_s)
         except GossipdError as err:
             self.metrics.messages.labels("sent", "failed").inc()
             self.metrics.bytes.labels("sent", "failed").inc(nbytes)
-            self.trainer.post_push_result(out.push, [], str(err))
+            self.trainer.post_push_result(out, [], str(err))
             if isinstance(err, PeerUnreachable):
-                self._apply(self.membership.failed(peer.node_id, time.monotonic()))
+                self._failed(peer.node_id, err)
             return
         self.metrics.messages.labels("sent", "ok").inc()
         self.metrics.bytes.labels("sent", "ok").inc(nbytes)
-        self.trainer.post_push_result(out.push, acks, None)
+        self.trainer.post_push_result(out, acks, None)
         self._apply(self.membership.succeeded(peer.node_id))
 
     async def push_now(self, out: OutboundPush) -> list[pb.SegmentAck]:
@@ -171,12 +172,10 @@ class Node:
             try:
                 acks = await self.push_now(out)
             except GossipdError as err:
-                with self.trainer.lock:
-                    self.trainer.core.on_push_failed(out.push.sequence)
+                self.trainer.settle_push(out, [], str(err))
                 log.warning("weight hand-off to %s failed: %s", out.push.peer, err)
             else:
-                with self.trainer.lock:
-                    self.trainer.core.on_push_acked(out.push.sequence, [a.segment for a in acks])
+                self.trainer.settle_push(out, acks, None)
                 log.info("handed weight to %s", out.push.peer)
             self.trainer.summary.update(self.trainer)
         clients = [self.client(s.address) for s in self.membership.live()]
@@ -207,6 +206,10 @@ class Node:
                 await asyncio.wait_for(self.stopping.wait(), interval)
 
     async def _gossip_membership(self) -> None:
+        async with self._membership_round:
+            await self._membership_round_once()
+
+    async def _membership_round_once(self) -> None:
         now = time.monotonic()
         for node_id in self.membership.expire(now):
             log.info("dropped %s after %.0f s suspected", node_id, self.membership.drop_after_s)
@@ -223,8 +226,8 @@ class Node:
         target = self.rng.choice(live)
         try:
             infos = await self.client(target.address).peers(self.membership.known(), RPC_TIMEOUT_S)
-        except GossipdError:
-            self._apply(self.membership.failed(target.node_id, time.monotonic()))
+        except GossipdError as err:
+            self._failed(target.node_id, err)
             return
         self._apply(self.membership.succeeded(target.node_id))
         for info in infos:
@@ -232,7 +235,13 @@ class Node:
 
     async def _retry(self, node_id: str, address: str) -> None:
         if await self.introduce(address) is None:
-            self._apply(self.membership.failed(node_id, time.monotonic()))
+            self._failed(node_id, "handshake failed")
+
+    def _failed(self, node_id: str, why: object) -> None:
+        change = self.membership.failed(node_id, time.monotonic())
+        if change is not None:
+            log.info("suspecting %s: %s", node_id, why)
+        self._apply(change)
 
     async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

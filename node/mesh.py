@@ -101,6 +101,9 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         "[gossip]",
         *(f"{k} = {json.dumps(v)}" for k, v in gossip.items()),
         "",
+        "[membership]",
+        f"start_after_peers = {spec.nodes - 1}",
+        "",
         "[checkpoint]",
         f"every_steps = {spec.checkpoint_every_steps}",
     ]

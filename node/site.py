@@ -206,6 +206,15 @@ class Site:
         try:
             if self.config.join and self.resumed_from is None:
                 await self.bootstrap()
+            wanted = self.config.membership.start_after_peers
+            if wanted and not await self.node.wait_for_peers(
+                wanted, self.config.membership.start_timeout_s
+            ):
+                raise GossipdError(
+                    f"membership.start_after_peers = {wanted}: only "
+                    f"{len(self.node.membership.live())} peers became live within "
+                    f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
+                )
             self.loop_thread.start()
             await stop.wait()
         finally:

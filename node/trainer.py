@@ -200,18 +200,30 @@ class GossipTrainer:
         """Run ``event`` on the trainer thread at the next step boundary."""
         self._events.put(event)
 
-    def post_push_result(self, push: Push, acks: list[pb.SegmentAck], error: str | None) -> None:
-        def apply(report: StepReport) -> None:
-            acked = tuple(
-                a.segment
-                for a in acks
-                if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
-            )
-            self.core.on_push_acked(push.sequence, acked)
-            record = PushRecord(push.peer, push.sequence, acked, error)
-            (report.failed if error else report.pushed).append(record)
+    def post_push_result(
+        self, out: OutboundPush, acks: list[pb.SegmentAck], error: str | None
+    ) -> None:
+        self.post(lambda report: self.settle_push(out, acks, error, report))
 
-        self.post(apply)
+    def settle_push(
+        self,
+        out: OutboundPush,
+        acks: list[pb.SegmentAck],
+        error: str | None,
+        report: StepReport | None = None,
+    ) -> None:
+        """Commit what the receiver acknowledged; fold unacknowledged snapshots back in."""
+        acked = tuple(
+            a.segment
+            for a in acks
+            if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
+        )
+        with self.lock:
+            for merge in self.core.on_push_acked(out.push.sequence, acked):
+                self.flat.merge_segment(merge.segment, out.snapshot[merge.segment], merge.alpha)
+        if report is not None:
+            record = PushRecord(out.push.peer, out.push.sequence, acked, error)
+            (report.failed if error else report.pushed).append(record)
 
     def post_rejection(self, peer: str, reason: str, detail: str) -> None:
         self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))

@@ -62,6 +62,28 @@ class Duplicate:
     segment: int
 
 
+class _Window:
+    """Recently merged (sequence, segment) pairs of one sender incarnation, bounded in size."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.order: deque[tuple[int, int]] = deque()
+        self.forgotten_up_to = -1
+
+    def admit(self, sequence: int, segment: int, capacity: int) -> bool:
+        """True the first time a pair is offered; False for a repeat or anything too old."""
+        ident = (sequence, segment)
+        if sequence <= self.forgotten_up_to or ident in self.seen:
+            return False
+        self.seen.add(ident)
+        self.order.append(ident)
+        while len(self.order) > capacity:
+            old = self.order.popleft()
+            self.seen.discard(old)
+            self.forgotten_up_to = max(self.forgotten_up_to, old[0])
+        return True
+
+
 class SumWeightGossip:
     """State of one node: per-segment sum-weights, reservations and the de-duplication window."""
 
@@ -80,6 +102,8 @@ class SumWeightGossip:
             raise ValueError(f"push_probability must be in [0, 1], got {push_probability}")
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         if not (math.isfinite(initial_weight) and initial_weight >= 0):
             raise ValueError(f"initial_weight must be finite and >= 0, got {initial_weight}")
         self.node_id = node_id
@@ -91,7 +115,9 @@ class SumWeightGossip:
         self.in_flight: dict[int, Push] = {}
         self.peers: set[str] = set()
         self._sequence = sequence_start
-        self._seen: dict[tuple[str, int], tuple[set[tuple[int, int]], deque[tuple[int, int]]]] = {}
+        # Per (sender, incarnation): the remembered (sequence, segment) pairs, their order,
+        # and the highest sequence already forgotten (anything at or below it is old).
+        self._seen: dict[tuple[str, int], _Window] = {}
 
     # -- membership -----------------------------------------------------------------
     def on_peer_up(self, peer: str) -> None:
@@ -136,23 +162,35 @@ class SumWeightGossip:
             if not self.peers:
                 return None
             peer = self.rng.choice(sorted(self.peers))
+        if peer == self.node_id:
+            raise ValueError("a node cannot hand its weight to itself")
         return self._push(peer, 1.0)
 
-    def on_push_acked(self, sequence: int, acked_segments: Sequence[int]) -> None:
-        """Commit acknowledged segments; the rest of the reservation returns to the node."""
+    def on_push_acked(self, sequence: int, acked_segments: Sequence[int]) -> list[Merge]:
+        """Commit acknowledged segments; the rest of the reservation returns to the node.
+
+        Returned weight comes back with the snapshot it left with: the returned
+        ``Merge`` actions fold that snapshot back in (x ← (1 − α)·x + α·x_sent,
+        α = sent/available), exactly as if the push had been a message to self.
+        Without them a failed push would keep the mass but lose its value, and
+        Σ w·x would drift every time a peer dies mid-push.
+        """
         push = self.in_flight.pop(sequence, None)
         if push is None:
-            return
+            return []
         acked = set(acked_segments)
+        merges = []
         for s, w in push.weights.items():
-            self.reserved[s] -= w
+            self.reserved[s] = max(self.reserved[s] - w, 0.0)
             if s in acked:
-                self.weights[s] -= w
-            self.reserved[s] = max(self.reserved[s], 0.0)
-            self.weights[s] = max(self.weights[s], 0.0)
+                self.weights[s] = max(self.weights[s] - w, 0.0)
+            elif w > 0:
+                available = self.available(s)
+                merges.append(Merge(s, w / available if available > 0 else 1.0, self.weights[s]))
+        return merges
 
-    def on_push_failed(self, sequence: int) -> None:
-        self.on_push_acked(sequence, ())
+    def on_push_failed(self, sequence: int) -> list[Merge]:
+        return self.on_push_acked(sequence, ())
 
     # -- receiving ------------------------------------------------------------------
     def on_message(
@@ -162,15 +200,9 @@ class SumWeightGossip:
             raise ValueError(f"segment {segment} out of range 0..{len(self.weights) - 1}")
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"sum-weight {weight} is not a finite non-negative number")
-        key = (sender, incarnation)
-        seen, order = self._seen.setdefault(key, (set(), deque()))
-        ident = (sequence, segment)
-        if ident in seen:
+        window = self._seen.setdefault((sender, incarnation), _Window())
+        if not window.admit(sequence, segment, DEDUP_WINDOW * len(self.weights)):
             return Duplicate(segment)
-        seen.add(ident)
-        order.append(ident)
-        if len(order) > DEDUP_WINDOW * len(self.weights):
-            seen.discard(order.popleft())
         mine = self.available(segment)
         total = mine + weight
         alpha = weight / total if total > 0 else 0.0

@@ -1,0 +1,49 @@
+"""Pure averaging on real daemons (learning rate 0): sum-weight gossip computes the mean.
+
+With training off, Σ wᵢ·xᵢ / Σ wᵢ never changes (each push is acknowledged before
+its weight is committed), so every node must end at the mean of the initial
+models, and the sum of weights must still be N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+
+
+def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(tmp_path: Path) -> None:
+    spec = MeshSpec(
+        nodes=3,
+        job="synthetic",
+        learning_rate=0.0,
+        max_steps=3000,
+        duration_s=0.0,
+        push_probability=1.0,
+        eval_every_steps=0,
+        checkpoint_every_steps=0,
+    )
+    with LocalMesh(spec, tmp_path) as mesh:
+        for i in range(spec.nodes):
+            mesh.start(i)
+        mesh.load_plan()
+        asyncio.run(mesh.wait_ready())
+        initial = mesh.initial_models()
+        target = torch.stack(initial).mean(0)
+        states = asyncio.run(mesh.wait_settled(120.0))
+        models = asyncio.run(mesh.pull_all())
+        codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+
+    assert codes == [0, 0, 0]
+    assert consensus_distance(initial) > 0.5
+    assert consensus_distance(models) < 1e-6
+    weights = [s["sum_weights"][0] for s in states]
+    assert sum(weights) == pytest.approx(3.0, abs=1e-12)
+    weighted = sum(w * m for w, m in zip(weights, models, strict=True)) / sum(weights)
+    assert float((weighted - target).norm() / target.norm()) < 1e-6
+    for model in models:
+        assert float((model - target).norm() / target.norm()) < 1e-5
