@@ -1,0 +1,125 @@
+"""The library API in a user's own loop, against a real daemon over real sockets.
+
+Each ``step()`` returns what happened since the last one, so a caller sees
+pushes acknowledged, merges, and failures in its own loop, not only in a log.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gossipd.node.api import GossipNode
+from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.trainer import StepReport
+
+DEADLINE_S = 120.0
+
+
+def _step_until(
+    node: GossipNode, done: Callable[[StepReport], bool], what: str
+) -> list[StepReport]:
+    """Step (no training: pure gossip) until ``done`` holds for one report; bounded in time."""
+    reports = []
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        report = node.step()
+        reports.append(report)
+        if done(report):
+            return reports
+        time.sleep(0.005)  # stand-in for a training step's compute
+    raise AssertionError(f"no step reported {what} within {DEADLINE_S} s")
+
+
+def _user_node(peer: Any, **gossip: Any) -> tuple[GossipNode, torch.nn.Module]:
+    job = build_job(JobSpec("synthetic", seed=42, learning_rate=0.0))
+    config = {
+        "mesh_id": "test-mesh",
+        "node_id": "user",
+        "seeds": [peer.address],
+        "gossip": {"push_probability": 1.0, **gossip},
+        "metrics": {"listen": None},
+        "shutdown_timeout_s": 5.0,
+    }
+    node = GossipNode(config, job.model, job.optimizer)
+    assert node.wait_for_peers(1, 60.0)
+    return node, job.model
+
+
+def test_step_reports_acknowledged_pushes_and_mass_is_conserved(daemons: Any) -> None:
+    peer = daemons("peer")
+    node, _ = _user_node(peer)
+    with node:
+        reports = _step_until(node, lambda r: len(r.pushed) > 0, "an acknowledged push")
+        assert all(r.ok for r in reports)
+        pushed = next(r for r in reports if r.pushed).pushed[0]
+        assert pushed.peer == "peer" and pushed.acked_segments == (0,)
+        # Settle: stop pushing, wait until nothing is in flight, then count the weight.
+        node.trainer.core.push_probability = 0.0
+        _step_until(node, lambda r: not node.trainer.core.in_flight, "no push in flight")
+        ours = node.sum_weights[0]
+        theirs = peer.status()["sum_weights"][0]
+        assert ours < 1.0 < theirs
+        assert ours + theirs == pytest.approx(2.0, abs=1e-12)
+
+
+def test_peer_leaving_gracefully_hands_its_weight_to_the_user_loop(daemons: Any) -> None:
+    peer = daemons("peer")
+    node, model = _user_node(peer, seed=3)
+    with node:
+        node.trainer.core.push_probability = 0.0  # only the peer's hand-off moves weight
+        peer_model = peer.status()["params_checksum"]
+        peer.proc.send_signal(signal.SIGTERM)
+        reports = _step_until(
+            node, lambda r: any(m.sender == "peer" for m in r.merged), "the peer's hand-off"
+        )
+        merge = next(m for r in reports for m in r.merged if m.sender == "peer")
+        assert merge.merged_segments == (0,)
+        assert peer.proc.wait(timeout=60) == 0
+        assert node.sum_weights[0] == pytest.approx(2.0, abs=1e-12)
+        assert peer_model  # the peer served a model before leaving
+        assert torch.isfinite(torch.cat([p.flatten() for p in model.parameters()])).all()
+
+
+def test_pushes_to_a_killed_peer_fail_visibly_and_weight_returns(daemons: Any) -> None:
+    peer = daemons("peer")
+    node, _ = _user_node(peer, push_timeout_s=5.0)
+    with node:
+        _step_until(node, lambda r: len(r.pushed) > 0, "an acknowledged push")
+        peer.proc.kill()
+        peer.proc.wait(timeout=30)
+        reports = _step_until(node, lambda r: len(r.failed) > 0, "a failed push")
+        failure = next(r for r in reports if r.failed).failed[0]
+        assert failure.peer == "peer" and failure.acked_segments == ()
+        assert failure.error and "127.0.0.1" in failure.error  # names the unreachable address
+        assert not next(r for r in reports if r.failed).ok
+        node.trainer.core.push_probability = 0.0
+        _step_until(node, lambda r: not node.trainer.core.in_flight, "no push in flight")
+        assert node.trainer.core.reserved == [0.0]
+        assert 0.0 < node.sum_weights[0] < 1.0  # what was acknowledged stays given away
+
+
+def test_bad_config_and_use_after_close_raise_clear_errors(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError, match=r"gossip\.push_probability"):
+        GossipNode({"mesh_id": "m", "node_id": "n", "gossip": {"push_probability": 2}}, model)
+    node = GossipNode({"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}}, model)
+    node.close()
+    with pytest.raises(GossipdError, match="after close"):
+        node.step()
+
+
+def test_replacing_a_parameter_tensor_is_caught(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 1)
+    with GossipNode({"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}}, model) as node:
+        node.step()
+        model.weight.data = torch.zeros(1, 2)  # silently detaches it from gossip
+        with pytest.raises(GossipdError, match="weight"):
+            node.step()
