@@ -53,7 +53,11 @@ class Membership:
         known = self.peers.get(info.node_id)
         if known is not None and known.incarnation >= info.incarnation:
             return None
-        state = PeerState(info.node_id, info.address, info.incarnation)
+        # A restart of a live peer stays live until it fails at its new address: the
+        # trainer only hears of Changes, so dropping it here silently would strand it.
+        state = PeerState(
+            info.node_id, info.address, info.incarnation, live=bool(known and known.live)
+        )
         self.peers[info.node_id] = state
         return state
 

@@ -1,0 +1,125 @@
+"""A daemon's life through its public surfaces: status CLI, metrics, SIGTERM, restart, join."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEADLINE_S = 120.0
+
+
+def _until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
+    ports = [next(daemons.ports), next(daemons.ports)]
+    a = daemons("a", ports[0], seeds=[f"127.0.0.1:{ports[1]}"], **config)
+    b = daemons("b", ports[1], seeds=[f"127.0.0.1:{ports[0]}"], **config)
+    _until(
+        lambda: a.status()["live_peers"] == ["b"] and b.status()["live_peers"] == ["a"],
+        "a and b to see each other",
+    )
+    return a, b
+
+
+def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any) -> None:
+    node = daemons("solo")
+    out = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", "status", "--address", node.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    status = json.loads(out.strip().splitlines()[-1])
+    assert status["node_id"] == "solo" and status["mesh_id"] == "test-mesh"
+    assert status["fingerprint"] == node.node_json()["fingerprint"]
+    assert status["sum_weights"] == [1.0]
+    assert status["live_peers"] == []
+    assert len(status["params_checksum"]) == 32
+    assert status["step"] >= 0
+
+
+def test_status_cli_names_the_address_when_nothing_listens() -> None:
+    from gossipd.node.mesh import free_ports
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", "status", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert address in proc.stderr and "gossipd: error" in proc.stderr
+
+
+def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons: Any) -> None:
+    a, b = _pair(daemons, shutdown_timeout_s=10.0)
+    before = a.status()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=30) == 0  # bounded: shutdown_timeout_s plus process exit
+    _until(lambda: b.status()["sum_weights"] == [2.0], "b to hold all the weight")
+    assert "handed weight to b" in a.log()
+    ckpt = torch.load(a.data_dir / "checkpoint.pt", weights_only=True)
+    assert ckpt["weights"] == [0.0]
+    summary = json.loads((a.data_dir / "summary.json").read_text())
+    assert summary["sum_weights"] == [0.0]
+
+    again = daemons("a", int(a.address.rsplit(":", 1)[1]), seeds=[b.address])
+    resumed = again.status()
+    assert resumed["sum_weights"] == [0.0]
+    assert resumed["params_checksum"] == before["params_checksum"]  # lr 0: the model it left with
+    assert resumed["step"] >= ckpt["step"]
+    assert "resumed a from step" in again.log()
+    _until(lambda: "b" in again.status()["live_peers"], "the restarted node to rejoin")
+
+
+def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
+    host = daemons("host")
+    joiner = daemons("joiner", seeds=[host.address], join=True, job={"seed": 99})
+    _until(lambda: "host" in joiner.status()["live_peers"], "the joiner to see the host")
+    status = joiner.status()
+    assert status["sum_weights"] == [0.0]
+    assert status["params_checksum"] == host.status()["params_checksum"]
+    assert "bootstrapped the model from host" in joiner.log()
+
+
+def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
+    a, _ = _pair(daemons, gossip={"push_probability": 0.5}, metrics={"listen": "127.0.0.1:0"})
+    port = a.node_json()["metrics_port"]
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line and not line.startswith("#")
+        }
+
+    _until(
+        lambda: scrape().get('gossipd_gossip_messages_total{direction="sent",result="ok"}', 0) > 0,
+        "an acknowledged push in the metrics",
+    )
+    m = scrape()
+    assert m["gossipd_steps_total"] > 0
+    assert m['gossipd_gossip_bytes_total{direction="sent",result="ok"}'] > 0
+    assert m["gossipd_live_peers"] == 1.0
+    assert 'gossipd_sum_weight{segment="0"}' in m
+    assert "gossipd_loss" in m
+    assert m['gossipd_step_seconds_bucket{le="+Inf"}'] == m["gossipd_step_seconds_count"] > 0
+    assert any(k.startswith("gossipd_node_info{") for k in m)
