@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from gossipd.node.errors import CheckpointError
 
 FORMAT = 1

@@ -15,6 +15,7 @@ from gossipd.node.errors import GossipdError
 
 def _run_node(args: argparse.Namespace) -> int:
     import torch
+
     from gossipd.node.config import load_config
     from gossipd.node.site import Site
 

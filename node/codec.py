@@ -14,6 +14,7 @@ from enum import IntEnum
 
 import torch
 import xxhash
+
 from gossipd.node.errors import InvalidFrame, NonFinitePayload
 from gossipd.proto import gossip_pb2 as pb
 

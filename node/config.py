@@ -11,13 +11,19 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from gossipd.node.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gossipd.node.errors import ConfigError
 
 
 def _check_address(value: str) -> str:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 <= int(port) <= 65535
+    ):
         raise ValueError(f"{value!r} is not HOST:PORT (for example 127.0.0.1:50051)")
     return value
 

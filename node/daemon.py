@@ -16,6 +16,9 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import Busy, GossipdError, PeerUnreachable, UnknownPeer
@@ -27,8 +30,6 @@ from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0

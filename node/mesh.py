@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
 from gossipd.node.errors import GossipdError
 from gossipd.node.status import query_status
 from gossipd.node.transport import Identity, PeerClient

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from gossipd.node.trainer import StepReport
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from gossipd.node.trainer import StepReport
 
 
 class NodeMetrics:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from gossipd.node.errors import MeshMismatch
 
 DEFAULT_SEGMENT_BYTES = 4 << 20

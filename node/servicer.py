@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch
 from gossipd.node.segments import check_fingerprint
 from gossipd.node.wire import ReceivedSegment, SegmentAssembler

@@ -227,7 +227,9 @@ class Site:
         if self.loop_thread.is_alive():
             await asyncio.to_thread(self.loop_thread.join, max(0.1, deadline - time.monotonic()))
         try:
-            await asyncio.wait_for(self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0))
+            await asyncio.wait_for(
+                self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
+            )
         except (TimeoutError, GossipdError) as err:
             log.warning("leaving the mesh did not complete: %r", err)
         self.save_checkpoint()

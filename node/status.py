@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+
 from gossipd.node.errors import GossipdError
 from gossipd.node.transport import CHANNEL_OPTIONS
 from gossipd.proto import gossip_pb2 as pb

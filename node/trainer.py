@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from gossipd.node.errors import Busy
 from gossipd.node.protocols.sumweight import Duplicate, Push, SumWeightGossip
 from gossipd.node.segments import FlatModel

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
 from gossipd.node import codec as wirecodec
 from gossipd.node.codec import Codec
 from gossipd.node.errors import InvalidFrame, PayloadTooLarge
