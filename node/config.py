@@ -86,13 +86,14 @@ class CheckpointConfig(_Section):
 
 class MetricsConfig(_Section):
     listen: str | None = Field(
-        "127.0.0.1:0", description="HOST:PORT of the Prometheus endpoint; port 0 picks a free one"
+        "127.0.0.1:0",
+        description="HOST:PORT of the Prometheus endpoint; port 0 picks a free one; empty: off",
     )
 
     @field_validator("listen")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
-        return None if v is None else _check_address(v)
+        return _check_address(v) if v else None
 
 
 class NodeConfig(_Section):

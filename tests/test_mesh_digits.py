@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.timeout(480)
 def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     tmp_path: Path,
 ) -> None:
