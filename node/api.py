@@ -91,15 +91,7 @@ class GossipNode:
         return bool(self._call(self.node.wait_for_peers(count, timeout_s), timeout_s + 5.0))
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        with self.trainer.lock:
-            ckpt = checkpoint.Checkpoint(
-                node_id=self.config.node_id,
-                fingerprint=self.trainer.fingerprint,
-                step=self.trainer.steps,
-                weights=list(self.trainer.core.weights),
-                segments=[b.detach().cpu().clone() for b in self.trainer.flat.buffers],
-                optimizer=self.optimizer.state_dict() if self.optimizer else None,
-            )
+        ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.optimizer)
         return checkpoint.save(Path(directory), ckpt)
 
     def close(self, timeout_s: float | None = None) -> None:

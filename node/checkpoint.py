@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from gossipd.node.errors import CheckpointError
+from gossipd.node.trainer import GossipTrainer
 
 FORMAT = 1
 FILENAME = "checkpoint.pt"
@@ -31,6 +32,21 @@ class Checkpoint:
     weights: list[float]
     segments: list[torch.Tensor]
     optimizer: dict[str, Any] | None = None
+
+
+def capture(
+    trainer: GossipTrainer, node_id: str, optimizer: torch.optim.Optimizer | None
+) -> Checkpoint:
+    """A consistent copy of the trainer's state, taken under its lock."""
+    with trainer.lock:
+        return Checkpoint(
+            node_id=node_id,
+            fingerprint=trainer.fingerprint,
+            step=trainer.steps,
+            weights=list(trainer.core.weights),
+            segments=[b.detach().cpu().clone() for b in trainer.flat.buffers],
+            optimizer=optimizer.state_dict() if optimizer is not None else None,
+        )
 
 
 def save(directory: Path, ckpt: Checkpoint, filename: str = FILENAME) -> Path:

@@ -111,6 +111,39 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
     return "\n".join(lines) + "\n"
 
 
+def spawn_node(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`gossipd node --config CONFIG` as a child process, output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gossipd.node.cli",
+                "--log-level",
+                "INFO",
+                "node",
+                "--config",
+                str(config),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL: a child is always reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        return -9
+
+
 class LocalMesh:
     """Processes of one local mesh; always use as a context manager so every child is reaped."""
 
@@ -131,25 +164,7 @@ class LocalMesh:
         return self.root / f"node-{index}"
 
     def start(self, index: int) -> None:
-        self.node_dir(index).mkdir(parents=True, exist_ok=True)
-        log = open(self.node_dir(index) / "node.log", "ab")  # noqa: SIM115 - closed with the child
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.procs[index] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gossipd.node.cli",
-                "--log-level",
-                "INFO",
-                "node",
-                "--config",
-                str(self.configs[index]),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        log.close()
+        self.procs[index] = spawn_node(self.configs[index], self.node_dir(index) / "node.log")
 
     def kill(self, index: int) -> None:
         """SIGKILL, as a crash would: no leave, no final checkpoint."""
@@ -158,15 +173,7 @@ class LocalMesh:
         proc.wait(timeout=30)
 
     def stop(self, index: int, timeout_s: float = 30.0) -> int:
-        proc = self.procs.pop(index)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-            return -9
+        return stop_process(self.procs.pop(index), timeout_s)
 
     def __enter__(self) -> LocalMesh:
         return self

@@ -129,15 +129,7 @@ class Site:
             f.write(json.dumps(line) + "\n")
 
     def save_checkpoint(self, name: str = checkpoint.FILENAME) -> None:
-        with self.trainer.lock:
-            ckpt = checkpoint.Checkpoint(
-                node_id=self.config.node_id,
-                fingerprint=self.trainer.fingerprint,
-                step=self.trainer.steps,
-                weights=list(self.trainer.core.weights),
-                segments=[b.detach().cpu().clone() for b in self.trainer.flat.buffers],
-                optimizer=self.job.optimizer.state_dict(),
-            )
+        ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.job.optimizer)
         checkpoint.save(self.data_dir, ckpt, name)
 
     def write_summary(self, *, training_done: bool) -> None:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +15,7 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.mesh import free_ports
+from gossipd.node.mesh import free_ports, spawn_node, stop_process
 from gossipd.node.status import query_status
 
 torch.set_num_threads(1)
@@ -44,14 +41,7 @@ class DaemonHandle:
         return json.loads((self.data_dir / "node.json").read_text())
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-            return -9
+        return stop_process(self.proc, timeout_s)
 
 
 def toml_value(value: Any) -> str:
@@ -89,23 +79,7 @@ def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> Daem
             full[key] = value
     config_path = tmp_path / f"{node_id}.toml"
     write_config(config_path, full)
-    log = open(data_dir / "node.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gossipd.node.cli",
-            "--log-level",
-            "INFO",
-            "node",
-            "--config",
-            str(config_path),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    log.close()
+    proc = spawn_node(config_path, data_dir / "node.log")
     handle = DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:

@@ -91,7 +91,8 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
 def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
     host = daemons("host")
     joiner = daemons("joiner", seeds=[host.address], join=True, job={"seed": 99})
-    _until(lambda: "host" in joiner.status()["live_peers"], "the joiner to see the host")
+    # Training starts only after the bootstrap pull, so a first step means it is done.
+    _until(lambda: joiner.status()["step"] >= 1, "the joiner's first step")
     status = joiner.status()
     assert status["sum_weights"] == [0.0]
     assert status["params_checksum"] == host.status()["params_checksum"]
