@@ -124,3 +124,29 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
     assert "gossipd_loss" in m
     assert m['gossipd_step_seconds_bucket{le="+Inf"}'] == m["gossipd_step_seconds_count"] > 0
     assert any(k.startswith("gossipd_node_info{") for k in m)
+
+
+def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    node = daemons("tools")
+    with grpc.insecure_channel(node.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "gossipd.v1.Gossip"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = ProtoReflectionDescriptorDatabase(channel)
+        assert "gossipd.v1.Gossip" in reflection.get_services()
+        methods = reflection.FindFileContainingSymbol("gossipd.v1.Gossip").service[0].method
+        assert {m.name for m in methods} >= {
+            "Handshake",
+            "PushSegments",
+            "PullModel",
+            "Leave",
+            "Peers",
+            "Status",
+        }
