@@ -83,7 +83,7 @@ def _status(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from gossipd.bench import transport
 
-    return transport.main(args.bench_args)
+    return transport.main(args.extra)
 
 
 def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
@@ -130,13 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("transport", help="gossipd vs raw TCP vs gloo goodput", add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_bench, takes_extra=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

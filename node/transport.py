@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+
 from gossipd.node.codec import Codec
 from gossipd.node.errors import (
     Busy,
@@ -37,7 +38,13 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.bdp_probe", 1),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # A peer that was down at first contact must be reachable soon after it starts:
+    # grpc's default reconnect backoff (1 s, growing to 120 s) fails RPCs fast meanwhile.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+RETRY_CONNECT_S = 5.0
 # Failures worth one retry with the same sequence: the receiver de-duplicates.
 _TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
@@ -110,12 +117,22 @@ class PeerClient:
         return reply
 
     async def push(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
-        """Stream the snapshot; on a transient failure retry once with the same sequence."""
+        """Stream the snapshot; on a transient failure retry once with the same sequence.
+
+        Before the retry, wait (bounded) for the channel to connect: a channel that
+        first failed while the peer was still starting sits in reconnect backoff and
+        would otherwise fail the retry at once.
+        """
         for attempt in (0, 1):
             try:
+                if attempt:
+                    await self._wait_connected(min(timeout_s, RETRY_CONNECT_S))
                 if not self.introduced:
                     await self.handshake(timeout_s)
                 return await self._push_once(out, timeout_s)
+            except PeerUnreachable:  # from the handshake
+                if attempt:
+                    raise
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNAUTHENTICATED:
                     self.introduced = False  # the peer restarted and forgot us
@@ -123,18 +140,52 @@ class PeerClient:
                     raise remote_error(err, self.address) from None
         raise AssertionError("unreachable")
 
+    async def _wait_connected(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            raise PeerUnreachable(
+                f"{self.address}: no connection within {timeout_s:.1f} s"
+            ) from None
+
     async def _push_once(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
         segments = sorted(out.push.weights)
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
+        # _frames yields PushFrames already serialized (chunks without a protobuf
+        # round trip), so this call passes request bytes through as they are.
+        method = pb.DESCRIPTOR.services_by_name["Gossip"].methods_by_name["PushSegments"]
+        push_segments = self.channel.stream_unary(
+            f"/{method.containing_service.full_name}/{method.name}",
+            request_serializer=None,
+            response_deserializer=pb.PushReply.FromString,
+        )
         replies = await asyncio.gather(
-            *(
-                self.stub.PushSegments(self._frames(out, group), timeout=timeout_s)
-                for group in groups
-            )
+            *(push_segments(self._frames(out, group), timeout=timeout_s) for group in groups)
         )
         return [ack for reply in replies for ack in reply.acks]
 
-    async def _frames(self, out: OutboundPush, segments: list[int]) -> AsyncIterator[pb.PushFrame]:
+    async def _frames(self, out: OutboundPush, segments: list[int]) -> AsyncIterator[bytes]:
+        """Serialized PushFrames: open, then per segment a header and its chunks.
+
+        A chunk frame is encoded by hand, byte for byte what protobuf writes for
+        ``PushFrame(chunk=data)`` (field tag, varint length, payload), straight from
+        a view of the tensor: one copy instead of three (bytes, message, encoding).
+        """
+
+        def varint(n: int) -> bytes:
+            out = bytearray()
+            while n > 0x7F:
+                out.append(n & 0x7F | 0x80)
+                n >>= 7
+            out.append(n)
+            return bytes(out)
+
+        chunk_field = pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number
+        tag = varint(chunk_field << 3 | 2)  # wire type 2: length-delimited
+
+        def chunk_frame(data: memoryview) -> bytes:
+            return b"".join((tag, varint(len(data)), data))
+
         yield pb.PushFrame(
             open=pb.PushOpen(
                 mesh_id=self.identity.mesh_id,
@@ -144,7 +195,7 @@ class PeerClient:
                 segment_count=len(segments),
                 incarnation=self.identity.incarnation,
             )
-        )
+        ).SerializeToString()
         for index in segments:
             for frame in segment_frames(
                 sender=self.identity.node_id,
@@ -154,11 +205,12 @@ class PeerClient:
                 flat=out.snapshot[index],
                 codec=self.codec,
                 chunk_bytes=self.chunk_bytes,
+                copy=False,
             ):
-                if isinstance(frame, bytes):
-                    yield pb.PushFrame(chunk=frame)
+                if isinstance(frame, memoryview):
+                    yield chunk_frame(frame)
                 else:
-                    yield pb.PushFrame(header=frame)
+                    yield pb.PushFrame(header=frame).SerializeToString()
 
     async def pull(
         self, plan: SegmentPlan, limits: Limits, timeout_s: float

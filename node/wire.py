@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
 from gossipd.node import codec as wirecodec
 from gossipd.node.codec import Codec
 from gossipd.node.errors import InvalidFrame, PayloadTooLarge
@@ -47,8 +48,14 @@ def segment_frames(
     flat: torch.Tensor,
     codec: Codec,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[pb.SegmentHeader | bytes]:
-    """A header, then the encoded payload in ``chunk_bytes`` pieces."""
+    copy: bool = True,
+) -> Iterator[pb.SegmentHeader | bytes | memoryview]:
+    """A header, then the encoded payload in ``chunk_bytes`` pieces.
+
+    Pieces are ``bytes``; with ``copy=False`` they are read-only views of the
+    encoded payload instead, valid while ``flat`` is unchanged, for a caller
+    that copies them into its own frames anyway.
+    """
     data = wirecodec.encode(flat, codec)
     yield pb.SegmentHeader(
         sender=sender,
@@ -61,8 +68,11 @@ def segment_frames(
         payload_bytes=len(data),
         checksum=wirecodec.checksum(data),
     )
+    if not copy:
+        data = data.toreadonly()
     for start in range(0, len(data), chunk_bytes):
-        yield data[start : start + chunk_bytes].tobytes()
+        piece = data[start : start + chunk_bytes]
+        yield piece.tobytes() if copy else piece
 
 
 class SegmentAssembler:
