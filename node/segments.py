@@ -170,7 +170,7 @@ class FlatModel:
         """x ← (1 − α)·x + α·values, in place: the sum-weight merge with α = w_s/(w_r + w_s)."""
         with torch.no_grad():
             flat = self.buffers[index]
-            flat.mul_(1.0 - alpha).add_(values.to(flat.device, flat.dtype), alpha=alpha)
+            flat.lerp_(values.to(flat.device, flat.dtype), alpha)
 
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""

@@ -82,7 +82,7 @@ class SegmentAssembler:
         self.plan = plan
         self.limits = limits
         self._header: pb.SegmentHeader | None = None
-        self._buffer: bytearray | None = None
+        self._buffer: memoryview | None = None
         self._filled = 0
         self._seen: set[int] = set()
 
@@ -131,11 +131,13 @@ class SegmentAssembler:
                 "non-negative number"
             )
         self._header = header
-        self._buffer = bytearray(expected)
+        # Uninitialised memory: a zero-filled bytearray costs a page-faulting pass
+        # over the whole segment before the first byte arrives.
+        self._buffer = memoryview(torch.empty(expected, dtype=torch.uint8).numpy())
         self._filled = 0
         return self._complete_if_full()
 
-    def chunk(self, data: bytes) -> ReceivedSegment | None:
+    def chunk(self, data: bytes | memoryview) -> ReceivedSegment | None:
         if self._header is None or self._buffer is None:
             raise InvalidFrame(f"a {len(data)}-byte chunk arrived with no segment header before it")
         if len(data) > self.limits.max_chunk_bytes:

@@ -144,6 +144,7 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
         "garbage handshake": ("Handshake", lambda: b"\x0a\xff\xff\xff\xff\x0f"),
         "garbage after open": ("PushSegments", lambda: [wire.open_frame(), b"\xff\xfe\xfd"]),
         "push without open": ("PushSegments", lambda: wire.segment(good)),
+        "chunk first": ("PushSegments", lambda: wire.segment(good)[1:]),
         "truncated stream": (
             "PushSegments",
             lambda: [
@@ -217,6 +218,7 @@ EXPECTED = {
     "garbage handshake": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
     "garbage after open": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
     "push without open": (grpc.StatusCode.INVALID_ARGUMENT, "PushOpen"),
+    "chunk first": (grpc.StatusCode.INVALID_ARGUMENT, "PushOpen"),
     "truncated stream": (grpc.StatusCode.INVALID_ARGUMENT, "do not parse"),
     "stream ends mid-segment": (grpc.StatusCode.INVALID_ARGUMENT, "stream ended inside segment 0"),
     "wrong fingerprint": (grpc.StatusCode.FAILED_PRECONDITION, "fingerprint mismatch"),
