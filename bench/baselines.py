@@ -158,6 +158,71 @@ def _hivemind_worker(rank: int, numel: int, reps: int, log: str, results: Any) -
                 obj.shutdown()
 
 
+def _grpc_worker(
+    rank: int, port: int, nbytes: int, reps: int, channels: int, log: str, results: Any
+) -> None:
+    """Rank 1 serves a stream that only counts bytes; rank 0 streams 1 MiB messages to it."""
+    import asyncio
+
+    import grpc
+
+    _worker_setup(log)
+    options = [
+        ("grpc.max_receive_message_length", 16 * MiB),
+        ("grpc.max_send_message_length", 16 * MiB),
+    ]
+
+    async def serve() -> None:
+        async def count(frames: Any, context: Any) -> bytes:
+            total = 0
+            async for frame in frames:
+                total += len(frame)
+            return str(total).encode()
+
+        server = grpc.aio.server(options=options)
+        handler = grpc.stream_unary_rpc_method_handler(count, lambda b: b, lambda b: b)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("bench.Sink", {"Push": handler}),)
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination(TIMEOUT_S * (reps + 2))
+
+    async def push() -> list[float]:
+        local = [*options, ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection each
+        chans = [
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) for _ in range(channels)
+        ]
+        for chan in chans:
+            await asyncio.wait_for(chan.channel_ready(), TIMEOUT_S)
+        calls = [c.stream_unary("/bench.Sink/Push", lambda b: b, lambda b: b) for c in chans]
+        piece, per_stream = b"\0" * MiB, nbytes // (MiB * channels)
+
+        async def frames() -> Any:
+            for _ in range(per_stream):
+                yield piece
+
+        times = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(call(frames(), timeout=TIMEOUT_S) for call in calls))
+            if rep:
+                times.append(time.perf_counter() - t0)
+        for chan in chans:
+            await chan.close()
+        return times
+
+    if rank == 1:
+        asyncio.run(serve())
+    else:
+        results.put(asyncio.run(push()))
+
+
+def bench_grpc_bare(nbytes: int, reps: int, channels: int = 4) -> list[float]:
+    """grpc.aio alone: the ceiling any gRPC transport in Python reaches on this machine."""
+    return _run_pair(_grpc_worker, (free_ports(1)[0], nbytes, reps, channels))
+
+
 def bench_hivemind(numel: int, reps: int) -> dict[str, list[float]]:
     """Two DecentralizedAveragers; all-reduce time from the trigger, after the group formed."""
     return _run_pair(_hivemind_worker, (numel, reps), ranks=1, timeout_s=60.0 + 30.0 * reps)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gossipd.bench.baselines import bench_gloo, bench_hivemind, bench_raw_tcp
+from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
 from gossipd.node.codec import Codec
 from gossipd.node.jobs import JobSpec
 from gossipd.node.mesh import spawn_node, stop_process
@@ -361,6 +361,16 @@ def main(argv: list[str] | None = None) -> int:
             "gloo",
             lambda: _row("gloo", "send/recv, 1-float ack", bench_gloo(numel, reps)),
         )
+    _optional(
+        rows,
+        notes,
+        "grpc.aio",
+        lambda: _row(
+            "grpc.aio bare",
+            "1 MiB messages, 4 channels, no-op servicer",
+            bench_grpc_bare(nbytes, reps),
+        ),
+    )
     rows += bench_gossipd(numel, tensor_numel, settings, reps, pull=not args.no_pull)
     if args.skip_hivemind:
         notes.append("hivemind: skipped (--skip-hivemind)")
@@ -404,8 +414,10 @@ def _summary(
     by_method: dict[str, float] = {}
     for r in rows:
         by_method[r["method"]] = max(by_method.get(r["method"], 0.0), r["gbps_best"])
+    bare = by_method.get("grpc.aio bare")
     return {
         "ratio_vs_raw_tcp": best["ratio_vs_raw_tcp"],
+        "ratio_vs_grpc_aio_bare": best["gbps_best"] / bare if bare else None,
         "best_push_settings": best["settings"],
         "gbps": {m.replace(" ", "_"): v for m, v in by_method.items()},
         "model_bytes": nbytes,

@@ -33,7 +33,10 @@ def test_bench_transport_prints_positive_goodput_json_and_writes_plot(
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["ratio_vs_raw_tcp"] > 0
     assert result["model_bytes"] == 8 << 20
-    assert {"raw_TCP", "gloo", "gossipd_push", "gossipd_pull"} <= set(result["gbps"])
+    assert {"raw_TCP", "gloo", "grpc.aio_bare", "gossipd_push", "gossipd_pull"} <= set(
+        result["gbps"]
+    )
+    assert result["ratio_vs_grpc_aio_bare"] > 0
     assert all(v > 0 for v in result["gbps"].values())
     assert result["machine"]["cpu_count"] >= 1 and result["date"]
     assert png.stat().st_size > 0
