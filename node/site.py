@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class TrainingLoop(threading.Thread):
         super().__init__(name=f"trainer-{site.config.node_id}", daemon=True)
         self.site = site
         self.halt = threading.Event()
+        # Called on the trainer thread if training dies: the daemon must not idle on as a
+        # silent, half-alive peer, so the site shuts down (and `gossipd node` exits 1).
+        self.on_fatal: Callable[[], None] = lambda: None
         self.finished = threading.Event()
         self.error: BaseException | None = None
 
@@ -76,6 +80,7 @@ class TrainingLoop(threading.Thread):
         except BaseException as err:
             log.exception("trainer thread failed")
             self.error = err
+            self.on_fatal()
             self.finished.set()
 
 
@@ -207,6 +212,8 @@ class Site:
                     f"{len(self.node.membership.live())} peers became live within "
                     f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
                 )
+            loop = asyncio.get_running_loop()
+            self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
             self.loop_thread.start()
             await stop.wait()
         finally:

@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,3 +151,31 @@ def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> N
             "Peers",
             "Status",
         }
+
+
+def test_training_failure_shuts_the_daemon_down_with_exit_code_1(tmp_path: Path) -> None:
+    from gossipd.node.mesh import free_ports, spawn_node, stop_process
+    from tests.conftest import write_config
+
+    data_dir = tmp_path / "fragile"
+    config = tmp_path / "fragile.toml"
+    write_config(
+        config,
+        {
+            "mesh_id": "test-mesh",
+            "node_id": "fragile",
+            "listen": f"127.0.0.1:{free_ports(1)[0]}",
+            "data_dir": str(data_dir),
+            "job": {"name": "tests.plugin_jobs:failing_job", "options": {"fail_at": 50}},
+        },
+    )
+    proc = spawn_node(config, data_dir / "node.log")
+    try:
+        assert proc.wait(timeout=120) == 1
+    finally:
+        stop_process(proc)
+    log = (data_dir / "node.log").read_text()
+    assert "user code blew up at step 50" in log
+    assert "gossipd: training failed" in log
+    ckpt = torch.load(data_dir / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 49  # the last completed step, saved on the way out
