@@ -85,7 +85,3 @@ def decode(
         if bad:
             raise NonFinitePayload(f"payload holds {bad} NaN or infinite values out of {numel}")
     return values
-
-
-def chunk_views(data: memoryview, chunk_bytes: int) -> list[memoryview]:
-    return [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [data[:0]]

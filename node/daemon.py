@@ -49,7 +49,7 @@ class Node:
         self.incarnation = time.time_ns() // 1000
         self.codec = Codec.parse(config.gossip.codec)
         self.limits = Limits(config.limits.max_chunk_bytes, config.limits.max_segment_bytes)
-        self.metrics = metrics or NodeMetrics(config.node_id, len(trainer.flat.plan))
+        self.metrics = metrics or NodeMetrics()
         self.membership = Membership(
             config.node_id,
             suspect_after_failures=config.membership.suspect_after_failures,
@@ -61,13 +61,12 @@ class Node:
         self.server: grpc.aio.Server | None = None
         self.clients: dict[str, PeerClient] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()
         self._membership_round = asyncio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         add_to_server(GossipServicer(self), server)
         health_servicer = health.aio.HealthServicer()
@@ -89,7 +88,6 @@ class Node:
             mhost, _, mport = self.config.metrics.listen.rpartition(":")
             self.metrics.serve(mhost, int(mport))
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
-        loop = self.loop
         self.trainer.send = lambda out: loop.call_soon_threadsafe(self._spawn, self._push(out))
         self._spawn(self._anti_entropy(), "anti-entropy")
         log.info(
@@ -258,7 +256,7 @@ class Node:
     def new_assembler(self) -> SegmentAssembler:
         return SegmentAssembler(self.trainer.flat.plan, self.limits)
 
-    def on_handshake(self, request: pb.HandshakeRequest, peer: str) -> pb.HandshakeReply:
+    def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         node = request.node
         self._apply(self.membership.introduced(node))
         self.trainer.post(lambda _: self.trainer.core.forget_sender(node.node_id, node.incarnation))

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import torch
 
+from gossipd.node import checkpoint
 from gossipd.node.errors import GossipdError
 from gossipd.node.status import query_status
 from gossipd.node.transport import Identity, PeerClient
@@ -219,8 +220,7 @@ class LocalMesh:
 
     async def pull_all(self) -> list[torch.Tensor]:
         """Every node's model as one flat float64 vector, pulled over gRPC."""
-        states = await self.statuses()
-        identity = Identity(self.mesh_id, "launcher", "", 0, states[0]["fingerprint"])
+        identity = Identity(self.mesh_id, "launcher", "", 0, self.plan.fingerprint)
         models = []
         for i in sorted(self.procs):
             client = PeerClient(self.addresses[i], identity)
@@ -228,22 +228,18 @@ class LocalMesh:
                 segs = await client.pull(self.plan, Limits(), 60.0)
             finally:
                 await client.close()
-            models.append(torch.cat([segs[k].double() for k in sorted(segs)]))
+            models.append(as_vector([segs[k] for k in sorted(segs)]))
         return models
 
-    def initial_models(self) -> list[torch.Tensor]:
-        out = []
-        for i in range(self.spec.nodes):
-            payload = torch.load(self.node_dir(i) / "initial.pt", weights_only=True)
-            out.append(torch.cat([s.double().flatten() for s in payload["segments"]]))
-        return out
+    def initial(self) -> list[checkpoint.Checkpoint]:
+        """Each node's ``initial.pt``: the model and weights before its first step."""
+        return [
+            checkpoint.load(self.node_dir(i) / "initial.pt", fingerprint=self.plan.fingerprint)
+            for i in range(self.spec.nodes)
+        ]
 
-    def initial_weight_sum(self) -> float:
-        total = 0.0
-        for i in range(self.spec.nodes):
-            payload = torch.load(self.node_dir(i) / "initial.pt", weights_only=True)
-            total += sum(payload["weights"]) / len(payload["weights"])
-        return total
+    def initial_models(self) -> list[torch.Tensor]:
+        return [as_vector(c.segments) for c in self.initial()]
 
     async def wait_settled(self, timeout_s: float = SETTLE_TIMEOUT_S) -> list[dict[str, Any]]:
         """Until every node finished training and has no push in flight."""
@@ -256,6 +252,11 @@ class LocalMesh:
             if time.monotonic() > deadline:
                 raise GossipdError(f"mesh did not settle within {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
+
+
+def as_vector(segments: list[torch.Tensor]) -> torch.Tensor:
+    """A model's segments as one float64 vector, for distances between models."""
+    return torch.cat([s.double().flatten() for s in segments])
 
 
 def consensus_distance(models: list[torch.Tensor]) -> float:
@@ -278,9 +279,9 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
             mesh.start(i)
         mesh.load_plan()
         await mesh.wait_ready()
-        start_models = mesh.initial_models()
-        distance_start = consensus_distance(start_models)
-        sum_weight_start = mesh.initial_weight_sum()
+        initial = mesh.initial()
+        distance_start = consensus_distance([as_vector(c.segments) for c in initial])
+        sum_weight_start = sum(sum(c.weights) / len(c.weights) for c in initial)
         timeline.append({"t": 0.0, "consensus_distance": distance_start})
         while True:
             mesh.check_alive()

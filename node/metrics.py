@@ -8,7 +8,7 @@ from gossipd.node.trainer import StepReport
 
 
 class NodeMetrics:
-    def __init__(self, node_id: str, num_segments: int) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.info = Gauge(

@@ -87,7 +87,7 @@ class Handlers(Protocol):
     fingerprint: str
 
     def new_assembler(self) -> SegmentAssembler: ...
-    def on_handshake(self, request: pb.HandshakeRequest, peer: str) -> pb.HandshakeReply: ...
+    def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
     def check_sender(self, sender: str, incarnation: int) -> None: ...
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
@@ -134,7 +134,7 @@ class GossipServicer:
                 )
             self.check_mesh(req.mesh_id, f"node {req.node.node_id!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"node {req.node.node_id!r}")
-            return self.node.on_handshake(req, context.peer())
+            return self.node.on_handshake(req)
 
         return await self._guard(context, context.peer(), call)
 

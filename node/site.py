@@ -26,7 +26,6 @@ from gossipd.node.errors import GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.trainer import GossipTrainer, StepReport
-from gossipd.node.wire import Limits
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class Site:
             seed=config.gossip.seed,
             initial_weight=0.0 if config.join else 1.0,
         )
-        self.metrics = NodeMetrics(config.node_id, len(self.trainer.flat.plan))
+        self.metrics = NodeMetrics()
         self.node = Node(config, self.trainer, self.metrics)
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -178,9 +177,8 @@ class Site:
                 f"join: no peer answered within {self.config.join_timeout_s} s; check seeds"
             )
         peer = self.node.membership.live()[0]
-        limits = Limits(self.config.limits.max_chunk_bytes, self.config.limits.max_segment_bytes)
         model = await self.node.client(peer.address).pull(
-            self.trainer.flat.plan, limits, self.config.gossip.push_timeout_s
+            self.trainer.flat.plan, self.node.limits, self.config.gossip.push_timeout_s
         )
         with self.trainer.lock:
             for index, values in model.items():

@@ -172,7 +172,6 @@ class GossipTrainer:
         seed: int = 0,
         initial_weight: float = 1.0,
     ) -> None:
-        self.node_id = node_id
         self.flat = FlatModel(model, segment_bytes)
         self.core = SumWeightGossip(
             node_id,
@@ -248,21 +247,25 @@ class GossipTrainer:
             return report
 
     def drain(self, report: StepReport, wait_s: float | None = None) -> None:
-        """Apply pending events and merge every queued push; optionally wait for the first."""
-        while True:
-            try:
-                self._events.get_nowait()(report)
-            except queue.Empty:
-                break
+        """Apply pending events and merge every queued push; optionally wait for the first.
+
+        Events are applied before the merges (peer changes, push outcomes) and again
+        after, so an outcome that arrived while merging is not left for the next step.
+        """
+        self._apply_events(report)
         item = self.inbox.get(wait_s)
         while item is not None:
             self._merge(item, report)
             item = self.inbox.get(None)
+        self._apply_events(report)
+
+    def _apply_events(self, report: StepReport) -> None:
         while True:
             try:
-                self._events.get_nowait()(report)
+                event = self._events.get_nowait()
             except queue.Empty:
-                break
+                return
+            event(report)
 
     def idle(self, wait_s: float) -> StepReport:
         """After training ends, keep merging what peers push so they can still settle."""
@@ -316,10 +319,8 @@ class _Summary:
         self.steps = 0
         self.loss = float("nan")
         self.weights = [0.0] * num_segments
-        self.peers: list[str] = []
 
     def update(self, trainer: GossipTrainer) -> None:
         self.steps = trainer.steps
         self.loss = trainer.last_loss
         self.weights = list(trainer.core.weights)
-        self.peers = sorted(trainer.core.peers)

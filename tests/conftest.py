@@ -6,7 +6,7 @@ import asyncio
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,21 @@ class DaemonHandle:
 
     def stop(self, timeout_s: float = 60.0) -> int:
         return stop_process(self.proc, timeout_s)
+
+
+def wait_until(
+    check: Callable[[], bool],
+    what: str,
+    timeout_s: float = 120.0,
+    also: Callable[[], None] = lambda: None,
+) -> None:
+    """Poll ``check`` until it holds; ``also`` runs each round (e.g. raise if a child died)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        also()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
 
 
 def toml_value(value: Any) -> str:

@@ -7,25 +7,15 @@ CHECKPOINT_EVERY or later), not after a sleep.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+from tests.conftest import wait_until
 
 CHECKPOINT_EVERY = 100
 TIMEOUT_S = 180.0
-
-
-def _until(check: Callable[[], bool], what: str, mesh: LocalMesh) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not check():
-        mesh.check_alive()
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def test_killed_node_others_continue_and_restart_resumes_from_checkpoint(tmp_path: Path) -> None:
@@ -44,39 +34,43 @@ def test_killed_node_others_continue_and_restart_resumes_from_checkpoint(tmp_pat
         mesh.load_plan()
         asyncio.run(mesh.wait_ready())
         ckpt = mesh.node_dir(2) / "checkpoint.pt"
-        _until(ckpt.exists, "node-2's first periodic checkpoint", mesh)
+        wait_until(ckpt.exists, "node-2's first periodic checkpoint", TIMEOUT_S, mesh.check_alive)
         saved_step = torch.load(ckpt, weights_only=True)["step"]
         assert saved_step >= CHECKPOINT_EVERY
 
         mesh.kill(2)
         at_kill = [status(mesh, i)["step"] for i in (0, 1)]
-        _until(
+        wait_until(
             lambda: all("node-2" not in status(mesh, i)["live_peers"] for i in (0, 1)),
             "survivors to mark node-2 down",
-            mesh,
+            TIMEOUT_S,
+            mesh.check_alive,
         )
-        _until(
+        wait_until(
             lambda: all(status(mesh, i)["step"] >= at_kill[i] + 300 for i in (0, 1)),
             "survivors to keep training",
-            mesh,
+            TIMEOUT_S,
+            mesh.check_alive,
         )
 
         saved_step = torch.load(ckpt, weights_only=True)["step"]
         mesh.start(2)
-        _until(lambda: _answers(mesh, 2), "node-2 to restart", mesh)
+        wait_until(lambda: _answers(mesh, 2), "node-2 to restart", TIMEOUT_S, mesh.check_alive)
         resumed = status(mesh, 2)
         assert resumed["step"] >= saved_step, (resumed, saved_step)
         asyncio.run(mesh.wait_ready())
-        _until(
+        wait_until(
             lambda: status(mesh, 2)["step"] >= saved_step + 300,
             "node-2 to train past its checkpoint",
-            mesh,
+            TIMEOUT_S,
+            mesh.check_alive,
         )
         # Caught up: the restarted node's model is back in consensus with the others.
-        _until(
+        wait_until(
             lambda: consensus_distance(asyncio.run(mesh.pull_all())) < 0.05,
             "consensus including the restarted node",
-            mesh,
+            TIMEOUT_S,
+            mesh.check_alive,
         )
         assert "resumed node-2" in (mesh.node_dir(2) / "node.log").read_text()
         for i in sorted(mesh.procs):

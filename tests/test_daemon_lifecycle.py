@@ -6,30 +6,20 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-DEADLINE_S = 120.0
-
-
-def _until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+from tests.conftest import wait_until
 
 
 def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
     ports = [next(daemons.ports), next(daemons.ports)]
     a = daemons("a", ports[0], seeds=[f"127.0.0.1:{ports[1]}"], **config)
     b = daemons("b", ports[1], seeds=[f"127.0.0.1:{ports[0]}"], **config)
-    _until(
+    wait_until(
         lambda: a.status()["live_peers"] == ["b"] and b.status()["live_peers"] == ["a"],
         "a and b to see each other",
     )
@@ -73,7 +63,7 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     before = a.status()
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(timeout=30) == 0  # bounded: shutdown_timeout_s plus process exit
-    _until(lambda: b.status()["sum_weights"] == [2.0], "b to hold all the weight")
+    wait_until(lambda: b.status()["sum_weights"] == [2.0], "b to hold all the weight")
     assert "handed weight to b" in a.log()
     ckpt = torch.load(a.data_dir / "checkpoint.pt", weights_only=True)
     assert ckpt["weights"] == [0.0]
@@ -86,14 +76,14 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     assert resumed["params_checksum"] == before["params_checksum"]  # lr 0: the model it left with
     assert resumed["step"] >= ckpt["step"]
     assert "resumed a from step" in again.log()
-    _until(lambda: "b" in again.status()["live_peers"], "the restarted node to rejoin")
+    wait_until(lambda: "b" in again.status()["live_peers"], "the restarted node to rejoin")
 
 
 def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
     host = daemons("host")
     joiner = daemons("joiner", seeds=[host.address], join=True, job={"seed": 99})
     # Training starts only after the bootstrap pull, so a first step means it is done.
-    _until(lambda: joiner.status()["step"] >= 1, "the joiner's first step")
+    wait_until(lambda: joiner.status()["step"] >= 1, "the joiner's first step")
     status = joiner.status()
     assert status["sum_weights"] == [0.0]
     assert status["params_checksum"] == host.status()["params_checksum"]
@@ -113,7 +103,7 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
             if line and not line.startswith("#")
         }
 
-    _until(
+    wait_until(
         lambda: scrape().get('gossipd_gossip_messages_total{direction="sent",result="ok"}', 0) > 0,
         "an acknowledged push in the metrics",
     )

@@ -384,15 +384,6 @@ def test_codec_parse_accepts_names_and_refuses_unknown_listing_choices():
         Codec.parse("int4")
 
 
-def test_chunk_views_cover_the_payload_exactly_once():
-    data = memoryview(bytes(range(256)) * 4)
-    for chunk_bytes in (1, 7, 256, 1000, 5000):
-        chunks = wirecodec.chunk_views(data, chunk_bytes)
-        assert b"".join(bytes(c) for c in chunks) == bytes(data)
-        assert all(len(c) <= chunk_bytes for c in chunks)
-    assert [bytes(c) for c in wirecodec.chunk_views(memoryview(b""), 8)] == [b""]
-
-
 def test_every_codec_error_is_a_gossipd_error():
     for err in (InvalidFrame, NonFinitePayload, PayloadTooLarge, MeshMismatch):
         assert issubclass(err, GossipdError)
