@@ -60,7 +60,21 @@ class GossipConfig(_Section):
     codec: Literal["raw", "fp16", "bf16"] = "raw"
     segment_bytes: int = Field(4 << 20, ge=1024)
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
-    push_timeout_s: float = Field(30.0, gt=0)
+    push_timeout_s: float = Field(
+        30.0, gt=0, description="deadline of one push attempt, from open to acknowledgement"
+    )
+    progress_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a push with no chunk taken and no reply for this long is abandoned and "
+        "retried later with the same sequence; the peer counts one failure",
+    )
+    retry_max_s: float = Field(
+        10.0, gt=0, description="longest wait between retries of an unacknowledged push"
+    )
+    max_pushes_in_flight: int = Field(
+        4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
+    )
     seed: int = Field(0, description="seed of this node's peer choices")
 
 
@@ -71,13 +85,43 @@ class MembershipConfig(_Section):
     start_timeout_s: float = Field(120.0, gt=0)
     anti_entropy_interval_s: float = Field(1.0, gt=0)
     suspect_after_failures: int = Field(3, ge=1)
-    drop_after_s: float = Field(15.0, gt=0)
+    drop_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="a peer suspected this long is declared dead: its unacknowledged pushes "
+        "are folded back and it is forgotten",
+    )
+    max_peers: int = Field(256, ge=1, description="verified peers remembered")
+    max_candidates: int = Field(
+        64, ge=1, description="heard-of addresses waiting for this node's own handshake"
+    )
+    dial_concurrency: int = Field(8, ge=1, description="handshakes to candidates at once")
+    max_departed: int = Field(1024, ge=1, description="departed peers remembered")
 
 
 class LimitsConfig(_Section):
     max_chunk_bytes: int = Field(4 << 20, ge=1024)
     max_segment_bytes: int = Field(1 << 30, ge=1024)
     inbox_size: int = Field(16, ge=1)
+    max_sum_weight: float = Field(
+        1e6, gt=0, description="largest sum-weight a payload may carry (a mesh starts at 1/node)"
+    )
+    max_inbound_pushes: int = Field(32, ge=1, description="inbound push streams at once")
+    max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
+    max_pending_bytes: int = Field(
+        512 << 20,
+        ge=1024,
+        description="payload bytes held by unfinished inbound pushes, all streams together",
+    )
+    stream_idle_timeout_s: float = Field(
+        10.0, gt=0, description="an inbound stream silent this long (or a pull not read) is ended"
+    )
+    merge_wait_s: float = Field(
+        5.0, gt=0, description="how long a received push waits for a step boundary before Busy"
+    )
+    rejection_log_interval_s: float = Field(
+        60.0, gt=0, description="a rejection is logged once per peer and reason per interval"
+    )
 
 
 class CheckpointConfig(_Section):

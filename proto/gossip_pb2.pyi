@@ -163,12 +163,14 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("mesh_id", "node_id")
+    __slots__ = ("mesh_id", "node_id", "incarnation")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     node_id: str
-    def __init__(self, mesh_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, mesh_id: _Optional[str] = ..., node_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()
@@ -191,11 +193,20 @@ class PeersReply(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("checksum",)
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    checksum: bool
+    def __init__(self, checksum: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +218,13 @@ class StatusReply(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     TRAINING_DONE_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_ACKED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_MERGED_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -218,4 +236,11 @@ class StatusReply(_message.Message):
     loss: float
     pushes_in_flight: int
     training_done: bool
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ...) -> None: ...
+    pushes_acked: int
+    pushes_failed: int
+    pushes_merged: int
+    peers: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    suspected_peers: _containers.RepeatedScalarFieldContainer[str]
+    rejected: _containers.ScalarMap[str, int]
+    reserved_weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ...) -> None: ...
