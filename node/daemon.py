@@ -24,6 +24,7 @@ from gossipd.node.config import NodeConfig
 from gossipd.node.errors import Busy, GossipdError, PeerUnreachable, UnknownPeer
 from gossipd.node.membership import Change, Membership
 from gossipd.node.metrics import NodeMetrics
+from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
 from gossipd.node.trainer import GossipTrainer, InboundPush, OutboundPush
 from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
@@ -63,6 +64,7 @@ class Node:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
         self._membership_round = asyncio.Lock()
+        self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -354,8 +356,9 @@ class Node:
         )
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
+        """Count every refusal; log and report it once per peer and reason per interval."""
         reason = type(err).__name__
-        log.warning("rejected a request from %s: %s", peer, err)
         self.metrics.rejected.labels(reason).inc()
         self.metrics.messages.labels("received", "rejected").inc()
-        self.trainer.post_rejection(peer, reason, str(err))
+        if self.rejections.record(peer_host(peer), reason, str(err)):
+            self.trainer.post_rejection(peer, reason, str(err))

@@ -1,0 +1,51 @@
+"""Counting refused requests without letting a flood write the log or grow a table.
+
+Every refusal is counted by reason (for Status and Prometheus). The log gets one
+line per (peer, reason) per interval, carrying how many were refused since the
+last line, so 3,000 junk calls cost one line, not 3,000. The table of (peer,
+reason) keys is capped: the least recently logged key is forgotten first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+
+log = logging.getLogger("gossipd.node.rejections")
+
+
+def peer_host(peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` → ``1.2.3.4``: one key per remote host, not per connection."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host = rest.rpartition(":")[0]
+        return host.strip("[]") or rest
+    return peer
+
+
+class RejectionLog:
+    def __init__(self, interval_s: float, max_keys: int = 1024) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self.counts: Counter[str] = Counter()
+        # (peer, reason) -> (monotonic time of the last line, refusals since then)
+        self._last: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+
+    def record(self, peer: str, reason: str, detail: str, now: float | None = None) -> bool:
+        """Count one refusal; True if it was logged (first of its kind in this interval)."""
+        now = time.monotonic() if now is None else now
+        self.counts[reason] += 1
+        key = (peer, reason)
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return False
+        suppressed = last[1] if last is not None else 0
+        more = f" (and {suppressed} more since the last report)" if suppressed else ""
+        log.warning("refused a request from %s: %s%s", peer, detail, more)
+        self._last[key] = (now, 0)
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        return True
