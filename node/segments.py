@@ -166,18 +166,40 @@ class FlatModel:
         with torch.no_grad():
             self.buffers[index].copy_(values)
 
-    def merge_segment(self, index: int, values: torch.Tensor, alpha: float) -> None:
-        """x ← (1 − α)·x + α·values, in place: the sum-weight merge with α = w_s/(w_r + w_s)."""
+    def merge_segment(self, index: int, values: torch.Tensor, alpha: float) -> bool:
+        """x ← (1 − α)·x + α·values unless that would be non-finite; False if refused."""
+        blended = self.blend(index, values, alpha)
+        if blended is None:
+            return False
+        self.load_segment(index, blended)
+        return True
+
+    def blend(self, index: int, values: torch.Tensor, alpha: float) -> torch.Tensor | None:
+        """(1 − α)·x + α·values as a new tensor, or None if any element would be non-finite.
+
+        Written as a weighted sum, not x + α·(y − x): with finite inputs each
+        term is no larger than its input, so two finite models of opposite sign
+        near the dtype's limit cannot overflow through their difference.
+        """
         with torch.no_grad():
             flat = self.buffers[index]
-            flat.lerp_(values.to(flat.device, flat.dtype), alpha)
+            out = flat.mul(1.0 - alpha)
+            out.add_(values.to(flat.device, flat.dtype), alpha=alpha)
+            # One reduction settles the common case; only an inf/nan sum needs the exact test.
+            if not torch.isfinite(out.sum()) and not bool(torch.isfinite(out).all()):
+                return None
+            return out
 
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
-        digest = hashlib.sha256()
-        for flat in self.buffers:
-            digest.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:32]
+        return model_checksum(self.buffers)
+
+
+def model_checksum(buffers: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for flat in buffers:
+        digest.update(flat.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def check_fingerprint(local: str, remote: str, who: str) -> None:

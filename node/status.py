@@ -25,13 +25,28 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "params_checksum": reply.params_checksum,
         "pushes_in_flight": reply.pushes_in_flight,
         "training_done": reply.training_done,
+        "pushes_acked": reply.pushes_acked,
+        "pushes_failed": reply.pushes_failed,
+        "pushes_merged": reply.pushes_merged,
+        "peers": [
+            {"node_id": p.node_id, "address": p.address, "incarnation": p.incarnation}
+            for p in reply.peers
+        ],
+        "suspected_peers": list(reply.suspected_peers),
+        "rejected": dict(reply.rejected),
+        "reserved_weights": list(reply.reserved_weights),
     }
 
 
-async def query_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
+async def query_status(
+    address: str, timeout_s: float = 5.0, *, checksum: bool = False
+) -> dict[str, Any]:
+    """One node's status; ``checksum`` also hashes its model (costs a model copy)."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         try:
-            reply = await pb_grpc.GossipStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+            reply = await pb_grpc.GossipStub(channel).Status(
+                pb.StatusRequest(checksum=checksum), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError as err:
             raise GossipdError(
                 f"no status from {address}: {err.code().name}: {err.details()}; "

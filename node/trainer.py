@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gossipd.node.errors import Busy
-from gossipd.node.protocols.sumweight import Duplicate, Push, SumWeightGossip
+from gossipd.node.errors import Busy, InvalidFrame, NonFinitePayload
+from gossipd.node.protocols.sumweight import Merge, Push, Refused, SumWeightGossip
 from gossipd.node.segments import FlatModel
 from gossipd.node.wire import ReceivedSegment
 from gossipd.proto import gossip_pb2 as pb
@@ -171,6 +171,8 @@ class GossipTrainer:
         inbox_size: int = 16,
         seed: int = 0,
         initial_weight: float = 1.0,
+        max_in_flight: int = 4,
+        max_weight: float = 1e6,
     ) -> None:
         self.flat = FlatModel(model, segment_bytes)
         self.core = SumWeightGossip(
@@ -179,6 +181,8 @@ class GossipTrainer:
             push_probability=push_probability,
             rng=random.Random(seed),
             initial_weight=initial_weight,
+            max_in_flight=max_in_flight,
+            max_weight=max_weight,
         )
         self.inbox = Inbox(inbox_size)
         self.steps = 0
@@ -189,7 +193,10 @@ class GossipTrainer:
         # Held by whoever reads or writes parameters: the trainer while stepping,
         # the loop while snapshotting for PullModel or status.
         self.lock = FairLock()
-        self.summary = _Summary(len(self.flat.plan))
+        self.pushes_acked = 0
+        self.pushes_failed = 0
+        self.pushes_merged = 0
+        self.summary = Summary.of(self)
 
     @property
     def fingerprint(self) -> str:
@@ -219,8 +226,18 @@ class GossipTrainer:
             if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
         )
         with self.lock:
-            for merge in self.core.on_push_acked(out.push.sequence, acked):
-                self.flat.merge_segment(merge.segment, out.snapshot[merge.segment], merge.alpha)
+            if out.push.key not in self.core.in_flight:
+                return  # settled before (a late duplicate outcome changes nothing)
+            for merge in self.core.on_push_acked(out.push.key, acked):
+                # Our own snapshot coming home: finite, and the blend cannot overflow.
+                blended = self.flat.blend(merge.segment, out.snapshot[merge.segment], merge.alpha)
+                if blended is not None:
+                    self.flat.load_segment(merge.segment, blended)
+            if len(acked) == len(out.push.weights):
+                self.pushes_acked += 1
+            else:
+                self.pushes_failed += 1
+            self.summary = Summary.of(self)
         if report is not None:
             record = PushRecord(out.push.peer, out.push.sequence, acked, error)
             (report.failed if error else report.pushed).append(record)
@@ -243,7 +260,7 @@ class GossipTrainer:
             for push in self.core.on_step_end():
                 report.started_push_to = push.peer
                 self.send(OutboundPush(push, self.flat.snapshot(push.weights)))
-            self.summary.update(self)
+            self.summary = Summary.of(self)
             return report
 
     def drain(self, report: StepReport, wait_s: float | None = None) -> None:
@@ -272,7 +289,7 @@ class GossipTrainer:
         with self.lock:
             report = StepReport(self.steps)
             self.drain(report, wait_s)
-            self.summary.update(self)
+            self.summary = Summary.of(self)
             return report
 
     def leave(self, peer: str | None = None) -> OutboundPush | None:
@@ -281,46 +298,87 @@ class GossipTrainer:
             return OutboundPush(push, self.flat.snapshot(push.weights)) if push else None
 
     def _merge(self, item: InboundPush, report: StepReport) -> None:
+        """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
         try:
-            merged, dupes, acks = [], [], []
-            for seg in item.segments:
-                action = self.core.on_message(
-                    item.sender, item.incarnation, item.sequence, seg.segment, seg.sum_weight
+            weights = {seg.segment: seg.sum_weight for seg in item.segments}
+            values = {seg.segment: seg.values for seg in item.segments}
+            try:
+                plan = self.core.plan_receive(item.sender, item.incarnation, item.sequence, weights)
+            except Refused as err:
+                raise InvalidFrame(f"push {item.sender}#{item.sequence}: {err}") from None
+            blends: dict[int, torch.Tensor] = {}
+            for action in plan:
+                if isinstance(action, Merge):
+                    blended = self.flat.blend(action.segment, values[action.segment], action.alpha)
+                    if blended is None:
+                        raise NonFinitePayload(
+                            f"merging segment {action.segment} of push {item.sender}#"
+                            f"{item.sequence} would make the model non-finite; refused, "
+                            "nothing merged"
+                        )
+                    blends[action.segment] = blended
+            self.core.apply_receive(item.sender, item.incarnation, item.sequence, plan)
+            for segment, blended in blends.items():
+                self.flat.load_segment(segment, blended)
+            acks = [
+                pb.SegmentAck(
+                    segment=action.segment,
+                    result=pb.SEGMENT_RESULT_MERGED
+                    if isinstance(action, Merge)
+                    else pb.SEGMENT_RESULT_DUPLICATE,
+                    receiver_weight=self.core.weights[action.segment],
                 )
-                if isinstance(action, Duplicate):
-                    dupes.append(seg.segment)
-                    result = pb.SEGMENT_RESULT_DUPLICATE
-                else:
-                    self.flat.merge_segment(seg.segment, seg.values, action.alpha)
-                    merged.append(seg.segment)
-                    result = pb.SEGMENT_RESULT_MERGED
-                acks.append(
-                    pb.SegmentAck(
-                        segment=seg.segment,
-                        result=result,
-                        receiver_weight=self.core.weights[seg.segment],
-                    )
-                )
+                for action in plan
+            ]
+            if blends:
+                self.pushes_merged += 1
             report.merged.append(
-                MergeRecord(item.sender, item.sequence, tuple(merged), tuple(dupes))
+                MergeRecord(
+                    item.sender,
+                    item.sequence,
+                    tuple(blends),
+                    tuple(a.segment for a in plan if not isinstance(a, Merge)),
+                )
             )
             item.reply.set_result(acks)
+        except (InvalidFrame, NonFinitePayload) as err:
+            item.reply.set_exception(err)  # refused whole: the model is untouched
         except Exception as err:  # never strand the waiting servicer
             item.reply.set_exception(err)
             raise
 
 
-class _Summary:
-    """A consistent copy of trainer state for readers on other threads (status, metrics)."""
+@dataclass(frozen=True)
+class Summary:
+    """A consistent copy of trainer state, replaced whole at each step boundary.
 
-    def __init__(self, num_segments: int) -> None:
-        self.steps = 0
-        self.loss = float("nan")
-        self.weights = [0.0] * num_segments
+    Readers on other threads (status, metrics, health) read the current object
+    without taking the trainer's lock, so they never wait on a step.
+    """
 
-    def update(self, trainer: GossipTrainer) -> None:
-        self.steps = trainer.steps
-        self.loss = trainer.last_loss
-        self.weights = list(trainer.core.weights)
+    steps: int
+    loss: float
+    weights: tuple[float, ...]
+    reserved: tuple[float, ...]
+    in_flight: int
+    pushes_acked: int
+    pushes_failed: int
+    pushes_merged: int
+    peers: frozenset[str]
+
+    @classmethod
+    def of(cls, trainer: GossipTrainer) -> Summary:
+        core = trainer.core
+        return cls(
+            steps=trainer.steps,
+            loss=trainer.last_loss,
+            weights=tuple(core.weights),
+            reserved=tuple(core.reserved),
+            in_flight=len(core.in_flight),
+            pushes_acked=trainer.pushes_acked,
+            pushes_failed=trainer.pushes_failed,
+            pushes_merged=trainer.pushes_merged,
+            peers=frozenset(core.peers),
+        )

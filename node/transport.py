@@ -4,12 +4,18 @@ A push splits its segments over up to ``streams`` concurrent client streams so
 several segments are on the wire at once; each stream repeats the push's
 sequence number, and the receiver de-duplicates per (sequence, segment), so a
 retry of any part is safe.
+
+One call is one attempt. Its outcome is either known (acknowledged, or refused
+by the receiver before it merged anything) or unknown (the connection broke, a
+deadline passed, or nothing moved for ``progress_timeout_s``): an unknown
+outcome raises :class:`OutcomeUnknown`, and the caller retries with the same
+sequence instead of guessing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -44,9 +50,16 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-RETRY_CONNECT_S = 5.0
-# Failures worth one retry with the same sequence: the receiver de-duplicates.
-_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Statuses after which the receiver may or may not have merged the push. Every
+# other status is an answer from the receiver's servicer, which refuses before it
+# merges anything.
+_UNKNOWN_OUTCOME = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
 _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: MeshMismatch,
     grpc.StatusCode.UNAUTHENTICATED: UnknownPeer,
@@ -56,6 +69,10 @@ _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: PeerUnreachable,
     grpc.StatusCode.CANCELLED: PeerUnreachable,
 }
+
+
+class OutcomeUnknown(PeerUnreachable):
+    """The push may or may not have been merged: retry it with the same sequence."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,6 @@ class PeerClient:
         self.streams = max(1, streams)
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.GossipStub(self.channel)
-        self.introduced = False
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
@@ -113,42 +129,41 @@ class PeerClient:
             reply = await self.stub.Handshake(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise remote_error(err, self.address) from None
-        self.introduced = True
         return reply
 
-    async def push(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
-        """Stream the snapshot; on a transient failure retry once with the same sequence.
+    async def push(
+        self, out: OutboundPush, timeout_s: float, progress_timeout_s: float | None = None
+    ) -> list[pb.SegmentAck]:
+        """One attempt: stream the snapshot and return the receiver's acknowledgements.
 
-        Before the retry, wait (bounded) for the channel to connect: a channel that
-        first failed while the peer was still starting sits in reconnect backoff and
-        would otherwise fail the retry at once.
+        Raises :class:`OutcomeUnknown` when the receiver may have merged without us
+        hearing of it, another :class:`GossipdError` when it refused. A hung peer
+        with an open connection takes no chunk and sends no reply: after
+        ``progress_timeout_s`` without either, the attempt ends.
         """
-        for attempt in (0, 1):
-            try:
-                if attempt:
-                    await self._wait_connected(min(timeout_s, RETRY_CONNECT_S))
-                if not self.introduced:
-                    await self.handshake(timeout_s)
-                return await self._push_once(out, timeout_s)
-            except PeerUnreachable:  # from the handshake
-                if attempt:
-                    raise
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    self.introduced = False  # the peer restarted and forgot us
-                if attempt or err.code() not in _TRANSIENT | {grpc.StatusCode.UNAUTHENTICATED}:
-                    raise remote_error(err, self.address) from None
-        raise AssertionError("unreachable")
-
-    async def _wait_connected(self, timeout_s: float) -> None:
+        progress_s = progress_timeout_s or timeout_s
         try:
-            await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
-        except TimeoutError:
-            raise PeerUnreachable(
-                f"{self.address}: no connection within {timeout_s:.1f} s"
-            ) from None
+            async with asyncio.timeout(progress_s) as watchdog:
 
-    async def _push_once(self, out: OutboundPush, timeout_s: float) -> list[pb.SegmentAck]:
+                def progressed() -> None:
+                    watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
+
+                return await self._push_once(out, timeout_s, progressed)
+        except TimeoutError:
+            raise OutcomeUnknown(
+                f"{self.address}: push #{out.push.sequence} made no progress for "
+                f"{progress_s:.1f} s (gossip.progress_timeout_s)"
+            ) from None
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _UNKNOWN_OUTCOME:
+                raise OutcomeUnknown(
+                    f"{self.address}: {err.code().name}: {err.details()}"
+                ) from None
+            raise remote_error(err, self.address) from None
+
+    async def _push_once(
+        self, out: OutboundPush, timeout_s: float, progressed: Callable[[], None]
+    ) -> list[pb.SegmentAck]:
         segments = sorted(out.push.weights)
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
         # _frames yields PushFrames already serialized (chunks without a protobuf
@@ -159,12 +174,18 @@ class PeerClient:
             request_serializer=None,
             response_deserializer=pb.PushReply.FromString,
         )
-        replies = await asyncio.gather(
-            *(push_segments(self._frames(out, group), timeout=timeout_s) for group in groups)
-        )
+
+        async def one(group: list[int]) -> pb.PushReply:
+            reply = await push_segments(self._frames(out, group, progressed), timeout=timeout_s)
+            progressed()
+            return reply
+
+        replies = await asyncio.gather(*(one(group) for group in groups))
         return [ack for reply in replies for ack in reply.acks]
 
-    async def _frames(self, out: OutboundPush, segments: list[int]) -> AsyncIterator[bytes]:
+    async def _frames(
+        self, out: OutboundPush, segments: list[int], progressed: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
         """Serialized PushFrames: open, then per segment a header and its chunks.
 
         A chunk frame is encoded by hand, byte for byte what protobuf writes for
@@ -211,6 +232,7 @@ class PeerClient:
                     yield chunk_frame(frame)
                 else:
                     yield pb.PushFrame(header=frame).SerializeToString()
+                progressed()  # grpc asked for the next frame: the last one was taken
 
     async def pull(
         self, plan: SegmentPlan, limits: Limits, timeout_s: float
@@ -245,11 +267,13 @@ class PeerClient:
         return received
 
     async def leave(self, timeout_s: float) -> None:
+        request = pb.LeaveRequest(
+            mesh_id=self.identity.mesh_id,
+            node_id=self.identity.node_id,
+            incarnation=self.identity.incarnation,
+        )
         try:
-            await self.stub.Leave(
-                pb.LeaveRequest(mesh_id=self.identity.mesh_id, node_id=self.identity.node_id),
-                timeout=timeout_s,
-            )
+            await self.stub.Leave(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             raise remote_error(err, self.address) from None
 

@@ -30,8 +30,8 @@ class DaemonHandle:
     config_path: Path
     proc: subprocess.Popen[bytes]
 
-    def status(self) -> dict[str, Any]:
-        return asyncio.run(query_status(self.address, 10.0))
+    def status(self, *, checksum: bool = False) -> dict[str, Any]:
+        return asyncio.run(query_status(self.address, 10.0, checksum=checksum))
 
     def log(self) -> str:
         path = self.data_dir / "node.log"

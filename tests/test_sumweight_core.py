@@ -101,11 +101,11 @@ class Mesh:
         self.total_weight = [math.fsum(weights)] * num_segments
         self.total_wx = [self._sum_wx_settled(s) for s in range(num_segments)]
         self.initial_x = [[v.copy() for v in xs] for xs in self.x]
-        self.flights: dict[tuple[int, int], Flight] = {}
-        self.unresolved: set[tuple[int, int]] = set()
-        self.pending: dict[tuple[int, int], int] = {}
+        self.flights: dict[tuple[int, int, int], Flight] = {}
+        self.unresolved: set[tuple[int, int, int]] = set()
+        self.pending: dict[tuple[int, int, int], int] = {}
         self.queue: list[tuple] = []
-        self.progress: dict[tuple[tuple[int, int], int], set[int]] = {}
+        self.progress: dict[tuple[tuple[int, int, int], int], set[int]] = {}
         self.left: set[int] = set()
         self.counts = {"merged": 0, "duplicate": 0, "failed": 0, "acked": 0, "pushes": 0}
 
@@ -127,7 +127,7 @@ class Mesh:
         """Σ available + Σ undelivered in-flight weight is the initial total, at every moment."""
         for k in self.unresolved:
             f = self.flights[k]
-            assert f.push.sequence in self.nodes[f.sender].in_flight
+            assert f.push.key in self.nodes[f.sender].in_flight
         for s in range(self.num_segments):
             held = [node.available(s) for node in self.nodes]
             total = math.fsum(held + self.mass_in_transit(s))
@@ -146,15 +146,15 @@ class Mesh:
         assert push.peer != self.ids[sender], "a node pushed to itself"
         assert set(push.weights) == set(range(self.num_segments))
         receiver = self.ids.index(push.peer)
-        key = (sender, push.sequence)
-        assert key not in self.flights, "sequence reused by one sender"
+        key = (sender, receiver, push.sequence)
+        assert key not in self.flights, "sequence reused on one edge"
         snapshot = [v.copy() for v in self.x[sender]]  # the sender's model at push time
         self.flights[key] = Flight(sender, receiver, push, snapshot)
         self.unresolved.add(key)
         self.counts["pushes"] += 1
         self._send_attempt(key)
 
-    def _send_attempt(self, key: tuple[int, int]) -> None:
+    def _send_attempt(self, key: tuple[int, int, int]) -> None:
         f = self.flights[key]
         f.attempts += 1
         for s in range(self.num_segments):
@@ -193,7 +193,7 @@ class Mesh:
         else:
             self._receive_ack(*msg[1:])
 
-    def _receive_segment(self, key: tuple[int, int], attempt: int, s: int) -> None:
+    def _receive_segment(self, key: tuple[int, int, int], attempt: int, s: int) -> None:
         f = self.flights[key]
         node = self.nodes[f.receiver]
         before = (list(node.weights), list(node.reserved))
@@ -221,27 +221,27 @@ class Mesh:
             if len(seen) == self.num_segments:  # the stream ended: the receiver replies once
                 self._enqueue(("ack", key, tuple(range(self.num_segments))))
 
-    def _receive_ack(self, key: tuple[int, int], segments: tuple[int, ...]) -> None:
+    def _receive_ack(self, key: tuple[int, int, int], segments: tuple[int, ...]) -> None:
         f = self.flights[key]
         node = self.nodes[f.sender]
         before = (list(node.weights), list(node.reserved))
-        node.on_push_acked(f.push.sequence, segments)
+        node.on_push_acked(f.push.key, segments)
         if f.resolved:
             assert (node.weights, node.reserved) == before, "a stale ack changed the sender"
             return
-        assert f.push.sequence not in node.in_flight
+        assert f.push.key not in node.in_flight
         f.resolved = True
         self.unresolved.discard(key)
         self.counts["acked"] += 1
 
-    def time_out(self, key: tuple[int, int]) -> None:
+    def time_out(self, key: tuple[int, int, int]) -> None:
         """The sender heard nothing back: give up (only if never reached) or retry."""
         f = self.flights[key]
         assert not f.resolved and self.pending.get(key, 0) == 0
         if not f.delivered and self.rng.random() < self.faults.fail:
             sender = self.nodes[f.sender]
             available = [sender.available(s) for s in range(self.num_segments)]
-            for merge in sender.on_push_failed(f.push.sequence):
+            for merge in sender.on_push_failed(f.push.key):
                 # The returned weight comes back with the snapshot it left with.
                 x = self.x[f.sender][merge.segment]
                 self.x[f.sender][merge.segment] = (1 - merge.alpha) * x + merge.alpha * f.snapshot[
@@ -533,8 +533,8 @@ def test_second_push_while_first_in_flight_sends_half_of_available_weight():
     assert second.sequence == first.sequence + 1
     assert second.weights == {0: 0.25, 1: 0.25}
     assert node.reserved == [0.75, 0.75]
-    node.on_push_acked(second.sequence, [0, 1])
-    node.on_push_acked(first.sequence, [0, 1])
+    node.on_push_acked(second.key, [0, 1])
+    node.on_push_acked(first.key, [0, 1])
     assert node.weights == [0.25, 0.25]
     assert node.reserved == [0.0, 0.0]
 
@@ -542,7 +542,7 @@ def test_second_push_while_first_in_flight_sends_half_of_available_weight():
 def test_partial_ack_commits_acknowledged_segments_and_returns_the_rest():
     node = make(num_segments=3)
     [push] = node.on_step_end()
-    node.on_push_acked(push.sequence, [1])
+    node.on_push_acked(push.key, [1])
     assert node.weights == [1.0, 0.5, 1.0]
     assert node.reserved == [0.0, 0.0, 0.0]
     assert node.in_flight == {}
@@ -551,7 +551,7 @@ def test_partial_ack_commits_acknowledged_segments_and_returns_the_rest():
 def test_failed_push_returns_the_whole_reservation():
     node = make()
     [push] = node.on_step_end()
-    node.on_push_failed(push.sequence)
+    node.on_push_failed(push.key)
     assert node.weights == [1.0, 1.0]
     assert node.reserved == [0.0, 0.0]
     assert node.in_flight == {}
@@ -561,10 +561,10 @@ def test_failed_push_returns_the_whole_reservation():
 def test_ack_or_failure_of_unknown_or_settled_sequence_changes_nothing():
     node = make()
     [push] = node.on_step_end()
-    node.on_push_acked(push.sequence, [0, 1])
+    node.on_push_acked(push.key, [0, 1])
     state = (list(node.weights), list(node.reserved))
-    node.on_push_acked(push.sequence, [0, 1])  # duplicated ack
-    node.on_push_failed(push.sequence)  # late failure report
+    node.on_push_acked(push.key, [0, 1])  # duplicated ack
+    node.on_push_failed(push.key)  # late failure report
     node.on_push_acked(999, [0])
     assert (node.weights, node.reserved) == state
 
@@ -641,8 +641,8 @@ def test_leave_hands_over_all_available_weight_to_the_chosen_peer():
     assert push is not None and push.peer == "c"
     assert push.weights == {0: 0.5, 1: 0.5}  # everything not already reserved
     assert [node.available(s) for s in range(2)] == [0.0, 0.0]
-    node.on_push_acked(first.sequence, [0, 1])
-    node.on_push_acked(push.sequence, [0, 1])
+    node.on_push_acked(first.key, [0, 1])
+    node.on_push_acked(push.key, [0, 1])
     assert node.weights == [0.0, 0.0]
     assert node.reserved == [0.0, 0.0]
 
@@ -737,7 +737,7 @@ def test_push_probability_one_pushes_after_every_step():
     node = make(p=1.0, peers=("b", "c"))
     for k in range(1, 21):
         [push] = node.on_step_end()
-        node.on_push_acked(push.sequence, [0, 1])
+        node.on_push_acked(push.key, [0, 1])
         assert node.weights[0] == 0.5**k
 
 
@@ -747,7 +747,7 @@ def test_no_self_peer_is_ever_chosen():
     for _ in range(500):
         for push in node.on_step_end():
             assert push.peer != "a"
-            node.on_push_failed(push.sequence)
+            node.on_push_failed(push.key)
     alone = make(node_id="a", peers=("a",))
     assert alone.peers == set()
     assert alone.on_step_end() == []
@@ -762,7 +762,7 @@ def test_pushes_go_only_to_live_peers_and_reach_every_one_of_them():
     for _ in range(300):
         for push in node.on_step_end():
             targets.add(push.peer)
-            node.on_push_failed(push.sequence)
+            node.on_push_failed(push.key)
     assert targets == {"b", "d"}
 
 
@@ -772,7 +772,7 @@ def test_sequences_start_after_sequence_start_and_strictly_increase():
     for _ in range(5):
         [push] = node.on_step_end()
         sequences.append(push.sequence)
-        node.on_push_acked(push.sequence, [0, 1])
+        node.on_push_acked(push.key, [0, 1])
     assert sequences == [42, 43, 44, 45, 46]
 
 
@@ -783,7 +783,7 @@ def test_node_with_max_in_flight_unacknowledged_pushes_skips_its_turn():
     for _ in range(10):
         assert node.on_step_end() == []
     assert (node.weights, node.reserved) == state
-    node.on_push_acked(push.sequence, [0, 1])
+    node.on_push_acked(push.key, [0, 1])
     [nxt] = node.on_step_end()
     assert nxt.sequence == push.sequence + 1
 
@@ -792,7 +792,7 @@ def test_failed_push_frees_its_in_flight_slot():
     node = make(max_in_flight=2)
     first, second = node.on_step_end()[0], node.on_step_end()[0]
     assert node.on_step_end() == []
-    node.on_push_failed(first.sequence)
+    node.on_push_failed(first.key)
     assert len(node.on_step_end()) == 1
     assert second.sequence in node.in_flight
 
@@ -812,7 +812,7 @@ def test_same_rng_seed_gives_the_same_pushes():
         for _ in range(200):
             for push in node.on_step_end():
                 out.append((push.peer, push.sequence))
-                node.on_push_acked(push.sequence, [0, 1])
+                node.on_push_acked(push.key, [0, 1])
         return out
 
     assert trace(11) == trace(11)

@@ -19,6 +19,21 @@ over a real network:
 A leaving node pushes all its available weight to one peer; a joining node
 starts at weight 0 and only gains weight through ordinary pushes.
 
+Sequences are per edge: a sender numbers its pushes to each receiver 1, 2, 3…
+and a retry reuses its number. The receiver admits a sequence at most
+``SEQUENCE_AHEAD`` beyond the highest it admitted from that sender incarnation
+and refuses anything further (it is never allowed to move the window), so a
+forged run of huge sequences cannot make later real pushes look like
+duplicates. Only a segment this node really merged is ever answered DUPLICATE.
+
+Mass bound: without faults Σw is exact. A push is folded back into its sender
+only when the receiver refused it (it merged nothing) or was declared dead; the
+one remaining error is a receiver that merged a push and was then declared
+dead before its acknowledgement arrived (it comes back after ``drop_after_s``,
+or restarts from a checkpoint taken after the merge): that push's weight then
+exists twice. Everything else (lost acknowledgements, retries, duplicates,
+reordering) keeps the total exact.
+
 This module does no I/O: it takes events and returns actions, and its random
 choices come from the ``random.Random`` it is given.
 """
@@ -31,10 +46,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# How many recent sequences are remembered per (sender, incarnation). Pushes from
-# one sender are spread over many receivers, so the window counts the sender's
-# pushes to us; a retry older than this is treated as already merged.
+# How many recent sequences are remembered per (sender, incarnation). Sequences are
+# per edge and a sender has at most one push in flight to us, so a retry older
+# than this is long settled and treated as already merged.
 DEDUP_WINDOW = 4096
+# How far beyond the highest admitted sequence a push may be. Sequences to one
+# receiver grow by one per push, so a gap only comes from pushes given up on.
+SEQUENCE_AHEAD = 1024
+
+
+class Refused(ValueError):
+    """A payload the core will not merge; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,11 @@ class Push:
     peer: str
     sequence: int
     weights: dict[int, float]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Sequences are per receiver, so a push in flight is known by (peer, sequence)."""
+        return (self.peer, self.sequence)
 
 
 @dataclass(frozen=True)
@@ -69,12 +96,25 @@ class _Window:
         self.seen: set[tuple[int, int]] = set()
         self.order: deque[tuple[int, int]] = deque()
         self.forgotten_up_to = -1
+        self.highest: int | None = None
+
+    def check(self, sequence: int) -> None:
+        """Refuse a sequence too far ahead; it must not move the window."""
+        if self.highest is not None and sequence > self.highest + SEQUENCE_AHEAD:
+            raise Refused(
+                f"sequence {sequence} is more than {SEQUENCE_AHEAD} beyond the highest "
+                f"admitted from this sender ({self.highest}); refused"
+            )
+
+    def is_new(self, sequence: int, segment: int) -> bool:
+        return sequence > self.forgotten_up_to and (sequence, segment) not in self.seen
 
     def admit(self, sequence: int, segment: int, capacity: int) -> bool:
         """True the first time a pair is offered; False for a repeat or anything too old."""
         ident = (sequence, segment)
-        if sequence <= self.forgotten_up_to or ident in self.seen:
+        if not self.is_new(sequence, segment):
             return False
+        self.highest = sequence if self.highest is None else max(self.highest, sequence)
         self.seen.add(ident)
         self.order.append(ident)
         while len(self.order) > capacity:
@@ -95,8 +135,8 @@ class SumWeightGossip:
         push_probability: float,
         rng: random.Random,
         initial_weight: float = 1.0,
-        sequence_start: int = 0,
         max_in_flight: int = 2,
+        max_weight: float = math.inf,
     ) -> None:
         if not 0.0 <= push_probability <= 1.0:
             raise ValueError(f"push_probability must be in [0, 1], got {push_probability}")
@@ -109,12 +149,13 @@ class SumWeightGossip:
         self.node_id = node_id
         self.push_probability = push_probability
         self.max_in_flight = max_in_flight
+        self.max_weight = max_weight
         self.rng = rng
         self.weights: list[float] = [float(initial_weight)] * num_segments
         self.reserved: list[float] = [0.0] * num_segments
-        self.in_flight: dict[int, Push] = {}
+        self.in_flight: dict[tuple[str, int], Push] = {}
         self.peers: set[str] = set()
-        self._sequence = sequence_start
+        self._sequences: dict[str, int] = {}  # last sequence used towards each receiver
         # Per (sender, incarnation): the remembered (sequence, segment) pairs, their order,
         # and the highest sequence already forgotten (anything at or below it is old).
         self._seen: dict[tuple[str, int], _Window] = {}
@@ -135,25 +176,32 @@ class SumWeightGossip:
         weights = {s: self.available(s) * fraction for s in range(len(self.weights))}
         if not any(w > 0 for w in weights.values()):
             return None
-        self._sequence += 1
+        sequence = self._sequences.get(peer, 0) + 1
+        self._sequences[peer] = sequence
         for s, w in weights.items():
             self.reserved[s] += w
-        push = Push(peer, self._sequence, weights)
-        self.in_flight[push.sequence] = push
+        push = Push(peer, sequence, weights)
+        self.in_flight[push.key] = push
         return push
 
-    def on_step_end(self) -> list[Push]:
-        """Maybe push half of the available weight to a random live peer.
+    def busy_peers(self) -> set[str]:
+        return {peer for peer, _ in self.in_flight}
 
-        With ``max_in_flight`` pushes unacknowledged the node skips its turn: a
-        slow receiver then slows its senders instead of filling its inbox.
+    def on_step_end(self) -> list[Push]:
+        """Maybe push half of the available weight to a random live peer that is not busy.
+
+        At most one push per peer is unacknowledged, and ``max_in_flight`` in all:
+        a slow or hung receiver holds one slot while the others keep gossiping,
+        and a node with every slot taken skips its turn instead of queueing.
         """
-        if not self.peers or len(self.in_flight) >= self.max_in_flight:
+        if len(self.in_flight) >= self.max_in_flight:
+            return []
+        candidates = sorted(self.peers - self.busy_peers())
+        if not candidates:
             return []
         if self.rng.random() >= self.push_probability:
             return []
-        peer = self.rng.choice(sorted(self.peers))
-        push = self._push(peer, 0.5)
+        push = self._push(self.rng.choice(candidates), 0.5)
         return [push] if push else []
 
     def on_leave(self, peer: str | None = None) -> Push | None:
@@ -166,7 +214,7 @@ class SumWeightGossip:
             raise ValueError("a node cannot hand its weight to itself")
         return self._push(peer, 1.0)
 
-    def on_push_acked(self, sequence: int, acked_segments: Sequence[int]) -> list[Merge]:
+    def on_push_acked(self, key: tuple[str, int], acked_segments: Sequence[int]) -> list[Merge]:
         """Commit acknowledged segments; the rest of the reservation returns to the node.
 
         Returned weight comes back with the snapshot it left with: the returned
@@ -175,13 +223,15 @@ class SumWeightGossip:
         Without them a failed push would keep the mass but lose its value, and
         Σ w·x would drift every time a peer dies mid-push.
         """
-        push = self.in_flight.pop(sequence, None)
+        push = self.in_flight.pop(key, None)
         if push is None:
             return []
         acked = set(acked_segments)
         merges = []
         for s, w in push.weights.items():
             self.reserved[s] = max(self.reserved[s] - w, 0.0)
+            if not self.in_flight:
+                self.reserved[s] = 0.0  # no rounding remainder may outlive the pushes
             if s in acked:
                 self.weights[s] = max(self.weights[s] - w, 0.0)
             elif w > 0:
@@ -189,25 +239,58 @@ class SumWeightGossip:
                 merges.append(Merge(s, w / available if available > 0 else 1.0, self.weights[s]))
         return merges
 
-    def on_push_failed(self, sequence: int) -> list[Merge]:
-        return self.on_push_acked(sequence, ())
+    def on_push_failed(self, key: tuple[str, int]) -> list[Merge]:
+        """The receiver refused the push or was declared dead: the weight comes home."""
+        return self.on_push_acked(key, ())
 
     # -- receiving ------------------------------------------------------------------
+    def plan_receive(
+        self, sender: str, incarnation: int, sequence: int, weights: dict[int, float]
+    ) -> list[Merge | Duplicate]:
+        """What merging this push would do, without doing it; raises ``Refused``.
+
+        A push is merged whole or not at all: the driver checks the plan (for
+        example that every merged value stays finite) and only then calls
+        :meth:`apply_receive` with it.
+        """
+        window = self._seen.get((sender, incarnation))
+        if window is not None:
+            window.check(sequence)
+        actions: list[Merge | Duplicate] = []
+        for segment, weight in weights.items():
+            if not 0 <= segment < len(self.weights):
+                raise Refused(f"segment {segment} out of range 0..{len(self.weights) - 1}")
+            if not (math.isfinite(weight) and 0 <= weight <= self.max_weight):
+                raise Refused(
+                    f"sum-weight {weight} of segment {segment} is not a finite number in "
+                    f"[0, {self.max_weight}] (limits.max_sum_weight)"
+                )
+            if window is not None and not window.is_new(sequence, segment):
+                actions.append(Duplicate(segment))
+                continue
+            mine = self.available(segment)
+            total = mine + weight
+            alpha = weight / total if total > 0 else 0.0
+            actions.append(Merge(segment, alpha, self.weights[segment] + weight))
+        return actions
+
+    def apply_receive(
+        self, sender: str, incarnation: int, sequence: int, plan: Sequence[Merge | Duplicate]
+    ) -> None:
+        """Commit a plan from :meth:`plan_receive`, with no other call in between."""
+        window = self._seen.setdefault((sender, incarnation), _Window())
+        capacity = DEDUP_WINDOW * len(self.weights)
+        for action in plan:
+            if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
+                self.weights[action.segment] = action.weight_after
+
     def on_message(
         self, sender: str, incarnation: int, sequence: int, segment: int, weight: float
     ) -> Merge | Duplicate:
-        if not 0 <= segment < len(self.weights):
-            raise ValueError(f"segment {segment} out of range 0..{len(self.weights) - 1}")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"sum-weight {weight} is not a finite non-negative number")
-        window = self._seen.setdefault((sender, incarnation), _Window())
-        if not window.admit(sequence, segment, DEDUP_WINDOW * len(self.weights)):
-            return Duplicate(segment)
-        mine = self.available(segment)
-        total = mine + weight
-        alpha = weight / total if total > 0 else 0.0
-        self.weights[segment] += weight
-        return Merge(segment, alpha, self.weights[segment])
+        """One segment planned and applied at once (raises ``Refused``)."""
+        (action,) = self.plan_receive(sender, incarnation, sequence, {segment: weight})
+        self.apply_receive(sender, incarnation, sequence, [action])
+        return action
 
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Drop de-duplication state of a sender's older incarnations (it restarted)."""

@@ -1,0 +1,236 @@
+"""Membership over the network: verify claims by dialling, check Leaves, anti-entropy.
+
+:class:`~gossipd.node.membership.Membership` decides; this module does the I/O
+it needs, on the node's event loop. The rules it enforces:
+
+* a node becomes a peer only through this node's own Handshake to the address
+  it claims (an inbound Handshake or a relayed list only names candidates);
+* candidate dials run at most ``membership.dial_concurrency`` at a time, over
+  throwaway channels, so a list of 5,000 fake addresses costs a bounded number
+  of refused connections and leaves no channel, fd or thread behind;
+* a Leave is believed only after the node itself, asked at its address, is gone
+  or says it is leaving: a forged Leave is counted and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING
+
+from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
+from gossipd.node.membership import Change, Membership, PeerState
+from gossipd.node.segments import check_fingerprint
+from gossipd.node.transport import PeerClient
+from gossipd.proto import SCHEMA_VERSION
+from gossipd.proto import gossip_pb2 as pb
+
+if TYPE_CHECKING:
+    from gossipd.node.daemon import Node
+
+log = logging.getLogger(__name__)
+RPC_TIMEOUT_S = 5.0
+LONELY_LOG_INTERVAL_S = 30.0
+
+
+class Peering:
+    def __init__(self, node: Node) -> None:
+        cfg = node.config.membership
+        self.node = node
+        self.membership = Membership(
+            node.node_id,
+            suspect_after_failures=cfg.suspect_after_failures,
+            drop_after_s=cfg.drop_after_s,
+            max_peers=cfg.max_peers,
+            max_candidates=cfg.max_candidates,
+            max_departed=cfg.max_departed,
+        )
+        self.dial_slots = cfg.dial_concurrency
+        self.rng = random.Random(node.config.gossip.seed ^ 0xD1A1)
+        self._dialing: set[str] = set()
+        self._leave_checks: set[str] = set()
+        self._round = asyncio.Lock()
+        self._lonely_logged_at = -math.inf
+
+    # -- changes ----------------------------------------------------------------------
+    def apply(self, change: Change | None) -> None:
+        if change is not None:
+            log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
+            self.node.trainer.post_peer(change.node_id, change.live)
+        self.node.metrics.live_peers.set(len(self.membership.live()))
+
+    def failed(self, node_id: str, why: object) -> None:
+        change = self.membership.failed(node_id, time.monotonic())
+        if change is not None:
+            log.info("suspecting %s: %s", node_id, why)
+        self.apply(change)
+
+    def succeeded(self, node_id: str) -> None:
+        self.apply(self.membership.succeeded(node_id))
+
+    # -- dialling ---------------------------------------------------------------------
+    async def handshake(self, address: str) -> pb.HandshakeReply:
+        """Our Handshake to ``address``: a verified peer's channel, or a throwaway one."""
+        if any(p.address == address for p in self.membership.peers.values()):
+            return await self.node.client(address).handshake(RPC_TIMEOUT_S)
+        assert self.node.identity is not None, "start() the node first"
+        client = PeerClient(address, self.node.identity)
+        try:
+            return await client.handshake(RPC_TIMEOUT_S)
+        finally:
+            await client.close()
+
+    async def verify(self, address: str, claim: pb.NodeInfo | None = None) -> bool:
+        """Dial ``address``; whoever answers there (and matches ``claim``) is a peer."""
+        try:
+            reply = await self.handshake(address)
+            if reply.schema_version != SCHEMA_VERSION:
+                raise MeshMismatch(
+                    f"{address} speaks schema {reply.schema_version}, we speak {SCHEMA_VERSION}; "
+                    "run the same gossipd release on every site"
+                )
+            check_fingerprint(self.node.fingerprint, reply.fingerprint, address)
+        except GossipdError as err:
+            log.debug("handshake with %s failed: %s", address, err)
+            return False
+        known = self.membership.peers.get(reply.node.node_id)
+        verdict = self.membership.verified(address, reply.node, claim)
+        for change in verdict.changes:
+            self.apply(change)
+        if verdict.refused is not None:
+            self.node.rejections.record(address, "PeerNotVerified", verdict.refused)
+            return False
+        if known is not None and known.incarnation != reply.node.incarnation:
+            self.node.forget_incarnations(reply.node.node_id, reply.node.incarnation)
+            if known.address != address:
+                self.node.forget_client(known.address)
+        for info in reply.peers:
+            self.hear(info)
+        return True
+
+    def hear(self, info: pb.NodeInfo, *, direct: bool = False) -> None:
+        """A claim about a node; a node's claim about itself is dialled at once."""
+        if self.membership.hear(info, direct=direct) and direct:
+            self.kick()
+
+    def kick(self) -> None:
+        """Start dials to queued candidates while slots are free."""
+        while len(self._dialing) < self.dial_slots and self.membership.candidates:
+            ((address, claim),) = self.membership.take_candidates(1)
+            self._dialing.add(address)
+            self.node.spawn(self._dial(address, claim))
+
+    async def _dial(self, address: str, claim: pb.NodeInfo) -> None:
+        try:
+            await self.verify(address, claim)
+        finally:
+            self._dialing.discard(address)
+            if not self.node.stopping.is_set():
+                self.kick()
+
+    # -- departures -------------------------------------------------------------------
+    def on_leave(self, node_id: str, incarnation: int, peer: str) -> None:
+        state = self.membership.peers.get(node_id)
+        if state is None or node_id in self._leave_checks:
+            return
+        if incarnation and incarnation != state.incarnation:
+            return  # a goodbye from an incarnation we no longer know
+        self._leave_checks.add(node_id)
+        self.node.spawn(self._check_leave(state, peer))
+
+    async def _check_leave(self, state: PeerState, peer: str) -> None:
+        """Believe a Leave only if the node, asked at its address, is gone or leaving."""
+        try:
+            try:
+                reply: pb.HandshakeReply | None = await self.handshake(state.address)
+            except GossipdError:
+                reply = None
+            if (
+                reply is not None
+                and reply.node.node_id == state.node_id
+                and reply.node.incarnation == state.incarnation
+            ):
+                self.node.on_rejected(
+                    peer,
+                    ForgedLeave(
+                        f"a Leave for {state.node_id!r} was refused: asked at {state.address}, "
+                        "it is still there and not leaving"
+                    ),
+                )
+                return
+            if self.membership.is_current(state.node_id, state.incarnation):
+                log.info("peer %s left the mesh", state.node_id)
+                self.apply(self.membership.departed_now(state.node_id))
+                self.node.forget_client(state.address)
+        finally:
+            self._leave_checks.discard(state.node_id)
+
+    # -- anti-entropy -----------------------------------------------------------------
+    async def run(self) -> None:
+        interval = self.node.config.membership.anti_entropy_interval_s
+        while not self.node.stopping.is_set():
+            await self.round()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.node.stopping.wait(), interval)
+
+    async def round(self) -> None:
+        async with self._round:
+            await self._round_once()
+
+    async def _round_once(self) -> None:
+        m = self.membership
+        for node_id in m.expire(time.monotonic()):
+            log.info(
+                "declared %s dead after %.0f s suspected (membership.drop_after_s)",
+                node_id,
+                m.drop_after_s,
+            )
+        known = {s.address for s in m.peers.values()}
+        seeds = [a for a in self.node.config.seeds if a not in known and a != m.self_address]
+        await asyncio.gather(
+            *(self._recheck(s) for s in m.suspected()), *(self.verify(a) for a in seeds)
+        )
+        self.kick()
+        live = m.live()
+        if not live:
+            self._log_lonely(seeds)
+            return
+        target = self.rng.choice(live)
+        try:
+            infos = await self.node.client(target.address).peers(m.known(), RPC_TIMEOUT_S)
+        except GossipdError as err:
+            self.failed(target.node_id, err)
+            return
+        self.succeeded(target.node_id)
+        for info in infos:
+            self.hear(info)
+
+    async def _recheck(self, state: PeerState) -> None:
+        if not await self.verify(state.address):
+            self.failed(state.node_id, "handshake failed")
+
+    def _log_lonely(self, seeds: list[str]) -> None:
+        now = time.monotonic()
+        if now - self._lonely_logged_at < LONELY_LOG_INTERVAL_S:
+            return
+        self._lonely_logged_at = now
+        tried = ", ".join(seeds) if seeds else "none configured"
+        log.info(
+            "no live peer yet; seeds tried: %s. Check that they run, that `seeds` names "
+            "their advertised addresses, and that firewalls let this node reach them",
+            tried,
+        )
+
+    async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while len(self.membership.live()) < count:
+            if time.monotonic() > deadline:
+                return False
+            await self.round()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.node.stopping.wait(), 0.1)
+        return True
