@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -21,19 +22,20 @@ from grpc_reflection.v1alpha import reflection
 
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import Busy, GossipdError, PeerUnreachable, UnknownPeer
-from gossipd.node.membership import Change, Membership
+from gossipd.node.errors import Busy, GossipdError, Leaving, UnknownPeer
 from gossipd.node.metrics import NodeMetrics
+from gossipd.node.peering import RPC_TIMEOUT_S, Peering
 from gossipd.node.rejections import RejectionLog, peer_host
+from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
 from gossipd.node.trainer import GossipTrainer, InboundPush, OutboundPush
-from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
+from gossipd.node.transport import CHANNEL_OPTIONS, Identity, OutcomeUnknown, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
-RPC_TIMEOUT_S = 5.0
+CHECKSUM_INTERVAL_S = 0.2
 
 
 class Node:
@@ -51,11 +53,6 @@ class Node:
         self.codec = Codec.parse(config.gossip.codec)
         self.limits = Limits(config.limits.max_chunk_bytes, config.limits.max_segment_bytes)
         self.metrics = metrics or NodeMetrics()
-        self.membership = Membership(
-            config.node_id,
-            suspect_after_failures=config.membership.suspect_after_failures,
-            drop_after_s=config.membership.drop_after_s,
-        )
         self.rng = random.Random(config.gossip.seed ^ 0x5EED)
         self.address = config.advertise or config.listen
         self.identity: Identity | None = None
@@ -63,8 +60,12 @@ class Node:
         self.clients: dict[str, PeerClient] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        self._membership_round = asyncio.Lock()
+        self.leaving = False
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
+        self.peering = Peering(self)
+        self.membership = self.peering.membership
+        self._checksum_lock = asyncio.Lock()
+        self._checksum_at = -math.inf
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,12 +87,15 @@ class Node:
         self.identity = Identity(
             self.mesh_id, self.node_id, self.address, self.incarnation, self.fingerprint
         )
+        self.membership.self_address = self.address
         if self.config.metrics.listen:
             mhost, _, mport = self.config.metrics.listen.rpartition(":")
             self.metrics.serve(mhost, int(mport))
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
-        self.trainer.send = lambda out: loop.call_soon_threadsafe(self._spawn, self._push(out))
-        self._spawn(self._anti_entropy(), "anti-entropy")
+        self.trainer.send = lambda out: loop.call_soon_threadsafe(
+            self.spawn, self._push(out), "push"
+        )
+        self.spawn(self.peering.run(), "anti-entropy")
         log.info(
             "node %s serving on %s (fingerprint %s)", self.node_id, self.address, self.fingerprint
         )
@@ -107,7 +111,7 @@ class Node:
             await self.server.stop(grace_s)
         self.metrics.close()
 
-    def _spawn(self, coro: object, name: str | None = None) -> None:
+    def spawn(self, coro: object, name: str | None = None) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         if name:
             task.set_name(name)
@@ -125,60 +129,98 @@ class Node:
             )
         return self.clients[address]
 
-    def _apply(self, change: Change | None) -> None:
-        if change is not None:
-            log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
-            self.trainer.post_peer(change.node_id, change.live)
-        self.metrics.live_peers.set(len(self.membership.live()))
+    def forget_client(self, address: str) -> None:
+        """Close the channel to an address no verified peer holds any more."""
+        client = self.clients.pop(address, None)
+        if client is not None:
+            self.spawn(client.close())
+
+    def forget_incarnations(self, node_id: str, incarnation: int) -> None:
+        """A verified restart: the old incarnation's de-duplication state can go."""
+        self.trainer.post(lambda _: self.trainer.core.forget_sender(node_id, incarnation))
 
     # -- outbound -------------------------------------------------------------------
     async def _push(self, out: OutboundPush) -> None:
-        peer = self.membership.peers.get(out.push.peer)
-        nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
-        if peer is None:
-            self.trainer.post_push_result(out, [], f"peer {out.push.peer} left the view")
-            return
+        """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
+        acks: list[pb.SegmentAck] = []
+        error: str | None = "the node stopped before the push was acknowledged"
         try:
-            acks = await self.client(peer.address).push(out, self.config.gossip.push_timeout_s)
-        except GossipdError as err:
-            self.metrics.messages.labels("sent", "failed").inc()
-            self.metrics.bytes.labels("sent", "failed").inc(nbytes)
-            self.trainer.post_push_result(out, [], str(err))
-            if isinstance(err, PeerUnreachable):
-                self._failed(peer.node_id, err)
-            return
-        self.metrics.messages.labels("sent", "ok").inc()
-        self.metrics.bytes.labels("sent", "ok").inc(nbytes)
-        self.trainer.post_push_result(out, acks, None)
-        self._apply(self.membership.succeeded(peer.node_id))
+            acks, error = await self._deliver(out)
+        finally:
+            self.trainer.post_push_result(out, acks, error)
 
-    async def push_now(self, out: OutboundPush) -> list[pb.SegmentAck]:
-        """Push outside the trainer's schedule (graceful leave); raises on failure."""
-        peer = self.membership.peers[out.push.peer]
-        return await self.client(peer.address).push(out, self.config.gossip.push_timeout_s)
+    async def _deliver(self, out: OutboundPush) -> tuple[list[pb.SegmentAck], str | None]:
+        """Retry with the same sequence until the receiver answers or is declared dead.
+
+        The receiver de-duplicates, so a retry after a lost acknowledgement is
+        answered DUPLICATE and committed: folding the weight back while the
+        receiver might have merged it would create mass.
+        """
+        peer, gossip = out.push.peer, self.config.gossip
+        state = self.membership.peers.get(peer)
+        if state is None:
+            return [], f"peer {peer} left the view"
+        incarnation = state.incarnation
+        nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
+        delay_s = min(0.5, gossip.retry_max_s)
+        while True:
+            state = self.membership.peers.get(peer)
+            if state is None or state.incarnation != incarnation:
+                return [], f"{peer} was declared dead or restarted before acknowledging"
+            try:
+                acks = await self.client(state.address).push(
+                    out, gossip.push_timeout_s, gossip.progress_timeout_s
+                )
+            except OutcomeUnknown as err:
+                self.metrics.messages.labels("sent", "retry").inc()
+                self.peering.failed(peer, err)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay_s)
+                if self.stopping.is_set():
+                    return [], str(err)
+                delay_s = min(delay_s * 2, gossip.retry_max_s)
+                continue
+            except GossipdError as err:  # the receiver refused: it merged nothing
+                self.metrics.messages.labels("sent", "failed").inc()
+                self.metrics.bytes.labels("sent", "failed").inc(nbytes)
+                return [], str(err)
+            self.metrics.messages.labels("sent", "ok").inc()
+            self.metrics.bytes.labels("sent", "ok").inc(nbytes)
+            self.peering.succeeded(peer)
+            return acks, None
 
     async def leave_mesh(self) -> None:
-        """Settle pushes in flight, hand all weight to a live peer, then tell every peer.
+        """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
 
-        Call only once the trainer thread has stopped stepping.
+        Call only once the trainer thread has stopped stepping. Pushes still
+        unacknowledged after a short wait (their receiver is slow or hung) are
+        cancelled and folded back, so their weight leaves with the hand-off; if
+        such a receiver had merged one, that push's weight is counted twice (the
+        bound stated in DESIGN §5).
         """
-        pushes = [t for t in self.tasks if t.get_name() != "anti-entropy"]
+        self.leaving = True
+        gossip = self.config.gossip
+        pushes = [t for t in self.tasks if t.get_name() == "push"]
         if pushes:
-            await asyncio.wait(pushes, timeout=self.config.gossip.push_timeout_s)
+            _, pending = await asyncio.wait(pushes, timeout=gossip.progress_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         self.trainer.idle(0)
         live = {s.node_id for s in self.membership.live()}
         candidates = sorted(live & self.trainer.core.peers)
         out = self.trainer.leave(self.rng.choice(candidates)) if candidates else None
         if out is not None:
+            acks: list[pb.SegmentAck] = []
+            error: str | None = "leaving took too long"
             try:
-                acks = await self.push_now(out)
-            except GossipdError as err:
-                self.trainer.settle_push(out, [], str(err))
-                log.warning("weight hand-off to %s failed: %s", out.push.peer, err)
-            else:
-                self.trainer.settle_push(out, acks, None)
+                acks, error = await self._deliver(out)
+            finally:
+                self.trainer.settle_push(out, acks, error)
+            if error is None:
                 log.info("handed weight to %s", out.push.peer)
-            self.trainer.summary.update(self.trainer)
+            else:
+                log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
         clients = [self.client(s.address) for s in self.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
@@ -187,81 +229,18 @@ class Node:
             if isinstance(result, BaseException):
                 log.debug("Leave to %s failed: %s", client.address, result)
 
-    async def introduce(self, address: str) -> pb.NodeInfo | None:
-        """Handshake with ``address``; on success the peer is live and its peers are learned."""
-        try:
-            reply = await self.client(address).handshake(RPC_TIMEOUT_S)
-        except GossipdError as err:
-            log.debug("handshake with %s failed: %s", address, err)
-            return None
-        self._apply(self.membership.introduced(reply.node))
-        for info in reply.peers:
-            self.membership.learn(info)
-        return reply.node
-
-    async def _anti_entropy(self) -> None:
-        interval = self.config.membership.anti_entropy_interval_s
-        while not self.stopping.is_set():
-            await self._gossip_membership()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), interval)
-
-    async def _gossip_membership(self) -> None:
-        async with self._membership_round:
-            await self._membership_round_once()
-
-    async def _membership_round_once(self) -> None:
-        now = time.monotonic()
-        for node_id in self.membership.expire(now):
-            log.info("dropped %s after %.0f s suspected", node_id, self.membership.drop_after_s)
-        pending = [s for s in self.membership.peers.values() if not s.live]
-        known = {s.address for s in self.membership.peers.values()}
-        seeds = [a for a in self.config.seeds if a not in known and a != self.address]
-        await asyncio.gather(
-            *(self._retry(s.node_id, s.address) for s in pending),
-            *(self.introduce(a) for a in seeds),
-        )
-        live = self.membership.live()
-        if not live:
-            return
-        target = self.rng.choice(live)
-        try:
-            infos = await self.client(target.address).peers(self.membership.known(), RPC_TIMEOUT_S)
-        except GossipdError as err:
-            self._failed(target.node_id, err)
-            return
-        self._apply(self.membership.succeeded(target.node_id))
-        for info in infos:
-            self.membership.learn(info)
-
-    async def _retry(self, node_id: str, address: str) -> None:
-        if await self.introduce(address) is None:
-            self._failed(node_id, "handshake failed")
-
-    def _failed(self, node_id: str, why: object) -> None:
-        change = self.membership.failed(node_id, time.monotonic())
-        if change is not None:
-            log.info("suspecting %s: %s", node_id, why)
-        self._apply(change)
-
     async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while len(self.membership.live()) < count:
-            if time.monotonic() > deadline:
-                return False
-            await self._gossip_membership()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), 0.1)
-        return True
+        return await self.peering.wait_for_peers(count, timeout_s)
 
     # -- Handlers (called by the servicer) ---------------------------------------------
     def new_assembler(self) -> SegmentAssembler:
         return SegmentAssembler(self.trainer.flat.plan, self.limits)
 
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
-        node = request.node
-        self._apply(self.membership.introduced(node))
-        self.trainer.post(lambda _: self.trainer.core.forget_sender(node.node_id, node.incarnation))
+        """Answer at once; the claimant becomes a peer only after our own dial to it."""
+        if self.leaving:
+            raise Leaving(f"node {self.node_id} is leaving the mesh; it takes no new peers")
+        self.peering.hear(request.node, direct=True)
         assert self.identity is not None
         return pb.HandshakeReply(
             schema_version=SCHEMA_VERSION,
@@ -272,33 +251,40 @@ class Node:
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:
-        state = self.membership.peers.get(sender)
-        if state is None or state.incarnation != incarnation:
+        if self.leaving:
+            raise Leaving(f"node {self.node_id} is leaving the mesh; push elsewhere")
+        if not self.membership.is_current(sender, incarnation):
             raise UnknownPeer(
-                f"sender {sender!r} (incarnation {incarnation}) has not completed a Handshake "
-                "with this node; handshake first"
+                f"sender {sender!r} (incarnation {incarnation}) is not a verified peer of "
+                f"{self.node_id}: it must Handshake and answer this node's Handshake at the "
+                "address it advertises"
             )
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
+        self.check_sender(open_.sender, open_.incarnation)
         item = InboundPush(open_.sender, open_.incarnation, open_.sequence, segments)
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.trainer.inbox.put(item)
-        wait_s = max(0.1, (deadline_s or self.config.gossip.push_timeout_s) * 0.8)
+        # Answer Busy well before the sender's own deadline: a refusal is a known
+        # outcome it can settle at once, a timeout an unknown one it must retry.
+        wait_s = self.config.limits.merge_wait_s
+        if deadline_s is not None:
+            wait_s = min(wait_s, deadline_s * 0.8)
         future = asyncio.wrap_future(item.reply)
         try:
-            acks = await asyncio.wait_for(asyncio.shield(future), wait_s)
+            acks = await asyncio.wait_for(asyncio.shield(future), max(0.1, wait_s))
         except TimeoutError:
             if item.reply.cancel():
                 raise Busy(
-                    f"trainer did not reach a step boundary within {wait_s:.1f} s; "
-                    "the push was not merged, retry later"
+                    f"trainer did not reach a step boundary within {wait_s:.1f} s "
+                    "(limits.merge_wait_s); the push was not merged, retry later"
                 ) from None
             acks = await future
         self.metrics.messages.labels("received", "ok").inc()
         self.metrics.bytes.labels("received", "ok").inc(nbytes)
-        self._apply(self.membership.succeeded(open_.sender))
+        self.peering.succeeded(open_.sender)
         return pb.PushReply(acks=acks)
 
     async def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.PullFrame]:
@@ -324,41 +310,65 @@ class Node:
         with self.trainer.lock:
             return self.trainer.flat.snapshot(), list(self.trainer.core.weights)
 
-    def on_leave(self, request: pb.LeaveRequest) -> None:
-        self._apply(self.membership.departed(request.node_id))
+    def on_leave(self, request: pb.LeaveRequest, peer: str = "") -> None:
+        self.peering.on_leave(request.node_id, request.incarnation, peer or request.node_id)
 
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply:
-        for info in request.known:
-            self.membership.learn(info)
+        self.peering.hear(request.sender, direct=True)
+        for info in request.known[: self.config.membership.max_candidates]:
+            self.peering.hear(info)
         assert self.identity is not None
         return pb.PeersReply(peers=[self.identity.info(), *self.membership.known()])
 
-    async def on_status(self) -> pb.StatusReply:
-        def read() -> tuple[str, int, list[float], float, int]:
-            with self.trainer.lock:
-                t = self.trainer
-                weights = list(t.core.weights)
-                return t.flat.checksum(), t.steps, weights, t.last_loss, len(t.core.in_flight)
-
-        checksum, steps, weights, loss, in_flight = await asyncio.to_thread(read)
+    async def on_status(self, checksum: bool = False) -> pb.StatusReply:
+        """Answered from the trainer's published summary: never waits on a step."""
+        s = self.trainer.summary
         return pb.StatusReply(
             node_id=self.node_id,
             mesh_id=self.mesh_id,
-            step=steps,
-            sum_weights=weights,
-            live_peers=[s.node_id for s in self.membership.live()],
+            step=s.steps,
+            sum_weights=s.weights,
+            live_peers=[p.node_id for p in self.membership.live()],
             fingerprint=self.fingerprint,
-            params_checksum=checksum,
+            params_checksum=await self._checksum() if checksum else "",
             protocol=self.config.gossip.protocol,
-            loss=loss,
-            pushes_in_flight=in_flight,
+            loss=s.loss,
+            pushes_in_flight=s.in_flight,
             training_done=self.trainer.training_done,
+            pushes_acked=s.pushes_acked,
+            pushes_failed=s.pushes_failed,
+            pushes_merged=s.pushes_merged,
+            peers=self.membership.known(),
+            suspected_peers=[p.node_id for p in self.membership.suspected()],
+            rejected=dict(self.rejections.counts),
+            reserved_weights=s.reserved,
         )
+
+    async def _checksum(self) -> str:
+        """A fresh hash of the model, one at a time and at most every CHECKSUM_INTERVAL_S.
+
+        The copy is taken under the trainer's lock (a memcpy); the hashing runs off it.
+        """
+        async with self._checksum_lock:
+            wait_s = self._checksum_at + CHECKSUM_INTERVAL_S - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            self._checksum_at = time.monotonic()
+
+            def compute() -> str:
+                with self.trainer.lock:
+                    copies = [b.detach().cpu().clone() for b in self.trainer.flat.buffers]
+                return model_checksum(copies)
+
+            return await asyncio.to_thread(compute)
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
         """Count every refusal; log and report it once per peer and reason per interval."""
         reason = type(err).__name__
         self.metrics.rejected.labels(reason).inc()
         self.metrics.messages.labels("received", "rejected").inc()
+        if isinstance(err, Leaving):
+            self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
+            return
         if self.rejections.record(peer_host(peer), reason, str(err)):
             self.trainer.post_rejection(peer, reason, str(err))

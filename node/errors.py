@@ -73,3 +73,21 @@ class JobError(GossipdError):
     """A training job that cannot be found or built."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ForgedLeave(GossipdError):
+    """A Leave for a node that, asked directly, is still there and not leaving."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Leaving(GossipdError):
+    """This node is leaving the mesh: it takes no new peers and no new pushes."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StreamIdle(GossipdError):
+    """An inbound stream that sent nothing, or a pull that read nothing, for too long."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

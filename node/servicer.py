@@ -93,9 +93,9 @@ class Handlers(Protocol):
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply: ...
     def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.PullFrame]: ...
-    def on_leave(self, request: pb.LeaveRequest) -> None: ...
+    def on_leave(self, request: pb.LeaveRequest, peer: str) -> None: ...
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
-    async def on_status(self) -> pb.StatusReply: ...
+    async def on_status(self, checksum: bool) -> pb.StatusReply: ...
     def on_rejected(self, peer: str, err: GossipdError) -> None: ...
 
 
@@ -204,7 +204,7 @@ class GossipServicer:
         async def call() -> pb.LeaveReply:
             req = _require(request)
             self.check_mesh(req.mesh_id, f"node {req.node_id!r}")
-            self.node.on_leave(req)
+            self.node.on_leave(req, context.peer())
             return pb.LeaveReply()
 
         return await self._guard(context, context.peer(), call)
@@ -219,8 +219,7 @@ class GossipServicer:
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.StatusReply:
-            _require(request)
-            return await self.node.on_status()
+            return await self.node.on_status(_require(request).checksum)
 
         return await self._guard(context, context.peer(), call)
 
