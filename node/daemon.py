@@ -163,15 +163,20 @@ class Node:
         incarnation = state.incarnation
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
+        last_error = "no attempt made"
         while True:
             state = self.membership.peers.get(peer)
             if state is None or state.incarnation != incarnation:
-                return [], f"{peer} was declared dead or restarted before acknowledging"
+                return [], (
+                    f"{peer} was declared dead or restarted before acknowledging push "
+                    f"#{out.push.sequence}; last attempt: {last_error}"
+                )
             try:
                 acks = await self.client(state.address).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s
                 )
             except OutcomeUnknown as err:
+                last_error = str(err)
                 self.metrics.messages.labels("sent", "retry").inc()
                 self.peering.failed(peer, err)
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -287,7 +292,10 @@ class Node:
         self.peering.succeeded(open_.sender)
         return pb.PushReply(acks=acks)
 
-    async def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.PullFrame]:
+    async def on_pull(
+        self, request: pb.PullRequest
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        """Headers and chunk views of a snapshot; closing the generator drops the snapshot."""
         snapshot, weights = await asyncio.to_thread(self._snapshot)
         codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
         for index, flat in snapshot.items():
@@ -299,11 +307,9 @@ class Node:
                 flat=flat,
                 codec=codec,
                 chunk_bytes=self.config.gossip.chunk_bytes,
+                copy=False,
             ):
-                if isinstance(frame, bytes):
-                    yield pb.PullFrame(chunk=frame)
-                else:
-                    yield pb.PullFrame(header=frame)
+                yield frame
         self.metrics.messages.labels("sent", "pull").inc()
 
     def _snapshot(self) -> tuple[dict[int, object], list[float]]:

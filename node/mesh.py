@@ -34,6 +34,7 @@ from gossipd.node.wire import Limits
 
 STARTUP_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 60.0
+STATUS_PATIENCE_S = 60.0
 
 
 @dataclass
@@ -189,8 +190,21 @@ class LocalMesh:
                 tail = (self.node_dir(index) / "node.log").read_text()[-2000:]
                 raise GossipdError(f"node-{index} exited with {proc.returncode}:\n{tail}")
 
-    async def status(self, index: int) -> dict[str, Any]:
-        return await query_status(self.addresses[index], 10.0)
+    async def status(self, index: int, patience_s: float = STATUS_PATIENCE_S) -> dict[str, Any]:
+        """A node's status, asked again (while it lives) if one answer is slow or lost.
+
+        On a loaded machine one Status can miss its deadline; that is no reason to
+        give up on a mesh whose processes are all alive.
+        """
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                return await query_status(self.addresses[index], 10.0)
+            except GossipdError:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def statuses(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(self.status(i) for i in sorted(self.procs))))

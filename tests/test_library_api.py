@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from gossipd.node import checkpoint
 from gossipd.node.api import GossipNode
 from gossipd.node.errors import ConfigError, GossipdError
 from gossipd.node.jobs import JobSpec, build_job
@@ -38,12 +39,15 @@ def _step_until(
     raise AssertionError(f"no step reported {what} within {DEADLINE_S} s")
 
 
-def _user_node(peer: Any, **gossip: Any) -> tuple[GossipNode, torch.nn.Module]:
+def _user_node(
+    peer: Any, membership: dict[str, Any] | None = None, **gossip: Any
+) -> tuple[GossipNode, torch.nn.Module]:
     job = build_job(JobSpec("synthetic", seed=42, learning_rate=0.0))
     config = {
         "mesh_id": "test-mesh",
         "node_id": "user",
         "seeds": [peer.address],
+        "membership": membership or {},
         "gossip": {"push_probability": 1.0, **gossip},
         "metrics": {"listen": None},
         "shutdown_timeout_s": 5.0,
@@ -72,10 +76,10 @@ def test_step_reports_acknowledged_pushes_and_mass_is_conserved(daemons: Any) ->
 
 def test_peer_leaving_gracefully_hands_its_weight_to_the_user_loop(daemons: Any) -> None:
     peer = daemons("peer")
-    node, model = _user_node(peer, seed=3)
+    node, _ = _user_node(peer, seed=3)
     with node:
         node.trainer.core.push_probability = 0.0  # only the peer's hand-off moves weight
-        peer_model = peer.status()["params_checksum"]
+        ours = node.trainer.flat.buffers[0].clone()
         peer.proc.send_signal(signal.SIGTERM)
         reports = _step_until(
             node, lambda r: any(m.sender == "peer" for m in r.merged), "the peer's hand-off"
@@ -84,13 +88,23 @@ def test_peer_leaving_gracefully_hands_its_weight_to_the_user_loop(daemons: Any)
         assert merge.merged_segments == (0,)
         assert peer.proc.wait(timeout=60) == 0
         assert node.sum_weights[0] == pytest.approx(2.0, abs=1e-12)
-        assert peer_model  # the peer served a model before leaving
-        assert torch.isfinite(torch.cat([p.flatten() for p in model.parameters()])).all()
+        # Equal weights (1 and 1): the hand-off makes our model the mean of both. The
+        # peer trains at learning rate 0, so the model it left with is its initial.pt.
+        theirs = checkpoint.load(peer.data_dir / "initial.pt", fingerprint=node.trainer.fingerprint)
+        expected = (ours.double() + theirs.segments[0].double()) / 2
+        torch.testing.assert_close(node.trainer.flat.buffers[0].double(), expected)
+        assert not torch.equal(ours, theirs.segments[0])  # the two models did differ
 
 
 def test_pushes_to_a_killed_peer_fail_visibly_and_weight_returns(daemons: Any) -> None:
+    """Unacknowledged pushes are retried until the peer is declared dead, then fold back."""
     peer = daemons("peer")
-    node, _ = _user_node(peer, push_timeout_s=5.0)
+    node, _ = _user_node(
+        peer,
+        push_timeout_s=5.0,
+        progress_timeout_s=1.0,
+        membership={"suspect_after_failures": 1, "drop_after_s": 2.0},
+    )
     with node:
         _step_until(node, lambda r: len(r.pushed) > 0, "an acknowledged push")
         peer.proc.kill()
