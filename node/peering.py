@@ -121,6 +121,8 @@ class Peering:
         """Start dials to queued candidates while slots are free."""
         while len(self._dialing) < self.dial_slots and self.membership.candidates:
             ((address, claim),) = self.membership.take_candidates(1)
+            if address in self._dialing:
+                continue  # that address is being asked already; its answer settles this too
             self._dialing.add(address)
             self.node.spawn(self._dial(address, claim))
 
@@ -183,12 +185,15 @@ class Peering:
 
     async def _round_once(self) -> None:
         m = self.membership
+        addresses = {p.node_id: p.address for p in m.peers.values()}
         for node_id in m.expire(time.monotonic()):
             log.info(
-                "declared %s dead after %.0f s suspected (membership.drop_after_s)",
+                "declared %s dead after %.0f s suspected (membership.drop_after_s); "
+                "its unacknowledged pushes return to their senders",
                 node_id,
                 m.drop_after_s,
             )
+            self.node.forget_client(addresses[node_id])
         known = {s.address for s in m.peers.values()}
         seeds = [a for a in self.node.config.seeds if a not in known and a != m.self_address]
         await asyncio.gather(
