@@ -280,6 +280,11 @@ class Node:
         future = asyncio.wrap_future(item.reply)
         try:
             acks = await asyncio.wait_for(asyncio.shield(future), max(0.1, wait_s))
+        except asyncio.CancelledError:
+            # The sender is gone (deadline, cancel): don't merge what nobody will hear
+            # of unless the trainer already started; a retry merges it then.
+            item.reply.cancel()
+            raise
         except TimeoutError:
             if item.reply.cancel():
                 raise Busy(
