@@ -69,28 +69,73 @@ class Node:
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
+        """Bind, serve, start gossiping; on any failure the server is stopped before raising.
+
+        SO_REUSEPORT is off: with gRPC's default (on), a second daemon given a
+        taken port binds it too, and the kernel splits connections between two
+        nodes that both answer at one address.
+        """
+        import errno
+        import socket
+
+        from gossipd.node.errors import ConfigError
+
         loop = asyncio.get_running_loop()
-        server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        add_to_server(GossipServicer(self), server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        listen = self.config.listen
+        host, _, port_text = listen.rpartition(":")
+        in_use = ConfigError(
+            f"listen {listen}: address already in use (another gossipd or program holds it); "
+            "pick another port or stop the other process"
         )
-        port = server.add_insecure_port(self.config.listen)
-        host = self.config.listen.rpartition(":")[0]
-        self.address = self.config.advertise or f"{host}:{port}"
-        await server.start()
-        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        if int(port_text):
+            # Probe first: gRPC's bind error does not say why, and its C core prints
+            # a line of its own. Any other probe error is left to gRPC to judge.
+            try:
+                addresses = socket.getaddrinfo(
+                    host.strip("[]"), int(port_text), type=socket.SOCK_STREAM
+                )
+            except OSError:
+                addresses = []
+            for family, kind, proto, _, sockaddr in addresses:
+                try:
+                    with socket.socket(family, kind, proto) as probe:
+                        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                        probe.bind(sockaddr)
+                except OSError as err:
+                    if err.errno == errno.EADDRINUSE:
+                        raise in_use from None
+        server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        try:
+            add_to_server(GossipServicer(self), server)
+            health_servicer = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            reflection.enable_server_reflection(
+                (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+            try:
+                port = server.add_insecure_port(listen)
+            except RuntimeError:
+                raise ConfigError(
+                    f"listen {listen}: cannot bind it (in use, or not an address of this "
+                    "machine); pick another address or port"
+                ) from None
+            self.address = self.config.advertise or f"{host}:{port}"
+            await server.start()
+            await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            self.identity = Identity(
+                self.mesh_id, self.node_id, self.address, self.incarnation, self.fingerprint
+            )
+            self.membership.self_address = self.address
+            if self.config.metrics.listen:
+                mhost, _, mport = self.config.metrics.listen.rpartition(":")
+                self.metrics.serve(mhost, int(mport))
+        except BaseException:
+            # An unstopped grpc.aio server schedules its shutdown from __del__, after
+            # the loop is gone: "Event loop is closed", "never awaited".
+            await server.stop(None)
+            raise
         self.server = server
-        self.identity = Identity(
-            self.mesh_id, self.node_id, self.address, self.incarnation, self.fingerprint
-        )
-        self.membership.self_address = self.address
-        if self.config.metrics.listen:
-            mhost, _, mport = self.config.metrics.listen.rpartition(":")
-            self.metrics.serve(mhost, int(mport))
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
         self.trainer.send = lambda out: loop.call_soon_threadsafe(
             self.spawn, self._push(out), "push"
@@ -101,15 +146,28 @@ class Node:
         )
 
     async def close(self, grace_s: float = 1.0) -> None:
+        """Stop serving and end this node's tasks, so none of it outlives the loop.
+
+        The server stops first: handlers in flight get ``grace_s`` to finish, then
+        gRPC cancels them. The loop's owner must still cancel and await what is
+        left on the loop (``asyncio.run`` does; ``GossipNode.close`` does).
+        """
         self.stopping.set()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for client in self.clients.values():
-            await client.close()
-        if self.server is not None:
-            await self.server.stop(grace_s)
-        self.metrics.close()
+        # A trainer thread still stepping must not schedule onto a loop about to
+        # close: its new pushes are folded back at its next step instead.
+        self.trainer.send = lambda out: self.trainer.post_push_result(
+            out, [], "the node stopped before sending this push"
+        )
+        try:
+            if self.server is not None:
+                await self.server.stop(grace_s)
+            for task in list(self.tasks):
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for client in list(self.clients.values()):
+                await client.close()
+        finally:
+            self.metrics.close()
 
     def spawn(self, coro: object, name: str | None = None) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
@@ -137,7 +195,7 @@ class Node:
 
     def forget_incarnations(self, node_id: str, incarnation: int) -> None:
         """A verified restart: the old incarnation's de-duplication state can go."""
-        self.trainer.post(lambda _: self.trainer.core.forget_sender(node_id, incarnation))
+        self.trainer.post(lambda _: self.trainer.core.on_peer_restarted(node_id, incarnation))
 
     # -- outbound -------------------------------------------------------------------
     async def _push(self, out: OutboundPush) -> None:

@@ -20,11 +20,16 @@ A leaving node pushes all its available weight to one peer; a joining node
 starts at weight 0 and only gains weight through ordinary pushes.
 
 Sequences are per edge: a sender numbers its pushes to each receiver 1, 2, 3…
-and a retry reuses its number. The receiver admits a sequence at most
-``SEQUENCE_AHEAD`` beyond the highest it admitted from that sender incarnation
-and refuses anything further (it is never allowed to move the window), so a
-forged run of huge sequences cannot make later real pushes look like
-duplicates. Only a segment this node really merged is ever answered DUPLICATE.
+(starting again when the receiver restarts) and a retry reuses its number. The
+receiver admits a sequence at most ``SEQUENCE_AHEAD`` beyond the highest it
+admitted from that sender incarnation (beyond 0 before the first) and refuses
+anything further: it is never allowed to move the window. Only a segment this
+node remembers merging is answered DUPLICATE; a sequence older than what it
+remembers is refused, so the sender folds it back rather than losing it. An
+honest sender never sees either refusal (it has one push in flight per edge);
+a forger who can pass as a sender can at worst get that sender's pushes
+refused, never answered DUPLICATE unmerged. Who may pass as a sender is the
+membership's (and, with certificates, TLS's) business.
 
 Mass bound: without faults Σw is exact. A push is folded back into its sender
 only when the receiver refused it (it merged nothing) or was declared dead; the
@@ -99,11 +104,17 @@ class _Window:
         self.highest: int | None = None
 
     def check(self, sequence: int) -> None:
-        """Refuse a sequence too far ahead; it must not move the window."""
-        if self.highest is not None and sequence > self.highest + SEQUENCE_AHEAD:
+        """Refuse a sequence too far ahead (it must not move the window) or forgotten."""
+        highest = self.highest or 0
+        if sequence > highest + SEQUENCE_AHEAD:
             raise Refused(
                 f"sequence {sequence} is more than {SEQUENCE_AHEAD} beyond the highest "
-                f"admitted from this sender ({self.highest}); refused"
+                f"admitted from this sender ({highest}); refused"
+            )
+        if sequence <= self.forgotten_up_to:
+            raise Refused(
+                f"sequence {sequence} is older than this node remembers (up to "
+                f"{self.forgotten_up_to} forgotten); refused, not acknowledged"
             )
 
     def is_new(self, sequence: int, segment: int) -> bool:
@@ -253,9 +264,8 @@ class SumWeightGossip:
         example that every merged value stays finite) and only then calls
         :meth:`apply_receive` with it.
         """
-        window = self._seen.get((sender, incarnation))
-        if window is not None:
-            window.check(sequence)
+        window = self._seen.get((sender, incarnation)) or _Window()
+        window.check(sequence)
         actions: list[Merge | Duplicate] = []
         for segment, weight in weights.items():
             if not 0 <= segment < len(self.weights):
@@ -265,7 +275,7 @@ class SumWeightGossip:
                     f"sum-weight {weight} of segment {segment} is not a finite number in "
                     f"[0, {self.max_weight}] (limits.max_sum_weight)"
                 )
-            if window is not None and not window.is_new(sequence, segment):
+            if not window.is_new(sequence, segment):
                 actions.append(Duplicate(segment))
                 continue
             mine = self.available(segment)
@@ -291,6 +301,12 @@ class SumWeightGossip:
         (action,) = self.plan_receive(sender, incarnation, sequence, {segment: weight})
         self.apply_receive(sender, incarnation, sequence, [action])
         return action
+
+    def on_peer_restarted(self, peer: str, incarnation: int) -> None:
+        """``peer`` restarted: its old de-duplication state goes, and our numbering to it
+        starts again at 1, since the new incarnation remembers nothing of ours."""
+        self.forget_sender(peer, incarnation)
+        self._sequences.pop(peer, None)
 
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Drop de-duplication state of a sender's older incarnations (it restarted)."""
