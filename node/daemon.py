@@ -61,6 +61,7 @@ class Node:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
         self.leaving = False
+        self._retry_now = asyncio.Event()  # replaced each time it fires
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.peering = Peering(self)
         self.membership = self.peering.membership
@@ -237,8 +238,11 @@ class Node:
                 last_error = str(err)
                 self.metrics.messages.labels("sent", "retry").inc()
                 self.peering.failed(peer, err)
+                # While leaving, retry at once: a receiver that just came back answers
+                # DUPLICATE for what it merged, and only an answer settles exactly.
+                wake = self._retry_now
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay_s)
+                    await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
                 if self.stopping.is_set():
                     return [], str(err)
                 delay_s = min(delay_s * 2, gossip.retry_max_s)
@@ -252,20 +256,28 @@ class Node:
             self.peering.succeeded(peer)
             return acks, None
 
+    def retry_now(self) -> None:
+        """Cut short the waits between retries (a peer came back, or this node leaves)."""
+        self._retry_now.set()
+        self._retry_now = asyncio.Event()
+
     async def leave_mesh(self) -> None:
         """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
 
-        Call only once the trainer thread has stopped stepping. Pushes still
-        unacknowledged after a short wait (their receiver is slow or hung) are
-        cancelled and folded back, so their weight leaves with the hand-off; if
-        such a receiver had merged one, that push's weight is counted twice (the
-        bound stated in DESIGN §5).
+        Call only once the trainer thread has stopped stepping. Unacknowledged
+        pushes are retried at once, so a receiver that came back settles them
+        exactly. Those still unanswered after ``settle_s`` (their receiver is hung
+        or gone) are cancelled and folded back, so their weight leaves with the
+        hand-off; if such a receiver had merged one, that push's weight is counted
+        twice (the bound in the sum-weight core's docstring).
         """
         self.leaving = True
+        self.retry_now()
         gossip = self.config.gossip
+        settle_s = min(gossip.progress_timeout_s + 1.0, self.config.shutdown_timeout_s / 3)
         pushes = [t for t in self.tasks if t.get_name() == "push"]
         if pushes:
-            _, pending = await asyncio.wait(pushes, timeout=gossip.progress_timeout_s)
+            _, pending = await asyncio.wait(pushes, timeout=settle_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

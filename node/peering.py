@@ -61,6 +61,8 @@ class Peering:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
             self.node.trainer.post_peer(change.node_id, change.live)
+            if change.live:
+                self.node.retry_now()  # pushes waiting for it need not wait out a backoff
         self.node.metrics.live_peers.set(len(self.membership.live()))
 
     def failed(self, node_id: str, why: object) -> None:
