@@ -106,7 +106,9 @@ class LimitsConfig(_Section):
     max_sum_weight: float = Field(
         1e6, gt=0, description="largest sum-weight a payload may carry (a mesh starts at 1/node)"
     )
-    max_inbound_pushes: int = Field(32, ge=1, description="inbound push streams at once")
+    max_inbound_pushes: int = Field(
+        128, ge=1, description="inbound push streams at once (a push uses up to 4)"
+    )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_pending_bytes: int = Field(
         512 << 20,

@@ -51,7 +51,11 @@ class Node:
         self.fingerprint = trainer.fingerprint
         self.incarnation = time.time_ns() // 1000
         self.codec = Codec.parse(config.gossip.codec)
-        self.limits = Limits(config.limits.max_chunk_bytes, config.limits.max_segment_bytes)
+        self.limits = Limits(
+            config.limits.max_chunk_bytes,
+            config.limits.max_segment_bytes,
+            config.limits.max_sum_weight,
+        )
         self.metrics = metrics or NodeMetrics()
         self.rng = random.Random(config.gossip.seed ^ 0x5EED)
         self.address = config.advertise or config.listen

@@ -4,23 +4,34 @@ Request bytes are parsed by our own deserializer, so a frame that is not valid
 protobuf reaches the method as :class:`Malformed` and is answered with
 INVALID_ARGUMENT instead of grpc's generic UNKNOWN. Every gossipd error maps to
 its status code with the same text the local log gets.
+
+Streams are admitted against the caps in ``limits`` (see :mod:`admission`):
+concurrent pushes and pulls, payload bytes held by unfinished pushes, and how
+long a stream may stay silent. A silent push, or a pull whose reader stopped
+reading, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`, counted).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch
+from gossipd.node.admission import ByteBudget, IdleBounded, Slots
+from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint
-from gossipd.node.wire import ReceivedSegment, SegmentAssembler
+from gossipd.node.wire import ReceivedSegment, SegmentAssembler, pull_chunk_frame
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
+
+if TYPE_CHECKING:
+    from gossipd.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 SERVICE = "gossipd.v1.Gossip"
@@ -85,6 +96,7 @@ class Handlers(Protocol):
 
     mesh_id: str
     fingerprint: str
+    config: NodeConfig
 
     def new_assembler(self) -> SegmentAssembler: ...
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
@@ -92,7 +104,7 @@ class Handlers(Protocol):
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply: ...
-    def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.PullFrame]: ...
+    def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.SegmentHeader | memoryview]: ...
     def on_leave(self, request: pb.LeaveRequest, peer: str) -> None: ...
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
     async def on_status(self, checksum: bool) -> pb.StatusReply: ...
@@ -101,7 +113,18 @@ class Handlers(Protocol):
 
 class GossipServicer:
     def __init__(self, node: Handlers) -> None:
+        """Raises ConfigError if ``limits.max_pending_bytes`` could never hold a segment."""
         self.node = node
+        limits = node.config.limits
+        self.idle_s = limits.stream_idle_timeout_s
+        self.pushes = Slots(
+            limits.max_inbound_pushes, "inbound push streams", "limits.max_inbound_pushes"
+        )
+        self.pulls = Slots(
+            limits.max_inbound_pulls, "PullModel streams", "limits.max_inbound_pulls"
+        )
+        self.pending = ByteBudget(limits.max_pending_bytes, "limits.max_pending_bytes")
+        self.pending.check_fits(node.new_assembler().plan)
 
     def check_mesh(self, mesh_id: str, who: str) -> None:
         if mesh_id != self.node.mesh_id:
@@ -139,66 +162,104 @@ class GossipServicer:
         return await self._guard(context, context.peer(), call)
 
     async def PushSegments(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        peer = context.peer()
+        """Receive one push within the caps; what it reserved is released however it ends.
+
+        Completed segments stay charged to ``limits.max_pending_bytes`` until the
+        merge has answered, since until then their buffers are alive.
+        """
 
         async def call() -> pb.PushReply:
-            nonlocal peer
-            frames = aiter(request_iterator)
-            first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
-            if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
-                raise InvalidFrame("a push stream must start with a PushOpen frame")
-            opened = first.open
-            peer = opened.sender or peer
-            self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
-            check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
-            self.node.check_sender(opened.sender, opened.incarnation)
-            assembler = self.node.new_assembler()
-            segments: list[ReceivedSegment] = []
-            async for message in frames:
-                if isinstance(message, memoryview):
-                    done = assembler.chunk(message)
-                    if done is not None:
-                        segments.append(done)
-                    continue
-                frame = _require(message)
-                kind = frame.WhichOneof("kind")
-                if kind == "header":
-                    if frame.header.sequence != opened.sequence or frame.header.sender != (
-                        opened.sender
-                    ):
-                        raise InvalidFrame(
-                            f"header says {frame.header.sender!r}#{frame.header.sequence} inside "
-                            f"push {opened.sender!r}#{opened.sequence}"
-                        )
-                    done = assembler.header(frame.header)
-                elif kind == "chunk":
-                    done = assembler.chunk(frame.chunk)
-                else:
-                    raise InvalidFrame(f"unexpected {kind or 'empty'} frame inside a push stream")
+            with self.pushes.take(), self.pending.hold() as held:
+                frames = IdleBounded(
+                    aiter(request_iterator), self.idle_s, "limits.stream_idle_timeout_s"
+                )
+                first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
+                if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
+                    raise InvalidFrame("a push stream must start with a PushOpen frame")
+                opened = first.open
+                self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
+                check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
+                self.node.check_sender(opened.sender, opened.incarnation)
+                assembler = self.node.new_assembler()
+                assembler.reserve = held.reserve
+                segments = await self._receive(opened, frames, assembler)
+                return await self.node.on_push(opened, segments, context.time_remaining())
+
+        return await self._guard(context, context.peer(), call)
+
+    async def _receive(
+        self, opened: pb.PushOpen, frames: IdleBounded[Any], assembler: SegmentAssembler
+    ) -> list[ReceivedSegment]:
+        segments: list[ReceivedSegment] = []
+        async for message in frames:
+            if isinstance(message, memoryview):
+                done = assembler.chunk(message)
                 if done is not None:
                     segments.append(done)
-            assembler.close()
-            if len(segments) != opened.segment_count:
-                raise InvalidFrame(
-                    f"push announced {opened.segment_count} segments but carried {len(segments)}"
-                )
-            return await self.node.on_push(opened, segments, context.time_remaining())
+                continue
+            frame = _require(message)
+            kind = frame.WhichOneof("kind")
+            if kind == "header":
+                if frame.header.sequence != opened.sequence or frame.header.sender != (
+                    opened.sender
+                ):
+                    raise InvalidFrame(
+                        f"header says {frame.header.sender!r}#{frame.header.sequence} inside "
+                        f"push {opened.sender!r}#{opened.sequence}"
+                    )
+                done = assembler.header(frame.header)
+            elif kind == "chunk":
+                done = assembler.chunk(frame.chunk)
+            else:
+                raise InvalidFrame(f"unexpected {kind or 'empty'} frame inside a push stream")
+            if done is not None:
+                segments.append(done)
+        assembler.close()
+        if len(segments) != opened.segment_count:
+            raise InvalidFrame(
+                f"push announced {opened.segment_count} segments but carried {len(segments)}"
+            )
+        return segments
 
-        return await self._guard(context, peer, call)
+    async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``.
 
-    async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        async def check() -> pb.PullRequest:
+        A reader that stops reading is cut off there and the snapshot released.
+        The refusal is sent with ``set_code`` rather than ``abort``: its status
+        queues behind frames the reader never takes, and ``abort`` would wait for
+        them. grpc offers a server no way to cancel such a call, so it ends only
+        when its client reads, cancels, disconnects or passes its deadline;
+        until then it keeps its slot, which bounds what such calls can hold.
+        """
+        peer = context.peer()
+        try:
             req = _require(request)
             self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
-            return req
-
-        req = await self._guard(context, context.peer(), check)
-        try:
-            async for frame in self.node.on_pull(req):
-                yield frame
+            slot = self.pulls.take()
+            context.add_done_callback(lambda _: slot.release())
+            async with contextlib.aclosing(self.node.on_pull(req)) as frames:
+                async for frame in frames:
+                    if isinstance(frame, memoryview):
+                        data = pull_chunk_frame(frame)
+                    else:
+                        data = pb.PullFrame(header=frame).SerializeToString()
+                    try:
+                        async with asyncio.timeout(self.idle_s):
+                            await context.write(data)
+                    except TimeoutError:
+                        raise StreamIdle(
+                            f"the reader took no frame for {self.idle_s:g} s "
+                            "(limits.stream_idle_timeout_s); the pull was cut off"
+                        ) from None
         except GossipdError as err:
-            await context.abort(err.code, str(err))
+            self.node.on_rejected(peer, err)
+            context.set_code(err.code)
+            context.set_details(str(err))
+        except Exception as err:
+            log.exception("internal error serving a pull to %s", peer)
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(f"internal error: {err!r}")
 
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.LeaveReply:
@@ -224,6 +285,11 @@ class GossipServicer:
         return await self._guard(context, context.peer(), call)
 
 
+def _pass_bytes(message: bytes) -> bytes:
+    """Pull frames are serialized by the servicer (chunks by hand) and go out as they are."""
+    return message
+
+
 def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
     """Register with tolerant deserializers (the generated helper would answer UNKNOWN)."""
 
@@ -238,7 +304,7 @@ def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
             servicer.PushSegments, _parse_push_frame, ser
         ),
         "PullModel": grpc.unary_stream_rpc_method_handler(
-            servicer.PullModel, _parser(pb.PullRequest), ser
+            servicer.PullModel, _parser(pb.PullRequest), _pass_bytes
         ),
         "Leave": grpc.unary_unary_rpc_method_handler(servicer.Leave, _parser(pb.LeaveRequest), ser),
         "Peers": grpc.unary_unary_rpc_method_handler(servicer.Peers, _parser(pb.PeersRequest), ser),

@@ -10,7 +10,7 @@ never leave a model half-merged.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ class Limits:
 
     max_chunk_bytes: int = 4 << 20
     max_segment_bytes: int = 1 << 30
+    max_sum_weight: float = 1e6
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,41 @@ def segment_frames(
         yield piece.tobytes() if copy else piece
 
 
-class SegmentAssembler:
-    """Feeds on headers and chunks of one stream; yields complete, verified segments."""
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
-    def __init__(self, plan: SegmentPlan, limits: Limits) -> None:
+
+_PULL_CHUNK_TAG = _varint(pb.PullFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
+
+
+def pull_chunk_frame(data: bytes | memoryview) -> bytes:
+    """``PullFrame(chunk=data)`` serialized by hand, byte for byte what protobuf writes.
+
+    Chunks are nearly all the bytes of a pull; going through a message would
+    copy each megabyte twice more (into the message, then out of it).
+    """
+    return b"".join((_PULL_CHUNK_TAG, _varint(len(data)), data))
+
+
+class SegmentAssembler:
+    """Feeds on headers and chunks of one stream; yields complete, verified segments.
+
+    ``reserve`` pays for each segment's buffer: it is called with the payload's
+    byte count once the header is valid and before the buffer exists, and may
+    raise to refuse it (a receiver's memory budget).
+    """
+
+    def __init__(
+        self, plan: SegmentPlan, limits: Limits, reserve: Callable[[int], None] | None = None
+    ) -> None:
         self.plan = plan
         self.limits = limits
+        self.reserve: Callable[[int], None] = reserve or (lambda nbytes: None)
         self._header: pb.SegmentHeader | None = None
         self._buffer: memoryview | None = None
         self._filled = 0
@@ -125,11 +155,13 @@ class SegmentAssembler:
                 f"segment {seg.index} is {expected} bytes, over the limit of "
                 f"{self.limits.max_segment_bytes} (limits.max_segment_bytes)"
             )
-        if not math.isfinite(header.sum_weight) or header.sum_weight < 0:
+        weight = header.sum_weight
+        if not (math.isfinite(weight) and 0 <= weight <= self.limits.max_sum_weight):
             raise InvalidFrame(
-                f"sum-weight {header.sum_weight} for segment {seg.index} is not a finite "
-                "non-negative number"
+                f"sum-weight {weight!r} for segment {seg.index} is not a finite number between "
+                f"0 and {self.limits.max_sum_weight:g} (limits.max_sum_weight)"
             )
+        self.reserve(expected)
         self._header = header
         # Uninitialised memory: a zero-filled bytearray costs a page-faulting pass
         # over the whole segment before the first byte arrives.

@@ -4,6 +4,10 @@ Every case checks three things: the status code and message say what was
 wrong, the daemon keeps serving, and its parameters are bit-for-bit unchanged
 (the checksum reported by Status). A valid push at the end proves the checksum
 does move when something is merged, so the unchanged checks can fail.
+
+The attacker is a verified member, not a stranger: a FakePeer that answers the
+victim's own Handshake, so its frames get past the sender check and reach the
+validation under test.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import math
 import struct
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -23,13 +27,16 @@ from gossipd.node import codec as wirecodec
 from gossipd.node.codec import Codec
 from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.segments import FlatModel
-from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
+from tests.conftest import wait_until
+from tests.fakepeer import FakePeer
 
 MESH = "test-mesh"
 SENDER = "attacker"
 INCARNATION = 7
 MAX_CHUNK = 64 << 10
+MAX_SUM_WEIGHT = 1e6  # limits.max_sum_weight, default
+ABOVE_CAP = math.nextafter(MAX_SUM_WEIGHT, math.inf)
 
 
 def _identity(data: bytes) -> bytes:
@@ -61,16 +68,6 @@ class Wire:
 
     def run(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
         return asyncio.run(self.call(method, frames))
-
-    def handshake(self, sender: str = SENDER) -> None:
-        request = pb.HandshakeRequest(
-            schema_version=SCHEMA_VERSION,
-            mesh_id=MESH,
-            node=pb.NodeInfo(node_id=sender, address="127.0.0.1:1", incarnation=INCARNATION),
-            fingerprint=self.fingerprint,
-        )
-        code, _ = self.run("Handshake", request.SerializeToString())
-        assert code == grpc.StatusCode.OK
 
     def open_frame(self, **overrides: Any) -> bytes:
         fields = dict(
@@ -106,7 +103,14 @@ class Wire:
 
 
 @pytest.fixture(scope="module")
-def victim(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def attacker() -> Iterator[FakePeer]:
+    """Outlives the victim, so the victim's shutdown finds it answering."""
+    with FakePeer(SENDER, incarnation=INCARNATION, serve_peers=True) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def victim(attacker: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from gossipd.node.mesh import free_ports
     from tests.conftest import start_daemon
 
@@ -122,10 +126,13 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def wire(victim: Any) -> Wire:
-    w = Wire(victim.address)
-    w.handshake()
-    return w
+def wire(victim: Any, attacker: FakePeer) -> Wire:
+    """A client speaking as SENDER, once the victim has verified SENDER by its own Handshake."""
+    attacker.introduce_to(victim.address)
+    wait_until(
+        lambda: SENDER in victim.status()["live_peers"], "the victim to verify the attacker", 30
+    )
+    return Wire(victim.address)
 
 
 def _values(wire: Wire, fill: float) -> torch.Tensor:
@@ -184,6 +191,18 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, sum_weight=-1.0)],
         ),
+        "huge sum-weight": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=1e300)],
+        ),
+        "infinite sum-weight": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=math.inf)],
+        ),
+        "sum-weight just above the cap": (
+            "PushSegments",
+            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=ABOVE_CAP)],
+        ),
         "oversize chunk": (
             "PushSegments",
             lambda: [
@@ -230,41 +249,51 @@ EXPECTED = {
     "wrong numel": (grpc.StatusCode.INVALID_ARGUMENT, "header says 5"),
     "segment out of range": (grpc.StatusCode.INVALID_ARGUMENT, "segment index 99"),
     "negative sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight -1.0"),
+    "huge sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight 1e+300"),
+    "infinite sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight inf"),
+    "sum-weight just above the cap": (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"sum-weight {ABOVE_CAP!r} for segment 0 is not a finite number between 0 and 1e+06 "
+        "(limits.max_sum_weight)",
+    ),
     "oversize chunk": (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
-    "oversize frame": (grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    "oversize frame": (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
     "segment count lies": (grpc.StatusCode.INVALID_ARGUMENT, "announced 2 segments"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_hostile_frame_is_rejected_and_model_unchanged(victim: Any, wire: Wire, case: str) -> None:
-    before = victim.status()
+    before = victim.status(checksum=True)
     method, frames = _cases(wire)[case]
     code, details = wire.run(method, frames())
     want_code, want_text = EXPECTED[case]
     assert code == want_code, (case, code, details)
     assert want_text in details, (case, details)
-    after = victim.status()
+    after = victim.status(checksum=True)
     assert after["params_checksum"] == before["params_checksum"], case
     assert after["sum_weights"] == before["sum_weights"], case
     assert victim.proc.poll() is None, victim.log()
 
 
 def test_valid_push_merges_once_and_duplicate_changes_nothing(victim: Any, wire: Wire) -> None:
-    before = victim.status()
+    before = victim.status(checksum=True)
     frames = [wire.open_frame(sequence=50), *wire.segment(_values(wire, 0.25), sequence=50)]
     code, reply = wire.run("PushSegments", frames)
     assert code == grpc.StatusCode.OK
     acks = pb.PushReply.FromString(reply).acks
     assert [a.result for a in acks] == [pb.SEGMENT_RESULT_MERGED]
-    merged = victim.status()
+    # Status reads the summary the trainer publishes at the end of its step, which may
+    # come just after the acknowledgement.
+    wanted = pytest.approx(before["sum_weights"][0] + 1.0)
+    wait_until(lambda: victim.status()["sum_weights"][0] == wanted, "the merge in Status", 30)
+    merged = victim.status(checksum=True)
     assert merged["params_checksum"] != before["params_checksum"]
-    assert merged["sum_weights"][0] == pytest.approx(before["sum_weights"][0] + 1.0)
 
     code, reply = wire.run("PushSegments", frames)
     assert code == grpc.StatusCode.OK
     assert [a.result for a in pb.PushReply.FromString(reply).acks] == [pb.SEGMENT_RESULT_DUPLICATE]
-    again = victim.status()
+    again = victim.status(checksum=True)
     assert again["params_checksum"] == merged["params_checksum"]
     assert again["sum_weights"] == merged["sum_weights"]
 
@@ -287,14 +316,19 @@ def test_pull_with_wrong_fingerprint_is_refused(wire: Wire) -> None:
     assert "fingerprint mismatch" in details
 
 
-def test_rejections_are_counted_by_reason_in_prometheus(victim: Any, wire: Wire) -> None:
-    wire.run("PushSegments", [wire.open_frame(), *wire.segment(_values(wire, 0.5), checksum=1)])
+def _prometheus_count(victim: Any, reason: str) -> float:
     port = victim.node_json()["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    line = next(
-        row
-        for row in text.splitlines()
-        if row.startswith('gossipd_rejected_payloads_total{reason="InvalidFrame"}')
+    prefix = f'gossipd_rejected_payloads_total{{reason="{reason}"}}'
+    rows = [row for row in text.splitlines() if row.startswith(prefix)]
+    return float(rows[0].split()[-1]) if rows else 0.0
+
+
+def test_rejections_are_counted_by_reason_in_prometheus(victim: Any, wire: Wire) -> None:
+    before = _prometheus_count(victim, "InvalidFrame")
+    code, _ = wire.run(
+        "PushSegments", [wire.open_frame(), *wire.segment(_values(wire, 0.5), checksum=1)]
     )
-    assert float(line.split()[-1]) >= 1
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _prometheus_count(victim, "InvalidFrame") == before + 1
