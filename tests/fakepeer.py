@@ -53,8 +53,12 @@ class FakePeer:
         incarnation: int = 1,
         mesh_id: str = MESH,
         serve_peers: bool = False,
+        hang_pushes: bool = False,
     ) -> None:
         self.node_id = node_id
+        # Take every push stream in and never answer it: a peer that hangs after reading.
+        self.hang_pushes = hang_pushes
+        self.pushes_hanging = 0
         # Also answer Peers (with only itself), so a daemon's anti-entropy rounds against
         # this fake succeed instead of counting failures that would get it suspected.
         self.serve_peers = serve_peers
@@ -92,6 +96,13 @@ class FakePeer:
         async def peers(request: pb.PeersRequest, context: Any) -> pb.PeersReply:
             return pb.PeersReply(peers=[self.info()])
 
+        async def hang(request_iterator: Any, context: Any) -> bytes:
+            async for _ in request_iterator:
+                pass
+            self.pushes_hanging += 1
+            await asyncio.Event().wait()  # until the server stops and cancels this
+            return b""
+
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(
                 handshake,
@@ -103,6 +114,8 @@ class FakePeer:
             handlers["Peers"] = grpc.unary_unary_rpc_method_handler(
                 peers, pb.PeersRequest.FromString, pb.PeersReply.SerializeToString
             )
+        if self.hang_pushes:
+            handlers["PushSegments"] = grpc.stream_unary_rpc_method_handler(hang)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("gossipd.v1.Gossip", handlers),)
