@@ -19,6 +19,7 @@ floating-point buffers travel.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from gossipd.node.config import NodeConfig, load_config, parse_config
 from gossipd.node.daemon import Node
 from gossipd.node.errors import GossipdError
 from gossipd.node.trainer import FairLock, GossipTrainer, StepReport
+
+log = logging.getLogger(__name__)
 
 
 class GossipNode:
@@ -47,23 +50,20 @@ class GossipNode:
             config = parse_config(config, "GossipNode(config=...)")
         self.config = config
         self.optimizer = optimizer
-        self.trainer = GossipTrainer(
-            config.node_id,
-            model,
-            push_probability=config.gossip.push_probability,
-            segment_bytes=config.gossip.segment_bytes,
-            inbox_size=config.limits.inbox_size,
-            seed=config.gossip.seed,
-            initial_weight=0.0 if config.join else 1.0,
-        )
+        self.trainer = GossipTrainer.from_config(config, model)
         self.node = Node(config, self.trainer)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"gossipd-{config.node_id}", daemon=True
         )
         self._thread.start()
-        self._call(self.node.start(), start_timeout_s)
         self.closed = False
+        try:
+            self._call(self.node.start(), start_timeout_s)
+        except BaseException:
+            self.closed = True
+            self._stop_loop()
+            raise
 
     def _call(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -91,24 +91,58 @@ class GossipNode:
         return bool(self._call(self.node.wait_for_peers(count, timeout_s), timeout_s + 5.0))
 
     def save_checkpoint(self, directory: str | Path) -> Path:
+        """Write ``checkpoint.pt`` atomically; raises CheckpointWriteError, the old file intact."""
         ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.optimizer)
         return checkpoint.save(Path(directory), ckpt)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Hand weight to a peer, say goodbye, stop the network thread."""
+        """Hand weight to a peer, say goodbye, stop the network thread; leaves nothing running.
+
+        Call it (or leave the ``with`` block) before the interpreter exits: a loop
+        torn down by exit instead prints "Task was destroyed but it is pending!".
+        """
         if self.closed:
             return
         self.closed = True
         timeout_s = timeout_s or self.config.shutdown_timeout_s
         try:
             self._call(asyncio.wait_for(self.node.leave_mesh(), timeout_s), timeout_s + 1.0)
-        except (TimeoutError, GossipdError):
-            pass
+        except (TimeoutError, GossipdError) as err:
+            log.warning("leaving the mesh did not complete: %r", err)
         finally:
-            self._call(self.node.close(grace_s=0.2), 10.0)
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        """Close the node, then end every task, async generator and worker thread of the loop.
+
+        gRPC cancels handlers still running when its grace ends, but their tasks
+        need loop iterations to finish; a loop stopped right away keeps them
+        pending until garbage collection complains at exit.
+        """
+        try:
+            self._call(self._finish(), 30.0)
+        except TimeoutError:
+            log.warning("the network thread of %s did not stop within 30 s", self.config.node_id)
+        finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10.0)
-            self._loop.close()
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    async def _finish(self) -> None:
+        try:
+            await self.node.close(grace_s=0.2)
+        finally:
+            current = asyncio.current_task()
+            for _ in range(10):  # a cancelled task may start another; bounded
+                rest = [t for t in asyncio.all_tasks() if t is not current]
+                if not rest:
+                    break
+                for task in rest:
+                    task.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+            await self._loop.shutdown_default_executor()
 
     def __enter__(self) -> GossipNode:
         return self

@@ -9,11 +9,13 @@ bounded error DESIGN §5 accepts for faults.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -49,8 +51,66 @@ def capture(
         )
 
 
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, read-only, I/O error); the previous file is intact.
+
+    Keeps the path and the kernel's reason apart so callers can phrase the fix
+    for their moment (start-up, periodic, shutdown); the message adds the free
+    space, which is what an operator checks first.
+    """
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot write checkpoint {path}: {reason} ({describe_free(path.parent)})")
+
+
+def describe_free(directory: Path) -> str:
+    """``"12.0 KiB free on DIR"``, for messages about a write that failed there."""
+    try:
+        free = format_bytes(shutil.disk_usage(directory).free)
+    except OSError:
+        free = "unknown space"
+    return f"{free} free on {directory}"
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class _WriteRecorder:
+    """A file wrapper that remembers the OSError of a failed write.
+
+    torch.save reports a short write as ``RuntimeError: ... unexpected pos``; the
+    kernel's reason (No space left on device, File too large, Input/output
+    error) is only seen by the file's ``write``.
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save(directory: Path, ckpt: Checkpoint, filename: str = FILENAME) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write atomically: a temp file in ``directory``, fsync, rename over ``filename``.
+
+    Raises :class:`CheckpointWriteError` if any of it fails; the temp file is
+    removed and the previous checkpoint is left as it was.
+    """
     target = directory / filename
     payload = {
         "format": FORMAT,
@@ -61,22 +121,38 @@ def save(directory: Path, ckpt: Checkpoint, filename: str = FILENAME) -> Path:
         "segments": [s.detach().cpu() for s in ckpt.segments],
         "optimizer": ckpt.optimizer,
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", dir=directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(directory, target, payload)
+    except (OSError, RuntimeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise CheckpointWriteError(target, reason) from None
+    return target
+
+
+def _write_atomically(directory: Path, target: Path, payload: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            sink = _WriteRecorder(f)
+            try:
+                torch.save(payload, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+                raise sink.error from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return target
 
 
 def load(path: Path, *, fingerprint: str) -> Checkpoint:

@@ -30,11 +30,30 @@ def _run_node(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await site.run(stop)
 
+    # A start-up failure raised inside the loop (port taken, join timeout) leaves
+    # asyncio.run as itself and reaches main's `except GossipdError`: exit 2.
     asyncio.run(main())
+    code = 0
     if site.loop_thread.error is not None:
         print(f"gossipd: training failed: {site.loop_thread.error!r}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if site.final_checkpoint_error is not None:
+        # Exit 1, not 0: the node stopped cleanly, but the state on disk is older than
+        # what it did (a restart resumes from the last good checkpoint, and weight
+        # handed off on the way out is counted again), which a supervisor must flag.
+        # Not 2: that means "did not start, fix the config".
+        resume = (
+            f"a restart resumes from step {site.saved_step}"
+            if site.saved_step is not None
+            else "there is no checkpoint.pt, so a restart starts from scratch"
+        )
+        print(
+            f"gossipd: final checkpoint failed: {site.final_checkpoint_error}; {resume}; "
+            "free space under data_dir before restarting",
+            file=sys.stderr,
+        )
+        code = 1
+    return code
 
 
 def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
@@ -71,7 +90,8 @@ def _run_mesh(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from gossipd.node.status import query_status
 
-    reply = asyncio.run(query_status(args.address, args.timeout_s))
+    # One call by a person or a script: worth the model copy a fresh checksum costs.
+    reply = asyncio.run(query_status(args.address, args.timeout_s, checksum=True))
     if args.json:
         print(json.dumps(reply))
     else:

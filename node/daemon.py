@@ -9,10 +9,11 @@ worker thread so a long step never stalls the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import errno
 import logging
 import math
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -22,20 +23,47 @@ from grpc_reflection.v1alpha import reflection
 
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import Busy, GossipdError, Leaving, UnknownPeer
+from gossipd.node.errors import Busy, ConfigError, GossipdError, Leaving, UnknownPeer
 from gossipd.node.metrics import NodeMetrics
-from gossipd.node.peering import RPC_TIMEOUT_S, Peering
+from gossipd.node.outbound import Outbound
+from gossipd.node.peering import Peering
 from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
-from gossipd.node.trainer import GossipTrainer, InboundPush, OutboundPush
-from gossipd.node.transport import CHANNEL_OPTIONS, Identity, OutcomeUnknown, PeerClient
+from gossipd.node.trainer import GossipTrainer, InboundPush
+from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
 CHECKSUM_INTERVAL_S = 0.2
+
+
+def check_port_free(listen: str) -> None:
+    """Refuse a taken ``listen`` address with a clear error, before gRPC tries it.
+
+    gRPC's own bind error does not say why, and its C core prints a line of its
+    own. Any other probe error is left to gRPC to judge.
+    """
+    host, _, port_text = listen.rpartition(":")
+    if not int(port_text):
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), int(port_text), type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    for family, kind, proto, _, sockaddr in addresses:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(sockaddr)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"listen {listen}: address already in use (another gossipd or program "
+                    "holds it); pick another port or stop the other process"
+                ) from None
 
 
 class Node:
@@ -65,9 +93,9 @@ class Node:
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
         self.leaving = False
-        self._retry_now = asyncio.Event()  # replaced each time it fires
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.peering = Peering(self)
+        self.outbound = Outbound(self)
         self.membership = self.peering.membership
         self._checksum_lock = asyncio.Lock()
         self._checksum_at = -math.inf
@@ -80,35 +108,10 @@ class Node:
         taken port binds it too, and the kernel splits connections between two
         nodes that both answer at one address.
         """
-        import errno
-        import socket
-
-        from gossipd.node.errors import ConfigError
-
         loop = asyncio.get_running_loop()
         listen = self.config.listen
-        host, _, port_text = listen.rpartition(":")
-        in_use = ConfigError(
-            f"listen {listen}: address already in use (another gossipd or program holds it); "
-            "pick another port or stop the other process"
-        )
-        if int(port_text):
-            # Probe first: gRPC's bind error does not say why, and its C core prints
-            # a line of its own. Any other probe error is left to gRPC to judge.
-            try:
-                addresses = socket.getaddrinfo(
-                    host.strip("[]"), int(port_text), type=socket.SOCK_STREAM
-                )
-            except OSError:
-                addresses = []
-            for family, kind, proto, _, sockaddr in addresses:
-                try:
-                    with socket.socket(family, kind, proto) as probe:
-                        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                        probe.bind(sockaddr)
-                except OSError as err:
-                    if err.errno == errno.EADDRINUSE:
-                        raise in_use from None
+        host = listen.rpartition(":")[0]
+        check_port_free(listen)
         server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
         try:
             add_to_server(GossipServicer(self), server)
@@ -143,7 +146,7 @@ class Node:
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
         self.trainer.send = lambda out: loop.call_soon_threadsafe(
-            self.spawn, self._push(out), "push"
+            self.spawn, self.outbound.push(out), "push"
         )
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(
@@ -203,110 +206,11 @@ class Node:
         self.trainer.post(lambda _: self.trainer.core.on_peer_restarted(node_id, incarnation))
 
     # -- outbound -------------------------------------------------------------------
-    async def _push(self, out: OutboundPush) -> None:
-        """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
-        acks: list[pb.SegmentAck] = []
-        error: str | None = "the node stopped before the push was acknowledged"
-        try:
-            acks, error = await self._deliver(out)
-        finally:
-            self.trainer.post_push_result(out, acks, error)
-
-    async def _deliver(self, out: OutboundPush) -> tuple[list[pb.SegmentAck], str | None]:
-        """Retry with the same sequence until the receiver answers or is declared dead.
-
-        The receiver de-duplicates, so a retry after a lost acknowledgement is
-        answered DUPLICATE and committed: folding the weight back while the
-        receiver might have merged it would create mass.
-        """
-        peer, gossip = out.push.peer, self.config.gossip
-        state = self.membership.peers.get(peer)
-        if state is None:
-            return [], f"peer {peer} left the view"
-        incarnation = state.incarnation
-        nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
-        delay_s = min(0.5, gossip.retry_max_s)
-        last_error = "no attempt made"
-        while True:
-            state = self.membership.peers.get(peer)
-            if state is None or state.incarnation != incarnation:
-                return [], (
-                    f"{peer} was declared dead or restarted before acknowledging push "
-                    f"#{out.push.sequence}; last attempt: {last_error}"
-                )
-            try:
-                acks = await self.client(state.address).push(
-                    out, gossip.push_timeout_s, gossip.progress_timeout_s
-                )
-            except OutcomeUnknown as err:
-                last_error = str(err)
-                self.metrics.messages.labels("sent", "retry").inc()
-                self.peering.failed(peer, err)
-                # While leaving, retry at once: a receiver that just came back answers
-                # DUPLICATE for what it merged, and only an answer settles exactly.
-                wake = self._retry_now
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
-                if self.stopping.is_set():
-                    return [], str(err)
-                delay_s = min(delay_s * 2, gossip.retry_max_s)
-                continue
-            except GossipdError as err:  # the receiver refused: it merged nothing
-                self.metrics.messages.labels("sent", "failed").inc()
-                self.metrics.bytes.labels("sent", "failed").inc(nbytes)
-                return [], str(err)
-            self.metrics.messages.labels("sent", "ok").inc()
-            self.metrics.bytes.labels("sent", "ok").inc(nbytes)
-            self.peering.succeeded(peer)
-            return acks, None
-
     def retry_now(self) -> None:
-        """Cut short the waits between retries (a peer came back, or this node leaves)."""
-        self._retry_now.set()
-        self._retry_now = asyncio.Event()
+        self.outbound.retry_now()
 
     async def leave_mesh(self) -> None:
-        """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
-
-        Call only once the trainer thread has stopped stepping. Unacknowledged
-        pushes are retried at once, so a receiver that came back settles them
-        exactly. Those still unanswered after ``settle_s`` (their receiver is hung
-        or gone) are cancelled and folded back, so their weight leaves with the
-        hand-off; if such a receiver had merged one, that push's weight is counted
-        twice (the bound in the sum-weight core's docstring).
-        """
-        self.leaving = True
-        self.retry_now()
-        gossip = self.config.gossip
-        settle_s = min(gossip.progress_timeout_s + 1.0, self.config.shutdown_timeout_s / 3)
-        pushes = [t for t in self.tasks if t.get_name() == "push"]
-        if pushes:
-            _, pending = await asyncio.wait(pushes, timeout=settle_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        self.trainer.idle(0)
-        live = {s.node_id for s in self.membership.live()}
-        candidates = sorted(live & self.trainer.core.peers)
-        out = self.trainer.leave(self.rng.choice(candidates)) if candidates else None
-        if out is not None:
-            acks: list[pb.SegmentAck] = []
-            error: str | None = "leaving took too long"
-            try:
-                acks, error = await self._deliver(out)
-            finally:
-                self.trainer.settle_push(out, acks, error)
-            if error is None:
-                log.info("handed weight to %s", out.push.peer)
-            else:
-                log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
-        clients = [self.client(s.address) for s in self.membership.live()]
-        results = await asyncio.gather(
-            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
-        )
-        for client, result in zip(clients, results, strict=True):
-            if isinstance(result, BaseException):
-                log.debug("Leave to %s failed: %s", client.address, result)
+        await self.outbound.leave_mesh()
 
     async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
         return await self.peering.wait_for_peers(count, timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from gossipd.node.errors import ConfigError
 from gossipd.node.trainer import StepReport
 
 
@@ -53,11 +54,34 @@ class NodeMetrics:
         self.eval_metric = Gauge(
             "gossipd_eval", "Latest evaluation metrics of the job", ["metric"], registry=r
         )
+        self.checkpoint_failures = Counter(
+            "gossipd_checkpoint_failures_total",
+            "Checkpoint writes that failed (disk full, read-only, I/O error); the previous "
+            "checkpoint stays and training goes on",
+            registry=r,
+        )
+        self.checkpoint_last_success = Gauge(
+            "gossipd_checkpoint_last_success_timestamp_seconds",
+            "Unix time of the newest checkpoint.pt on disk (0: none yet); alert on its age",
+            registry=r,
+        )
+        self.checkpoint_seconds = Histogram(
+            "gossipd_checkpoint_write_seconds",
+            "Wall time of one successful checkpoint write (capture, serialize, fsync, rename)",
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
         self.port: int | None = None
         self._server = None
 
     def serve(self, host: str, port: int) -> int:
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise ConfigError(
+                f"metrics.listen {host}:{port}: {err.strerror or err}; pick another port, "
+                "stop the other process, or leave metrics.listen empty to turn metrics off"
+            ) from None
         self._server = server
         self.port = server.server_port
         return self.port
@@ -75,6 +99,10 @@ class NodeMetrics:
             self.loss.set(loss)
         for m in report.merged:
             self.merges.inc(len(m.merged_segments))
+
+    def record_checkpoint(self, write_s: float, unix_s: float) -> None:
+        self.checkpoint_seconds.observe(write_s)
+        self.checkpoint_last_success.set(unix_s)
 
     def record_weights(self, weights: list[float]) -> None:
         for i, w in enumerate(weights):

@@ -5,11 +5,17 @@ Files under ``data_dir`` (all written atomically):
 before the first step, for consensus studies), ``node.json`` (address, ports,
 pid, for tools), ``history.jsonl`` (one line per evaluation) and
 ``summary.json`` (written when training ends and again at exit).
+
+A data_dir that cannot be written stops the daemon only at start-up (one line,
+exit code 2). Later, a failed write (disk full, read-only remount, I/O error)
+is logged once per streak of failures and retried: training and gossip go on,
+and the last good checkpoint stays in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +28,7 @@ from typing import Any
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig
 from gossipd.node.daemon import Node
-from gossipd.node.errors import GossipdError
+from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.trainer import GossipTrainer, StepReport
@@ -32,8 +38,43 @@ log = logging.getLogger(__name__)
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+class FailureStreak:
+    """Logs the first of a run of failed writes at WARNING and the recovery at INFO.
+
+    A full disk fails every interval; one line per interval would bury the log,
+    so the failures in between are only logged at DEBUG (and counted in metrics).
+    """
+
+    def __init__(self, what: str, advice: str) -> None:
+        self.what = what
+        self.advice = advice
+        self.failures = 0
+
+    def failed(self, err: Exception) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("%s failed: %s; %s", self.what, err, self.advice)
+        else:
+            log.debug("%s failed again (%d in a row): %s", self.what, self.failures, err)
+
+    def succeeded(self, path: Path) -> None:
+        if self.failures:
+            log.info(
+                "%s written again to %s after %d failed attempts",
+                self.what,
+                path,
+                self.failures,
+            )
+            self.failures = 0
 
 
 class TrainingLoop(threading.Thread):
@@ -67,7 +108,7 @@ class TrainingLoop(threading.Thread):
                     site.evaluate()
                 every = site.config.checkpoint.every_steps
                 if every and step % every == 0:
-                    site.save_checkpoint()
+                    site.periodic_checkpoint()
                 elapsed = time.monotonic() - started
                 if (cfg.max_steps and step >= cfg.max_steps) or (
                     cfg.duration_s and elapsed >= cfg.duration_s
@@ -97,22 +138,35 @@ class Site:
                 options=dict(config.job.options),
             )
         )
-        self.trainer = GossipTrainer(
-            config.node_id,
-            self.job.model,
-            push_probability=config.gossip.push_probability,
-            segment_bytes=config.gossip.segment_bytes,
-            inbox_size=config.limits.inbox_size,
-            seed=config.gossip.seed,
-            initial_weight=0.0 if config.join else 1.0,
-        )
+        self.trainer = GossipTrainer.from_config(config, self.job.model)
         self.metrics = NodeMetrics()
         self.node = Node(config, self.trainer, self.metrics)
         self.data_dir = Path(config.data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(
+                f"data_dir = {self.data_dir}: cannot create the directory: {err.strerror}; "
+                "point data_dir at a directory this user can write"
+            ) from None
         self.loop_thread = TrainingLoop(self)
         self.resumed_from: int | None = None
+        self.restored_weights: list[float] = []
+        self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
+        self.final_checkpoint_error: CheckpointError | None = None
         self.last_eval: dict[str, float] = {}
+        once = "free space (or fix the disk) under data_dir; logged once until a write succeeds"
+        self.checkpoint_streak = FailureStreak(
+            "periodic checkpoint",
+            "training and gossip go on, the previous checkpoint is kept and the write is retried "
+            f"every {config.checkpoint.every_steps} steps: {once}",
+        )
+        self.history_streak = FailureStreak(
+            "appending to history.jsonl", f"training goes on without these lines: {once}"
+        )
+        self.summary_streak = FailureStreak(
+            "writing summary.json", "the daemon goes on; it is written again at exit"
+        )
 
     # -- trainer-thread helpers -------------------------------------------------------
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
@@ -129,33 +183,82 @@ class Site:
         for key, value in result.items():
             self.metrics.eval_metric.labels(key).set(value)
         line = {"unix_s": time.time(), "step": step, "loss": loss, **result}
-        with open(self.data_dir / "history.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+        path = self.data_dir / "history.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as err:
+            self.history_streak.failed(err)
+        else:
+            self.history_streak.succeeded(path)
 
-    def save_checkpoint(self, name: str = checkpoint.FILENAME) -> None:
+    def save_checkpoint(self, name: str = checkpoint.FILENAME) -> Path:
+        """Write one checkpoint and count it; raises CheckpointWriteError, the old file intact."""
+        started = time.perf_counter()
         ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.job.optimizer)
-        checkpoint.save(self.data_dir, ckpt, name)
+        try:
+            path = checkpoint.save(self.data_dir, ckpt, name)
+        except checkpoint.CheckpointWriteError:
+            self.metrics.checkpoint_failures.inc()
+            raise
+        if name == checkpoint.FILENAME:
+            self.saved_step = ckpt.step
+            self.metrics.record_checkpoint(time.perf_counter() - started, time.time())
+        return path
+
+    def periodic_checkpoint(self) -> None:
+        """A failed periodic write must not stop training: warn once per streak, retry later."""
+        try:
+            path = self.save_checkpoint()
+        except checkpoint.CheckpointWriteError as err:
+            self.checkpoint_streak.failed(err)
+        else:
+            self.checkpoint_streak.succeeded(path)
 
     def write_summary(self, *, training_done: bool) -> None:
         s = self.trainer.summary
+        path = self.data_dir / "summary.json"
+        try:
+            write_json(
+                path,
+                {
+                    "node_id": self.config.node_id,
+                    "steps": s.steps,
+                    "loss": s.loss,
+                    "sum_weights": s.weights,
+                    "training_done": training_done,
+                    "resumed_from_step": self.resumed_from,
+                    **self.last_eval,
+                },
+            )
+        except OSError as err:
+            self.summary_streak.failed(err)
+        else:
+            self.summary_streak.succeeded(path)
+
+    def write_node_json(self) -> None:
         write_json(
-            self.data_dir / "summary.json",
+            self.data_dir / "node.json",
             {
                 "node_id": self.config.node_id,
-                "steps": s.steps,
-                "loss": s.loss,
-                "sum_weights": s.weights,
-                "training_done": training_done,
-                "resumed_from_step": self.resumed_from,
-                **self.last_eval,
+                "address": self.node.address,
+                "metrics_port": self.metrics.port,
+                "pid": os.getpid(),
+                "fingerprint": self.trainer.fingerprint,
             },
         )
 
     # -- lifecycle ------------------------------------------------------------------
     def restore(self) -> None:
+        """Resume from checkpoint.pt, or write initial.pt; fails if data_dir is not writable."""
+        self.check_writable()
         path = self.data_dir / checkpoint.FILENAME
         if not path.exists():
-            self.save_checkpoint("initial.pt")
+            try:
+                self.save_checkpoint("initial.pt")
+            except checkpoint.CheckpointWriteError as err:
+                raise self._unwritable(f"cannot write {err.path.name}: {err.reason}") from None
+            self.restored_weights = list(self.trainer.core.weights)
             return
         ckpt = checkpoint.load(path, fingerprint=self.trainer.fingerprint)
         with self.trainer.lock:
@@ -165,9 +268,29 @@ class Site:
             self.trainer.steps = ckpt.step
             if ckpt.optimizer is not None:
                 self.job.optimizer.load_state_dict(ckpt.optimizer)
-        self.resumed_from = ckpt.step
+            self.trainer.publish()
+        self.resumed_from = self.saved_step = ckpt.step
+        self.restored_weights = list(ckpt.weights)
+        self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
         log.info(
             "resumed %s from step %d, weights %s", self.config.node_id, ckpt.step, ckpt.weights
+        )
+
+    def check_writable(self) -> None:
+        """Probe data_dir with a small write, so a resumed node fails at start, not later."""
+        probe = self.data_dir / ".write-probe"
+        try:
+            probe.write_bytes(b"gossipd")
+            probe.unlink()
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            raise self._unwritable(f"cannot write there: {err.strerror}") from None
+
+    def _unwritable(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"data_dir = {self.data_dir}: {what} ({checkpoint.describe_free(self.data_dir)}); "
+            "free space or fix permissions there, or point data_dir elsewhere"
         )
 
     async def bootstrap(self) -> None:
@@ -186,30 +309,21 @@ class Site:
         log.info("bootstrapped the model from %s", peer.node_id)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Start, train until ``stop`` is set (or training dies), then shut down.
+
+        Start-up failures before the server runs leave nothing to clean up; after
+        it runs, every way out goes through :meth:`shutdown`.
+        """
         self.restore()
         await self.node.start()
-        write_json(
-            self.data_dir / "node.json",
-            {
-                "node_id": self.config.node_id,
-                "address": self.node.address,
-                "metrics_port": self.metrics.port,
-                "pid": os.getpid(),
-                "fingerprint": self.trainer.fingerprint,
-            },
-        )
         try:
-            if self.config.join and self.resumed_from is None:
-                await self.bootstrap()
-            wanted = self.config.membership.start_after_peers
-            if wanted and not await self.node.wait_for_peers(
-                wanted, self.config.membership.start_timeout_s
-            ):
-                raise GossipdError(
-                    f"membership.start_after_peers = {wanted}: only "
-                    f"{len(self.node.membership.live())} peers became live within "
-                    f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
-                )
+            try:
+                self.write_node_json()
+            except OSError as err:
+                log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
+            if not await _unless_stopped(self._before_training(), stop):
+                log.info("stopped before training started")
+                return
             loop = asyncio.get_running_loop()
             self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
             self.loop_thread.start()
@@ -217,18 +331,69 @@ class Site:
         finally:
             await self.shutdown()
 
-    async def shutdown(self) -> None:
-        """Stop training, settle pushes, hand weight off, say goodbye, checkpoint: bounded."""
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
-        self.loop_thread.halt.set()
-        if self.loop_thread.is_alive():
-            await asyncio.to_thread(self.loop_thread.join, max(0.1, deadline - time.monotonic()))
-        try:
-            await asyncio.wait_for(
-                self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
+    async def _before_training(self) -> None:
+        if self.config.join and self.resumed_from is None:
+            await self.bootstrap()
+        wanted = self.config.membership.start_after_peers
+        if wanted and not await self.node.wait_for_peers(
+            wanted, self.config.membership.start_timeout_s
+        ):
+            raise GossipdError(
+                f"membership.start_after_peers = {wanted}: only "
+                f"{len(self.node.membership.live())} peers became live within "
+                f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
             )
-        except (TimeoutError, GossipdError) as err:
-            log.warning("leaving the mesh did not complete: %r", err)
-        self.save_checkpoint()
-        self.write_summary(training_done=self.loop_thread.finished.is_set())
-        await self.node.close(grace_s=0.5)
+
+    async def shutdown(self) -> None:
+        """Stop training, settle pushes, hand weight off, say goodbye, checkpoint: bounded.
+
+        The network is closed whatever happens before, so no server or task
+        outlives the loop. A final checkpoint that fails is kept in
+        ``final_checkpoint_error`` for the caller to report, not raised.
+        """
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        try:
+            self.loop_thread.halt.set()
+            if self.loop_thread.is_alive():
+                await asyncio.to_thread(
+                    self.loop_thread.join, max(0.1, deadline - time.monotonic())
+                )
+            try:
+                await asyncio.wait_for(
+                    self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
+                )
+            except (TimeoutError, GossipdError) as err:
+                log.warning("leaving the mesh did not complete: %r", err)
+            self.final_checkpoint()
+            self.write_summary(training_done=self.loop_thread.finished.is_set())
+        finally:
+            await self.node.close(grace_s=0.5)
+
+    def final_checkpoint(self) -> None:
+        # A node that never trained and whose weights did not move (no hand-off, no
+        # merge) has nothing new to save; skipping keeps a joiner that failed to
+        # bootstrap from resuming, on restart, as if it had.
+        trained = self.loop_thread.ident is not None
+        if not trained and list(self.trainer.core.weights) == self.restored_weights:
+            return
+        try:
+            self.save_checkpoint()
+        except checkpoint.CheckpointWriteError as err:
+            self.final_checkpoint_error = err
+
+
+async def _unless_stopped(work: Any, stop: asyncio.Event) -> bool:
+    """Run ``work`` unless ``stop`` is set first (then cancel it): SIGTERM during a long
+    start-up wait (bootstrap, start_after_peers) must not wait for it to time out."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, stopped):
+            t.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # re-raises a start-up failure
+    return True

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gossipd.node.config import NodeConfig
 from gossipd.node.errors import Busy, InvalidFrame, NonFinitePayload
 from gossipd.node.protocols.sumweight import Merge, Push, Refused, SumWeightGossip
 from gossipd.node.segments import FlatModel
@@ -198,9 +199,29 @@ class GossipTrainer:
         self.pushes_merged = 0
         self.summary = Summary.of(self)
 
+    @classmethod
+    def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> GossipTrainer:
+        """The trainer a site's config asks for (a joiner starts at weight 0)."""
+        return cls(
+            config.node_id,
+            model,
+            push_probability=config.gossip.push_probability,
+            segment_bytes=config.gossip.segment_bytes,
+            inbox_size=config.limits.inbox_size,
+            seed=config.gossip.seed,
+            initial_weight=0.0 if config.join else 1.0,
+            max_in_flight=config.gossip.max_pushes_in_flight,
+            max_weight=config.limits.max_sum_weight,
+        )
+
     @property
     def fingerprint(self) -> str:
         return self.flat.fingerprint
+
+    def publish(self) -> None:
+        """Refresh the summary that status and metrics read (after a restore, say)."""
+        with self.lock:
+            self.summary = Summary.of(self)
 
     # -- called from the event loop (any thread) -------------------------------------
     def post(self, event: Callable[[StepReport], None]) -> None:

@@ -108,6 +108,9 @@ def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> Daem
                 handle.stop()
                 raise RuntimeError(f"{node_id} did not answer Status:\n{handle.log()}") from None
             time.sleep(0.2)
+        except BaseException:
+            handle.stop()  # never leave a daemon behind, whatever went wrong
+            raise
 
 
 @pytest.fixture

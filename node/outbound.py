@@ -1,0 +1,138 @@
+"""Outbound pushes: deliver each one until it is answered, settle it exactly once.
+
+A push's outcome is known when the receiver answers (acknowledged, or refused
+before merging anything) and unknown when the connection breaks, a deadline
+passes or nothing moves for ``gossip.progress_timeout_s``. Unknown outcomes are
+retried with the same sequence, so the receiver's de-duplication turns a lost
+acknowledgement into a DUPLICATE that commits. Only a refusal, or a receiver
+declared dead, folds the weight back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from gossipd.node.errors import GossipdError
+from gossipd.node.peering import RPC_TIMEOUT_S
+from gossipd.node.trainer import OutboundPush
+from gossipd.node.transport import OutcomeUnknown
+from gossipd.proto import gossip_pb2 as pb
+
+if TYPE_CHECKING:
+    from gossipd.node.daemon import Node
+
+log = logging.getLogger(__name__)
+
+
+class Outbound:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._retry_now = asyncio.Event()  # replaced each time it fires
+
+    async def push(self, out: OutboundPush) -> None:
+        """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
+        acks: list[pb.SegmentAck] = []
+        error: str | None = "the node stopped before the push was acknowledged"
+        try:
+            acks, error = await self.deliver(out)
+        finally:
+            self.node.trainer.post_push_result(out, acks, error)
+
+    async def deliver(self, out: OutboundPush) -> tuple[list[pb.SegmentAck], str | None]:
+        """Retry with the same sequence until the receiver answers or is declared dead.
+
+        The receiver de-duplicates, so a retry after a lost acknowledgement is
+        answered DUPLICATE and committed: folding the weight back while the
+        receiver might have merged it would create mass.
+        """
+        peer, gossip = out.push.peer, self.node.config.gossip
+        state = self.node.membership.peers.get(peer)
+        if state is None:
+            return [], f"peer {peer} left the view"
+        incarnation = state.incarnation
+        nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
+        delay_s = min(0.5, gossip.retry_max_s)
+        last_error = "no attempt made"
+        while True:
+            state = self.node.membership.peers.get(peer)
+            if state is None or state.incarnation != incarnation:
+                return [], (
+                    f"{peer} was declared dead or restarted before acknowledging push "
+                    f"#{out.push.sequence}; last attempt: {last_error}"
+                )
+            try:
+                acks = await self.node.client(state.address).push(
+                    out, gossip.push_timeout_s, gossip.progress_timeout_s
+                )
+            except OutcomeUnknown as err:
+                last_error = str(err)
+                self.node.metrics.messages.labels("sent", "retry").inc()
+                self.node.peering.failed(peer, err)
+                # While leaving, retry at once: a receiver that just came back answers
+                # DUPLICATE for what it merged, and only an answer settles exactly.
+                wake = self._retry_now
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), 0.1 if self.node.leaving else delay_s)
+                if self.node.stopping.is_set():
+                    return [], str(err)
+                delay_s = min(delay_s * 2, gossip.retry_max_s)
+                continue
+            except GossipdError as err:  # the receiver refused: it merged nothing
+                self.node.metrics.messages.labels("sent", "failed").inc()
+                self.node.metrics.bytes.labels("sent", "failed").inc(nbytes)
+                return [], str(err)
+            self.node.metrics.messages.labels("sent", "ok").inc()
+            self.node.metrics.bytes.labels("sent", "ok").inc(nbytes)
+            self.node.peering.succeeded(peer)
+            return acks, None
+
+    def retry_now(self) -> None:
+        """Cut short the waits between retries (a peer came back, or this node leaves)."""
+        self._retry_now.set()
+        self._retry_now = asyncio.Event()
+
+    async def leave_mesh(self) -> None:
+        """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
+
+        Call only once the trainer thread has stopped stepping. Unacknowledged
+        pushes are retried at once, so a receiver that came back settles them
+        exactly. Those still unanswered after ``settle_s`` (their receiver is hung
+        or gone) are cancelled and folded back, so their weight leaves with the
+        hand-off; if such a receiver had merged one, that push's weight is counted
+        twice (the bound in the sum-weight core's docstring).
+        """
+        self.node.leaving = True
+        self.retry_now()
+        gossip = self.node.config.gossip
+        settle_s = min(gossip.progress_timeout_s + 1.0, self.node.config.shutdown_timeout_s / 3)
+        pushes = [t for t in self.node.tasks if t.get_name() == "push"]
+        if pushes:
+            _, pending = await asyncio.wait(pushes, timeout=settle_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.node.trainer.idle(0)
+        live = {s.node_id for s in self.node.membership.live()}
+        candidates = sorted(live & self.node.trainer.core.peers)
+        out = self.node.trainer.leave(self.node.rng.choice(candidates)) if candidates else None
+        if out is not None:
+            acks: list[pb.SegmentAck] = []
+            error: str | None = "leaving took too long"
+            try:
+                acks, error = await self.deliver(out)
+            finally:
+                self.node.trainer.settle_push(out, acks, error)
+            if error is None:
+                log.info("handed weight to %s", out.push.peer)
+            else:
+                log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
+        clients = [self.node.client(s.address) for s in self.node.membership.live()]
+        results = await asyncio.gather(
+            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
+        )
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("Leave to %s failed: %s", client.address, result)
