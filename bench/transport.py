@@ -1,8 +1,9 @@
 """`gossipd bench transport`: goodput of one model push between two daemons on loopback.
 
 A receiver daemon (`gossipd node`, a real process) is sent the whole model by a
-:class:`~gossipd.node.transport.PeerClient` in this process, exactly as a node
-pushes to a peer: handshake, segments split over ``streams`` client streams,
+:class:`~gossipd.node.transport.PeerClient` of a real sender node in this process
+(the receiver accepts pushes only from a peer it has dialled back), exactly as a
+node pushes to a peer: handshake, segments split over ``streams`` client streams,
 validation, checksum, assembly, merge on the receiver's trainer thread, acks.
 Goodput is model bytes over the wall time of ``push()`` (the ack included). The
 same run times a raw TCP socket and torch.distributed gloo send/recv between two
@@ -39,12 +40,15 @@ from torch import nn
 
 from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
 from gossipd.node.codec import Codec
+from gossipd.node.config import parse_config
+from gossipd.node.daemon import Node
+from gossipd.node.errors import UnknownPeer
 from gossipd.node.jobs import JobSpec
 from gossipd.node.mesh import spawn_node, stop_process
 from gossipd.node.protocols.sumweight import Push
 from gossipd.node.segments import FlatModel
-from gossipd.node.trainer import OutboundPush
-from gossipd.node.transport import Identity, PeerClient
+from gossipd.node.trainer import GossipTrainer, OutboundPush
+from gossipd.node.transport import PeerClient
 from gossipd.node.wire import Limits
 from gossipd.proto import gossip_pb2 as pb
 
@@ -153,13 +157,43 @@ def _daemon(config: Path, data_dir: Path, timeout_s: float = 60.0) -> Iterator[s
         stop_process(proc, timeout_s=20.0)
 
 
+async def _sender_node(flat: FlatModel, setting: Setting) -> Node:
+    """A real node that answers the receiver's dial-back, so its pushes are accepted."""
+    config = parse_config(
+        {
+            "mesh_id": MESH,
+            "node_id": "sender",
+            "metrics": {"listen": ""},
+            "gossip": {"push_probability": 0.0, "segment_bytes": setting.segment_mb * MiB},
+            "membership": {"anti_entropy_interval_s": 3600.0},
+        },
+        "bench sender",
+    )
+    node = Node(config, GossipTrainer.from_config(config, flat.module))
+    await node.start()
+    return node
+
+
+async def _first_push(client: PeerClient, out: OutboundPush) -> list[pb.SegmentAck]:
+    """The receiver verifies the sender in the background: retry until it has."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            return await client.push(out, TIMEOUT_S)
+        except UnknownPeer:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def _push_and_pull(
     address: str, flat: FlatModel, setting: Setting, reps: int, pull: bool
 ) -> dict[str, list[float]]:
-    identity = Identity(MESH, "sender", "127.0.0.1:1", time.time_ns() // 1000, flat.fingerprint)
+    sender = await _sender_node(flat, setting)
+    assert sender.identity is not None
     client = PeerClient(
         address,
-        identity,
+        sender.identity,
         codec=Codec.RAW,
         chunk_bytes=setting.chunk_kb * 1024,
         streams=setting.streams,
@@ -168,11 +202,14 @@ async def _push_and_pull(
     weights = dict.fromkeys(range(len(flat.plan)), 0.0)
     times: dict[str, list[float]] = {"push": [], "pull": []}
     try:
-        await client.handshake(TIMEOUT_S)
+        if not await sender.peering.verify(address):
+            raise RuntimeError(f"the receiver at {address} did not answer a handshake")
         for sequence in range(reps + 1):  # the first push warms the connection up
             out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
             t0 = time.perf_counter()
-            acks = await client.push(out, TIMEOUT_S)
+            acks = await (
+                _first_push(client, out) if sequence == 0 else client.push(out, TIMEOUT_S)
+            )
             elapsed = time.perf_counter() - t0
             if sorted(a.segment for a in acks if a.result == pb.SEGMENT_RESULT_MERGED) != sorted(
                 weights
@@ -191,6 +228,7 @@ async def _push_and_pull(
                 times["pull"].append(elapsed)
     finally:
         await client.close()
+        await sender.close(grace_s=0.1)
     return times
 
 

@@ -380,6 +380,13 @@ class Site:
             self.save_checkpoint()
         except checkpoint.CheckpointWriteError as err:
             self.final_checkpoint_error = err
+            return
+        log.info(
+            "wrote the final checkpoint (step %d, weights %s) to %s",
+            self.trainer.steps,
+            [round(w, 6) for w in self.trainer.core.weights],
+            self.data_dir / checkpoint.FILENAME,
+        )
 
 
 async def _unless_stopped(work: Any, stop: asyncio.Event) -> bool:

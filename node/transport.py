@@ -32,7 +32,13 @@ from gossipd.node.errors import (
 )
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.trainer import OutboundPush
-from gossipd.node.wire import DEFAULT_CHUNK_BYTES, Limits, SegmentAssembler, segment_frames
+from gossipd.node.wire import (
+    DEFAULT_CHUNK_BYTES,
+    Limits,
+    SegmentAssembler,
+    push_chunk_frame,
+    segment_frames,
+)
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc
@@ -193,20 +199,6 @@ class PeerClient:
         a view of the tensor: one copy instead of three (bytes, message, encoding).
         """
 
-        def varint(n: int) -> bytes:
-            out = bytearray()
-            while n > 0x7F:
-                out.append(n & 0x7F | 0x80)
-                n >>= 7
-            out.append(n)
-            return bytes(out)
-
-        chunk_field = pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number
-        tag = varint(chunk_field << 3 | 2)  # wire type 2: length-delimited
-
-        def chunk_frame(data: memoryview) -> bytes:
-            return b"".join((tag, varint(len(data)), data))
-
         yield pb.PushFrame(
             open=pb.PushOpen(
                 mesh_id=self.identity.mesh_id,
@@ -229,7 +221,7 @@ class PeerClient:
                 copy=False,
             ):
                 if isinstance(frame, memoryview):
-                    yield chunk_frame(frame)
+                    yield push_chunk_frame(frame)
                 else:
                     yield pb.PushFrame(header=frame).SerializeToString()
                 progressed()  # grpc asked for the next frame: the last one was taken

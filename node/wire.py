@@ -85,16 +85,23 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+# Field tag of `bytes chunk`, wire type 2 (length-delimited), in each frame message.
 _PULL_CHUNK_TAG = _varint(pb.PullFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
+_PUSH_CHUNK_TAG = _varint(pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
 
 
 def pull_chunk_frame(data: bytes | memoryview) -> bytes:
     """``PullFrame(chunk=data)`` serialized by hand, byte for byte what protobuf writes.
 
-    Chunks are nearly all the bytes of a pull; going through a message would
+    Chunks are nearly all the bytes of a transfer; going through a message would
     copy each megabyte twice more (into the message, then out of it).
     """
     return b"".join((_PULL_CHUNK_TAG, _varint(len(data)), data))
+
+
+def push_chunk_frame(data: bytes | memoryview) -> bytes:
+    """``PushFrame(chunk=data)`` serialized by hand, like :func:`pull_chunk_frame`."""
+    return b"".join((_PUSH_CHUNK_TAG, _varint(len(data)), data))
 
 
 class SegmentAssembler:

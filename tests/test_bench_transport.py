@@ -82,7 +82,7 @@ def test_push_frames_encoded_by_hand_equal_protobuf_serialization(chunk_bytes: i
     async def frames() -> list[bytes]:
         client = PeerClient("127.0.0.1:1", identity, chunk_bytes=chunk_bytes)
         try:
-            return [f async for f in client._frames(out, sorted(out.push.weights))]
+            return [f async for f in client._frames(out, sorted(out.push.weights), lambda: None)]
         finally:
             await client.close()
 
