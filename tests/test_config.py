@@ -63,7 +63,7 @@ def test_minimal_toml_loads_with_defaults(tmp_path: Path) -> None:
     assert config.gossip.push_probability == 0.5
     assert config.gossip.codec == "raw"
     assert config.membership.suspect_after_failures == 3
-    assert config.membership.drop_after_s == 15.0
+    assert config.membership.drop_after_s == 60.0
     assert config.limits.inbox_size == 16
     assert config.checkpoint.every_steps == 200
     assert config.metrics.listen == "127.0.0.1:0"

@@ -190,7 +190,9 @@ class SumWeightGossip:
         sequence = self._sequences.get(peer, 0) + 1
         self._sequences[peer] = sequence
         for s, w in weights.items():
-            self.reserved[s] += w
+            # Handing over everything reserves the whole weight exactly: w + reserved
+            # may round away from it, leaving a leaving node a crumb it no longer has.
+            self.reserved[s] = self.weights[s] if fraction == 1.0 else self.reserved[s] + w
         push = Push(peer, sequence, weights)
         self.in_flight[push.key] = push
         return push
