@@ -42,11 +42,11 @@ from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind,
 from gossipd.node.codec import Codec
 from gossipd.node.config import parse_config
 from gossipd.node.daemon import Node
-from gossipd.node.errors import UnknownPeer
 from gossipd.node.jobs import JobSpec
 from gossipd.node.mesh import spawn_node, stop_process
 from gossipd.node.protocols.sumweight import Push
 from gossipd.node.segments import FlatModel
+from gossipd.node.status import query_status
 from gossipd.node.trainer import GossipTrainer, OutboundPush
 from gossipd.node.transport import PeerClient
 from gossipd.node.wire import Limits
@@ -174,16 +174,13 @@ async def _sender_node(flat: FlatModel, setting: Setting) -> Node:
     return node
 
 
-async def _first_push(client: PeerClient, out: OutboundPush) -> list[pb.SegmentAck]:
-    """The receiver verifies the sender in the background: retry until it has."""
+async def _accepted_by(address: str, node_id: str) -> None:
+    """Until the receiver has dialled the sender back and counts it as a live peer."""
     deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        try:
-            return await client.push(out, TIMEOUT_S)
-        except UnknownPeer:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
+    while node_id not in (await query_status(address, TIMEOUT_S))["live_peers"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the receiver at {address} never accepted {node_id!r}")
+        await asyncio.sleep(0.05)
 
 
 async def _push_and_pull(
@@ -204,12 +201,11 @@ async def _push_and_pull(
     try:
         if not await sender.peering.verify(address):
             raise RuntimeError(f"the receiver at {address} did not answer a handshake")
+        await _accepted_by(address, "sender")
         for sequence in range(reps + 1):  # the first push warms the connection up
             out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
             t0 = time.perf_counter()
-            acks = await (
-                _first_push(client, out) if sequence == 0 else client.push(out, TIMEOUT_S)
-            )
+            acks = await client.push(out, TIMEOUT_S)
             elapsed = time.perf_counter() - t0
             if sorted(a.segment for a in acks if a.result == pb.SEGMENT_RESULT_MERGED) != sorted(
                 weights

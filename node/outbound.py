@@ -15,10 +15,10 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from gossipd.node.errors import GossipdError
+from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.peering import RPC_TIMEOUT_S
 from gossipd.node.trainer import OutboundPush
-from gossipd.node.transport import OutcomeUnknown
+from gossipd.node.transport import OutcomeUnknown, PartialPush
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -46,7 +46,11 @@ class Outbound:
 
         The receiver de-duplicates, so a retry after a lost acknowledgement is
         answered DUPLICATE and committed: folding the weight back while the
-        receiver might have merged it would create mass.
+        receiver might have merged it would create mass. For the same reason a
+        refusal (busy, leaving) settles the push only while every earlier attempt
+        is known not to have merged; after an attempt with an unknown outcome,
+        only an acknowledgement, a validation refusal, or the receiver's death
+        does.
         """
         peer, gossip = out.push.peer, self.node.config.gossip
         state = self.node.membership.peers.get(peer)
@@ -56,38 +60,59 @@ class Outbound:
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
         last_error = "no attempt made"
+        uncertain = False  # some earlier attempt may yet be merged
+        acked: list[pb.SegmentAck] = []  # acknowledgements are final: never sent again
         while True:
             state = self.node.membership.peers.get(peer)
             if state is None or state.incarnation != incarnation:
-                return [], (
+                return acked, (
                     f"{peer} was declared dead or restarted before acknowledging push "
                     f"#{out.push.sequence}; last attempt: {last_error}"
                 )
+            remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
             try:
                 acks = await self.node.client(state.address).push(
-                    out, gossip.push_timeout_s, gossip.progress_timeout_s
+                    out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
+                self.node.metrics.messages.labels("sent", "ok").inc()
+                self.node.metrics.bytes.labels("sent", "ok").inc(nbytes)
+                self.node.peering.succeeded(peer)
+                return acked + acks, None
             except OutcomeUnknown as err:
-                last_error = str(err)
-                self.node.metrics.messages.labels("sent", "retry").inc()
+                last_error, uncertain = str(err), True
                 self.node.peering.failed(peer, err)
-                # While leaving, retry at once: a receiver that just came back answers
-                # DUPLICATE for what it merged, and only an answer settles exactly.
-                wake = self._retry_now
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), 0.1 if self.node.leaving else delay_s)
-                if self.node.stopping.is_set():
-                    return [], str(err)
-                delay_s = min(delay_s * 2, gossip.retry_max_s)
-                continue
-            except GossipdError as err:  # the receiver refused: it merged nothing
-                self.node.metrics.messages.labels("sent", "failed").inc()
-                self.node.metrics.bytes.labels("sent", "failed").inc(nbytes)
-                return [], str(err)
-            self.node.metrics.messages.labels("sent", "ok").inc()
-            self.node.metrics.bytes.labels("sent", "ok").inc(nbytes)
-            self.node.peering.succeeded(peer)
-            return acks, None
+            except PartialPush as err:
+                acked += err.acks
+                last_error = str(err)
+                if any(isinstance(e, OutcomeUnknown) for e in err.errors):
+                    uncertain = True
+                elif not uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
+                    return self._refused(acked, nbytes, err)  # commit what merged
+            except InvalidFrame as err:  # refused by validation, as any attempt would be
+                return self._refused(acked, nbytes, err)
+            except GossipdError as err:
+                # Busy, not (yet) a verified peer, leaving: this attempt merged nothing.
+                # That settles the push only if no earlier attempt is still unaccounted
+                # for: one may sit in the receiver's inbox and be merged after all.
+                if not uncertain:
+                    return self._refused(acked, nbytes, err)
+                last_error = str(err)
+            self.node.metrics.messages.labels("sent", "retry").inc()
+            # While leaving, retry at once: a receiver that just came back answers
+            # DUPLICATE for what it merged, and only an answer settles exactly.
+            wake = self._retry_now
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), 0.1 if self.node.leaving else delay_s)
+            if self.node.stopping.is_set():
+                return acked, last_error
+            delay_s = min(delay_s * 2, gossip.retry_max_s)
+
+    def _refused(
+        self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError
+    ) -> tuple[list[pb.SegmentAck], str]:
+        self.node.metrics.messages.labels("sent", "failed").inc()
+        self.node.metrics.bytes.labels("sent", "failed").inc(nbytes)
+        return acked, str(err)
 
     def retry_now(self) -> None:
         """Cut short the waits between retries (a peer came back, or this node leaves)."""

@@ -227,7 +227,7 @@ class Peering:
         self._lonely_logged_at = now
         tried = ", ".join(seeds) if seeds else "none configured"
         log.info(
-            "no live peer yet; seeds tried: %s. Check that they run, that `seeds` names "
+            "no live peer; seeds tried: %s. Check that they run, that `seeds` names "
             "their advertised addresses, and that firewalls let this node reach them",
             tried,
         )

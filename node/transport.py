@@ -81,6 +81,18 @@ class OutcomeUnknown(PeerUnreachable):
     """The push may or may not have been merged: retry it with the same sequence."""
 
 
+class PartialPush(GossipdError):
+    """Some streams of a push were acknowledged, others failed."""
+
+    def __init__(self, acks: list[pb.SegmentAck], errors: list[GossipdError]) -> None:
+        super().__init__(
+            f"{len(acks)} segments acknowledged, {len(errors)} streams failed: "
+            + "; ".join(str(e) for e in errors)
+        )
+        self.acks = acks
+        self.errors = errors
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who we are on the wire."""
@@ -138,9 +150,13 @@ class PeerClient:
         return reply
 
     async def push(
-        self, out: OutboundPush, timeout_s: float, progress_timeout_s: float | None = None
+        self,
+        out: OutboundPush,
+        timeout_s: float,
+        progress_timeout_s: float | None = None,
+        segments: list[int] | None = None,
     ) -> list[pb.SegmentAck]:
-        """One attempt: stream the snapshot and return the receiver's acknowledgements.
+        """One attempt: stream the snapshot (or ``segments`` of it), return the acks.
 
         Raises :class:`OutcomeUnknown` when the receiver may have merged without us
         hearing of it, another :class:`GossipdError` when it refused. A hung peer
@@ -154,23 +170,44 @@ class PeerClient:
                 def progressed() -> None:
                     watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
 
-                return await self._push_once(out, timeout_s, progressed)
+                results = await self._push_once(
+                    out,
+                    sorted(out.push.weights) if segments is None else segments,
+                    timeout_s,
+                    progressed,
+                )
         except TimeoutError:
             raise OutcomeUnknown(
                 f"{self.address}: push #{out.push.sequence} made no progress for "
                 f"{progress_s:.1f} s (gossip.progress_timeout_s)"
             ) from None
-        except grpc.aio.AioRpcError as err:
+        acks = [ack for r in results if isinstance(r, pb.PushReply) for ack in r.acks]
+        errors = [self._outcome(r) for r in results if not isinstance(r, pb.PushReply)]
+        if not errors:
+            return acks
+        if acks:
+            raise PartialPush(acks, errors)
+        raise next((e for e in errors if isinstance(e, OutcomeUnknown)), errors[0])
+
+    def _outcome(self, err: BaseException) -> GossipdError:
+        """One stream's failure as what it tells us: unknown, or refused."""
+        if isinstance(err, grpc.aio.AioRpcError):
             if err.code() in _UNKNOWN_OUTCOME:
-                raise OutcomeUnknown(
-                    f"{self.address}: {err.code().name}: {err.details()}"
-                ) from None
-            raise remote_error(err, self.address) from None
+                return OutcomeUnknown(f"{self.address}: {err.code().name}: {err.details()}")
+            return remote_error(err, self.address)
+        if isinstance(err, GossipdError):
+            return err
+        raise err
 
     async def _push_once(
-        self, out: OutboundPush, timeout_s: float, progressed: Callable[[], None]
-    ) -> list[pb.SegmentAck]:
-        segments = sorted(out.push.weights)
+        self,
+        out: OutboundPush,
+        segments: list[int],
+        timeout_s: float,
+        progressed: Callable[[], None],
+    ) -> list[pb.PushReply | BaseException]:
+        """Every stream's reply or failure: one stream failing must not hide what the
+        others merged, nor leave them running unobserved."""
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
         # _frames yields PushFrames already serialized (chunks without a protobuf
         # round trip), so this call passes request bytes through as they are.
@@ -186,8 +223,7 @@ class PeerClient:
             progressed()
             return reply
 
-        replies = await asyncio.gather(*(one(group) for group in groups))
-        return [ack for reply in replies for ack in reply.acks]
+        return await asyncio.gather(*(one(group) for group in groups), return_exceptions=True)
 
     async def _frames(
         self, out: OutboundPush, segments: list[int], progressed: Callable[[], None]

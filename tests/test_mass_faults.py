@@ -21,8 +21,10 @@ from tests.conftest import (
     DaemonHandle,
     sigstopped,
     start_mesh,
+    status_of,
     stop_all,
     stop_in_turn,
+    wait_counters_grow,
     wait_mesh_live,
 )
 from tests.fakepeer import (
@@ -122,3 +124,32 @@ def test_sum_of_weights_is_exactly_n_after_hung_peer_floods_and_sigterm_of_all(
     per_node = dict(zip(NODES, weights, strict=True))
     totals = [sum(w[s] for w in weights) for s in range(len(weights[0]))]
     assert all(abs(t - len(NODES)) <= TOLERANCE for t in totals), (totals, per_node, answered)
+
+
+def test_sum_of_weights_is_exact_when_some_streams_of_a_push_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A push is split over several streams; with an inbox of one push, a receiver takes
+    one stream and answers the others busy. Folding the whole push back then would keep
+    the weight of the segments that were merged on both sides (mass created); retrying
+    it with the same sequence commits those as DUPLICATE and the rest when they land."""
+    nodes = ["p", "q", "r"]
+    handles = start_mesh(
+        tmp_path,
+        nodes,
+        job={"options": {"numel": 20_000}},
+        gossip={"push_probability": 1.0, "segment_bytes": 8192, "progress_timeout_s": 5.0},
+        limits={"inbox_size": 1},
+    )
+    try:
+        wait_counters_grow(
+            handles, ("pushes_acked",), 30, "pushes acknowledged everywhere", timeout_s=120.0
+        )
+        busy = sum(status_of(h)["rejected"].get("Busy", 0) for h in handles)
+        assert busy > 0, "no stream was refused busy: the case under test did not happen"
+        weights = stop_in_turn(handles)
+    finally:
+        stop_all(handles)
+    assert len(weights[0]) >= 2, "the model must span several segments, one stream each"
+    totals = [sum(w[s] for w in weights) for s in range(len(weights[0]))]
+    assert all(abs(t - len(nodes)) <= TOLERANCE for t in totals), totals
