@@ -6,13 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.conftest import wait_until
+from tests.conftest import scrape_metrics, wait_until
 
 
 def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
@@ -94,20 +93,16 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
     a, _ = _pair(daemons, gossip={"push_probability": 0.5}, metrics={"listen": "127.0.0.1:0"})
     port = a.node_json()["metrics_port"]
 
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            lines = r.read().decode().splitlines()
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in lines
-            if line and not line.startswith("#")
-        }
-
     wait_until(
-        lambda: scrape().get('gossipd_gossip_messages_total{direction="sent",result="ok"}', 0) > 0,
+        lambda: (
+            scrape_metrics(port).get(
+                'gossipd_gossip_messages_total{direction="sent",result="ok"}', 0
+            )
+            > 0
+        ),
         "an acknowledged push in the metrics",
     )
-    m = scrape()
+    m = scrape_metrics(port)
     assert m["gossipd_steps_total"] > 0
     assert m['gossipd_gossip_bytes_total{direction="sent",result="ok"}'] > 0
     assert m["gossipd_live_peers"] == 1.0

@@ -20,7 +20,6 @@ import resource
 import subprocess
 import sys
 import threading
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from gossipd.node import checkpoint
 from gossipd.node.errors import CheckpointError, GossipdError
 from gossipd.node.mesh import free_ports, stop_process
 from gossipd.node.status import query_status
-from tests.conftest import wait_until, write_config
+from tests.conftest import scrape_metrics, wait_until, write_config
 
 ROOT = os.geteuid() == 0
 TIMEOUT_S = 120.0
@@ -214,16 +213,6 @@ def _config(tmp_path: Path, name: str, port: int, data_dir: Path, **extra: Any) 
     return path
 
 
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        lines = r.read().decode().splitlines()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line and not line.startswith("#")
-    }
-
-
 def _error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("gossipd: ")]
 
@@ -293,22 +282,25 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
     metrics_port = json.loads((full_dir / "node.json").read_text())["metrics_port"]
     sent_ok = 'gossipd_gossip_messages_total{direction="sent",result="ok"}'
     wait_until(
-        lambda: _scrape(metrics_port).get(sent_ok, 0) > 0, "a first push", TIMEOUT_S, full.alive
+        lambda: scrape_metrics(metrics_port).get(sent_ok, 0) > 0,
+        "a first push",
+        TIMEOUT_S,
+        full.alive,
     )
 
     def failing() -> bool:
         small_disk.fill(full.proc.pid)  # also takes what a write in progress held
-        return _scrape(metrics_port).get("gossipd_checkpoint_failures_total", 0) >= 1
+        return scrape_metrics(metrics_port).get("gossipd_checkpoint_failures_total", 0) >= 1
 
     wait_until(failing, "a failed checkpoint", TIMEOUT_S, full.alive)
     kept = checkpoint.load(target, fingerprint=_fingerprint())  # the last good one loads
-    at_failure = _scrape(metrics_port)
+    at_failure = scrape_metrics(metrics_port)
     step_at_failure = _status(address)["step"]
     wait_until(
         lambda: (
-            _scrape(metrics_port)["gossipd_checkpoint_failures_total"] >= 3
+            scrape_metrics(metrics_port)["gossipd_checkpoint_failures_total"] >= 3
             and _status(address)["step"] > step_at_failure + 2 * EVERY_STEPS
-            and _scrape(metrics_port)[sent_ok] > at_failure[sent_ok]
+            and scrape_metrics(metrics_port)[sent_ok] > at_failure[sent_ok]
         ),
         "three failed intervals while training and gossip go on",
         TIMEOUT_S,
@@ -334,7 +326,7 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
         TIMEOUT_S,
         full.alive,
     )
-    after = _scrape(metrics_port)
+    after = scrape_metrics(metrics_port)
     assert after["gossipd_checkpoint_last_success_timestamp_seconds"] > 0
     assert after["gossipd_checkpoint_write_seconds_count"] > 0
     assert full.stop() == 0
