@@ -40,6 +40,25 @@ log = logging.getLogger(__name__)
 CHECKSUM_INTERVAL_S = 0.2
 
 
+class _QuietCancelledHandlers(logging.Filter):
+    """Drop grpc.aio's ERROR traceback for a handler it cancelled.
+
+    grpc cancels a servicer coroutine when its client gives up (our own peers do,
+    after ``gossip.progress_timeout_s``) or when the server stops while a request
+    is arriving; both are expected, and a traceback per cancellation would read
+    as a crash to an operator and fill the log under a flood.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            return False
+        return "CancelledError" not in record.getMessage()
+
+
+logging.getLogger("grpc._cython.cygrpc").addFilter(_QuietCancelledHandlers())
+
+
 def check_port_free(listen: str) -> None:
     """Refuse a taken ``listen`` address with a clear error, before gRPC tries it.
 
