@@ -87,9 +87,11 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
     path.write_text("\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n")
 
 
-def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> DaemonHandle:
-    data_dir = tmp_path / node_id
-    data_dir.mkdir(parents=True, exist_ok=True)
+def write_node_config(
+    tmp_path: Path, node_id: str, port: int, data_dir: Path, **config: Any
+) -> Path:
+    """A daemon's TOML with the test defaults (synthetic job, lr 0, no pushes, no periodic
+    checkpoints); sections given in ``config`` are merged key by key over them."""
     full: dict[str, Any] = {
         "mesh_id": "test-mesh",
         "node_id": node_id,
@@ -106,6 +108,13 @@ def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> Daem
             full[key] = value
     config_path = tmp_path / f"{node_id}.toml"
     write_config(config_path, full)
+    return config_path
+
+
+def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> DaemonHandle:
+    data_dir = tmp_path / node_id
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config_path = write_node_config(tmp_path, node_id, port, data_dir, **config)
     proc = spawn_node(config_path, data_dir / "node.log")
     handle = DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -31,7 +31,7 @@ from gossipd.node import checkpoint
 from gossipd.node.errors import CheckpointError, GossipdError
 from gossipd.node.mesh import free_ports, stop_process
 from gossipd.node.status import query_status
-from tests.conftest import scrape_metrics, wait_until, write_config
+from tests.conftest import scrape_metrics, wait_until, write_node_config
 
 ROOT = os.geteuid() == 0
 TIMEOUT_S = 120.0
@@ -197,20 +197,17 @@ def _answers(address: str) -> bool:
 
 
 def _config(tmp_path: Path, name: str, port: int, data_dir: Path, **extra: Any) -> Path:
-    config: dict[str, Any] = {
-        "mesh_id": "disk-mesh",
-        "node_id": name,
-        "listen": f"127.0.0.1:{port}",
-        "data_dir": str(data_dir),
-        "job": {"name": "synthetic", "learning_rate": 0.01, "eval_every_steps": 0},
-        "gossip": {"push_probability": 0.0},
-        "checkpoint": {"every_steps": 0},
-        "metrics": {"listen": "127.0.0.1:0"},
+    """The conftest defaults, but training (lr 0.01) and with a metrics endpoint."""
+    return write_node_config(
+        tmp_path,
+        name,
+        port,
+        data_dir,
+        mesh_id="disk-mesh",
+        job={"learning_rate": 0.01},
+        metrics={"listen": "127.0.0.1:0"},
         **extra,
-    }
-    path = tmp_path / f"{name}.toml"
-    write_config(path, config)
-    return path
+    )
 
 
 def _error_lines(output: str) -> list[str]:
