@@ -165,7 +165,7 @@ class Node:
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
         self.trainer.send = lambda out: loop.call_soon_threadsafe(
-            self.spawn, self.outbound.push(out), "push"
+            self.spawn, self.outbound.push(out), f"push:{out.push.peer}"
         )
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(

@@ -124,21 +124,28 @@ class Outbound:
 
         Call only once the trainer thread has stopped stepping. Unacknowledged
         pushes are retried at once, so a receiver that came back settles them
-        exactly. Those still unanswered after ``settle_s`` (their receiver is hung
-        or gone) are cancelled and folded back, so their weight leaves with the
-        hand-off; if such a receiver had merged one, that push's weight is counted
-        twice (the bound in the sum-weight core's docstring).
+        exactly. After ``settle_s``, pushes whose receiver is not live (hung or
+        gone) are cancelled and folded back, so their weight leaves with the
+        hand-off; pushes to a live but slow receiver (one that just resumed, say)
+        get up to half the shutdown budget. If a receiver had merged a push
+        cancelled here, that push's weight is counted twice (the bound in the
+        sum-weight core's docstring).
         """
         self.node.leaving = True
         self.retry_now()
-        gossip = self.node.config.gossip
-        settle_s = min(gossip.progress_timeout_s + 1.0, self.node.config.shutdown_timeout_s / 3)
-        pushes = [t for t in self.node.tasks if t.get_name() == "push"]
-        if pushes:
-            _, pending = await asyncio.wait(pushes, timeout=settle_s)
-            for task in pending:
+        gossip, budget_s = self.node.config.gossip, self.node.config.shutdown_timeout_s
+        settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
+        pending = {t for t in self.node.tasks if t.get_name().startswith("push:")}
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=settle_s)
+            live = {f"push:{p.node_id}" for p in self.node.membership.live()}
+            stalled = {t for t in pending if t.get_name() not in live}
+            if pending - stalled:
+                _, slow = await asyncio.wait(pending - stalled, timeout=budget_s / 2 - settle_s)
+                stalled |= slow
+            for task in stalled:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*stalled, return_exceptions=True)
         self.node.trainer.idle(0)
         live = {s.node_id for s in self.node.membership.live()}
         candidates = sorted(live & self.node.trainer.core.peers)
