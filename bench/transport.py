@@ -41,13 +41,13 @@ from torch import nn
 from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
 from gossipd.node.codec import Codec
 from gossipd.node.config import parse_config
-from gossipd.node.daemon import Node
 from gossipd.node.jobs import JobSpec
 from gossipd.node.mesh import spawn_node, stop_process
+from gossipd.node.network import Network
 from gossipd.node.protocols.sumweight import Push
+from gossipd.node.replica import OutboundPush, Replica
 from gossipd.node.segments import FlatModel
 from gossipd.node.status import query_status
-from gossipd.node.trainer import GossipTrainer, OutboundPush
 from gossipd.node.transport import PeerClient
 from gossipd.node.wire import Limits
 from gossipd.proto import gossip_pb2 as pb
@@ -157,7 +157,7 @@ def _daemon(config: Path, data_dir: Path, timeout_s: float = 60.0) -> Iterator[s
         stop_process(proc, timeout_s=20.0)
 
 
-async def _sender_node(flat: FlatModel, setting: Setting) -> Node:
+async def _sender_node(flat: FlatModel, setting: Setting) -> Network:
     """A real node that answers the receiver's dial-back, so its pushes are accepted."""
     config = parse_config(
         {
@@ -169,7 +169,7 @@ async def _sender_node(flat: FlatModel, setting: Setting) -> Node:
         },
         "bench sender",
     )
-    node = Node(config, GossipTrainer.from_config(config, flat.module))
+    node = Network(config, Replica.from_config(config, flat.module))
     await node.start()
     return node
 

@@ -28,9 +28,9 @@ import torch
 
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig, load_config, parse_config
-from gossipd.node.daemon import Node
 from gossipd.node.errors import GossipdError
-from gossipd.node.trainer import FairLock, GossipTrainer, StepReport
+from gossipd.node.network import Network
+from gossipd.node.replica import FairLock, Replica, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class GossipNode:
             config = parse_config(config, "GossipNode(config=...)")
         self.config = config
         self.optimizer = optimizer
-        self.trainer = GossipTrainer.from_config(config, model)
-        self.node = Node(config, self.trainer)
+        self.replica = Replica.from_config(config, model)
+        self.network = Network(config, self.replica)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"gossipd-{config.node_id}", daemon=True
@@ -59,7 +59,7 @@ class GossipNode:
         self._thread.start()
         self.closed = False
         try:
-            self._call(self.node.start(), start_timeout_s)
+            self._call(self.network.start(), start_timeout_s)
         except BaseException:
             self.closed = True
             self._stop_loop()
@@ -70,29 +70,29 @@ class GossipNode:
 
     @property
     def lock(self) -> FairLock:
-        return self.trainer.lock
+        return self.replica.lock
 
     @property
     def address(self) -> str:
-        return self.node.address
+        return self.network.address
 
     @property
     def sum_weights(self) -> list[float]:
-        return list(self.trainer.summary.weights)
+        return list(self.replica.summary.weights)
 
     def step(self, loss: float | None = None) -> StepReport:
         """Merge what peers sent, settle push outcomes, maybe push; say what happened."""
         if self.closed:
             raise GossipdError("GossipNode.step() after close(); create a new GossipNode")
-        self.trainer.flat.check_bound()
-        return self.trainer.step(loss)
+        self.replica.flat.check_bound()
+        return self.replica.step(loss)
 
     def wait_for_peers(self, count: int, timeout_s: float = 30.0) -> bool:
-        return bool(self._call(self.node.wait_for_peers(count, timeout_s), timeout_s + 5.0))
+        return bool(self._call(self.network.wait_for_peers(count, timeout_s), timeout_s + 5.0))
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Write ``checkpoint.pt`` atomically; raises CheckpointWriteError, the old file intact."""
-        ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.optimizer)
+        ckpt = checkpoint.capture(self.replica, self.config.node_id, self.optimizer)
         return checkpoint.save(Path(directory), ckpt)
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -106,7 +106,7 @@ class GossipNode:
         self.closed = True
         timeout_s = timeout_s or self.config.shutdown_timeout_s
         try:
-            self._call(asyncio.wait_for(self.node.leave_mesh(), timeout_s), timeout_s + 1.0)
+            self._call(asyncio.wait_for(self.network.leave_mesh(), timeout_s), timeout_s + 1.0)
         except (TimeoutError, GossipdError) as err:
             log.warning("leaving the mesh did not complete: %r", err)
         finally:
@@ -131,7 +131,7 @@ class GossipNode:
 
     async def _finish(self) -> None:
         try:
-            await self.node.close(grace_s=0.2)
+            await self.network.close(grace_s=0.2)
         finally:
             current = asyncio.current_task()
             for _ in range(10):  # a cancelled task may start another; bounded

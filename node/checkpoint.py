@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gossipd.node.errors import CheckpointError
-from gossipd.node.trainer import GossipTrainer
+from gossipd.node.replica import Replica
 
 FORMAT = 1
 FILENAME = "checkpoint.pt"
@@ -36,17 +36,15 @@ class Checkpoint:
     optimizer: dict[str, Any] | None = None
 
 
-def capture(
-    trainer: GossipTrainer, node_id: str, optimizer: torch.optim.Optimizer | None
-) -> Checkpoint:
+def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | None) -> Checkpoint:
     """A consistent copy of the trainer's state, taken under its lock."""
-    with trainer.lock:
+    with replica.lock:
         return Checkpoint(
             node_id=node_id,
-            fingerprint=trainer.fingerprint,
-            step=trainer.steps,
-            weights=list(trainer.core.weights),
-            segments=[b.detach().cpu().clone() for b in trainer.flat.buffers],
+            fingerprint=replica.fingerprint,
+            step=replica.steps,
+            weights=list(replica.core.weights),
+            segments=[b.detach().cpu().clone() for b in replica.flat.buffers],
             optimizer=optimizer.state_dict() if optimizer is not None else None,
         )
 

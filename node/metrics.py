@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.trainer import StepReport
+from gossipd.node.replica import StepReport
 
 
 class NodeMetrics:

@@ -17,19 +17,19 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.peering import RPC_TIMEOUT_S
-from gossipd.node.trainer import OutboundPush
+from gossipd.node.replica import OutboundPush
 from gossipd.node.transport import OutcomeUnknown, PartialPush
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
-    from gossipd.node.daemon import Node
+    from gossipd.node.network import Network
 
 log = logging.getLogger(__name__)
 
 
 class Outbound:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, network: Network) -> None:
+        self.network = network
         self._retry_now = asyncio.Event()  # replaced each time it fires
 
     async def push(self, out: OutboundPush) -> None:
@@ -39,7 +39,7 @@ class Outbound:
         try:
             acks, error = await self.deliver(out)
         finally:
-            self.node.trainer.post_push_result(out, acks, error)
+            self.network.replica.post_push_result(out, acks, error)
 
     async def deliver(self, out: OutboundPush) -> tuple[list[pb.SegmentAck], str | None]:
         """Retry with the same sequence until the receiver answers or is declared dead.
@@ -52,8 +52,8 @@ class Outbound:
         only an acknowledgement, a validation refusal, or the receiver's death
         does.
         """
-        peer, gossip = out.push.peer, self.node.config.gossip
-        state = self.node.membership.peers.get(peer)
+        peer, gossip = out.push.peer, self.network.config.gossip
+        state = self.network.membership.peers.get(peer)
         if state is None:
             return [], f"peer {peer} left the view"
         incarnation = state.incarnation
@@ -63,7 +63,7 @@ class Outbound:
         uncertain = False  # some earlier attempt may yet be merged
         acked: list[pb.SegmentAck] = []  # acknowledgements are final: never sent again
         while True:
-            state = self.node.membership.peers.get(peer)
+            state = self.network.membership.peers.get(peer)
             if state is None or state.incarnation != incarnation:
                 return acked, (
                     f"{peer} was declared dead or restarted before acknowledging push "
@@ -71,16 +71,16 @@ class Outbound:
                 )
             remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
             try:
-                acks = await self.node.client(state.address).push(
+                acks = await self.network.client(state.address).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
-                self.node.metrics.messages.labels("sent", "ok").inc()
-                self.node.metrics.bytes.labels("sent", "ok").inc(nbytes)
-                self.node.peering.succeeded(peer)
+                self.network.metrics.messages.labels("sent", "ok").inc()
+                self.network.metrics.bytes.labels("sent", "ok").inc(nbytes)
+                self.network.peering.succeeded(peer)
                 return acked + acks, None
             except OutcomeUnknown as err:
                 last_error, uncertain = str(err), True
-                self.node.peering.failed(peer, err)
+                self.network.peering.failed(peer, err)
             except PartialPush as err:
                 acked += err.acks
                 last_error = str(err)
@@ -97,21 +97,21 @@ class Outbound:
                 if not uncertain:
                     return self._refused(acked, nbytes, err)
                 last_error = str(err)
-            self.node.metrics.messages.labels("sent", "retry").inc()
+            self.network.metrics.messages.labels("sent", "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
             # DUPLICATE for what it merged, and only an answer settles exactly.
             wake = self._retry_now
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), 0.1 if self.node.leaving else delay_s)
-            if self.node.stopping.is_set():
+                await asyncio.wait_for(wake.wait(), 0.1 if self.network.leaving else delay_s)
+            if self.network.stopping.is_set():
                 return acked, last_error
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
     def _refused(
         self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError
     ) -> tuple[list[pb.SegmentAck], str]:
-        self.node.metrics.messages.labels("sent", "failed").inc()
-        self.node.metrics.bytes.labels("sent", "failed").inc(nbytes)
+        self.network.metrics.messages.labels("sent", "failed").inc()
+        self.network.metrics.bytes.labels("sent", "failed").inc(nbytes)
         return acked, str(err)
 
     def retry_now(self) -> None:
@@ -131,14 +131,14 @@ class Outbound:
         cancelled here, that push's weight is counted twice (the bound in the
         sum-weight core's docstring).
         """
-        self.node.leaving = True
+        self.network.leaving = True
         self.retry_now()
-        gossip, budget_s = self.node.config.gossip, self.node.config.shutdown_timeout_s
+        gossip, budget_s = self.network.config.gossip, self.network.config.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
-        pending = {t for t in self.node.tasks if t.get_name().startswith("push:")}
+        pending = {t for t in self.network.tasks if t.get_name().startswith("push:")}
         if pending:
             _, pending = await asyncio.wait(pending, timeout=settle_s)
-            live = {f"push:{p.node_id}" for p in self.node.membership.live()}
+            live = {f"push:{p.node_id}" for p in self.network.membership.live()}
             stalled = {t for t in pending if t.get_name() not in live}
             if pending - stalled:
                 _, slow = await asyncio.wait(pending - stalled, timeout=budget_s / 2 - settle_s)
@@ -146,22 +146,24 @@ class Outbound:
             for task in stalled:
                 task.cancel()
             await asyncio.gather(*stalled, return_exceptions=True)
-        self.node.trainer.idle(0)
-        live = {s.node_id for s in self.node.membership.live()}
-        candidates = sorted(live & self.node.trainer.core.peers)
-        out = self.node.trainer.leave(self.node.rng.choice(candidates)) if candidates else None
+        self.network.replica.idle(0)
+        live = {s.node_id for s in self.network.membership.live()}
+        candidates = sorted(live & self.network.replica.core.peers)
+        out = (
+            self.network.replica.leave(self.network.rng.choice(candidates)) if candidates else None
+        )
         if out is not None:
             acks: list[pb.SegmentAck] = []
             error: str | None = "leaving took too long"
             try:
                 acks, error = await self.deliver(out)
             finally:
-                self.node.trainer.settle_push(out, acks, error)
+                self.network.replica.settle_push(out, acks, error)
             if error is None:
                 log.info("handed weight to %s", out.push.peer)
             else:
                 log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
-        clients = [self.node.client(s.address) for s in self.node.membership.live()]
+        clients = [self.network.client(s.address) for s in self.network.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
         )

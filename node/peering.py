@@ -30,7 +30,7 @@ from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
-    from gossipd.node.daemon import Node
+    from gossipd.node.network import Network
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0
@@ -38,11 +38,11 @@ LONELY_LOG_INTERVAL_S = 30.0
 
 
 class Peering:
-    def __init__(self, node: Node) -> None:
-        cfg = node.config.membership
-        self.node = node
+    def __init__(self, network: Network) -> None:
+        cfg = network.config.membership
+        self.network = network
         self.membership = Membership(
-            node.node_id,
+            network.node_id,
             suspect_after_failures=cfg.suspect_after_failures,
             drop_after_s=cfg.drop_after_s,
             max_peers=cfg.max_peers,
@@ -50,7 +50,7 @@ class Peering:
             max_departed=cfg.max_departed,
         )
         self.dial_slots = cfg.dial_concurrency
-        self.rng = random.Random(node.config.gossip.seed ^ 0xD1A1)
+        self.rng = random.Random(network.config.gossip.seed ^ 0xD1A1)
         self._dialing: set[str] = set()
         self._leave_checks: set[str] = set()
         self._round = asyncio.Lock()
@@ -60,10 +60,10 @@ class Peering:
     def apply(self, change: Change | None) -> None:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
-            self.node.trainer.post_peer(change.node_id, change.live)
+            self.network.replica.post_peer(change.node_id, change.live)
             if change.live:
-                self.node.retry_now()  # pushes waiting for it need not wait out a backoff
-        self.node.metrics.live_peers.set(len(self.membership.live()))
+                self.network.retry_now()  # pushes waiting for it need not wait out a backoff
+        self.network.metrics.live_peers.set(len(self.membership.live()))
 
     def failed(self, node_id: str, why: object) -> None:
         change = self.membership.failed(node_id, time.monotonic())
@@ -78,9 +78,9 @@ class Peering:
     async def handshake(self, address: str) -> pb.HandshakeReply:
         """Our Handshake to ``address``: a verified peer's channel, or a throwaway one."""
         if any(p.address == address for p in self.membership.peers.values()):
-            return await self.node.client(address).handshake(RPC_TIMEOUT_S)
-        assert self.node.identity is not None, "start() the node first"
-        client = PeerClient(address, self.node.identity)
+            return await self.network.client(address).handshake(RPC_TIMEOUT_S)
+        assert self.network.identity is not None, "start() the node first"
+        client = PeerClient(address, self.network.identity)
         try:
             return await client.handshake(RPC_TIMEOUT_S)
         finally:
@@ -95,7 +95,7 @@ class Peering:
                     f"{address} speaks schema {reply.schema_version}, we speak {SCHEMA_VERSION}; "
                     "run the same gossipd release on every site"
                 )
-            check_fingerprint(self.node.fingerprint, reply.fingerprint, address)
+            check_fingerprint(self.network.fingerprint, reply.fingerprint, address)
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
             return False
@@ -104,12 +104,12 @@ class Peering:
         for change in verdict.changes:
             self.apply(change)
         if verdict.refused is not None:
-            self.node.rejections.record(address, "PeerNotVerified", verdict.refused)
+            self.network.rejections.record(address, "PeerNotVerified", verdict.refused)
             return False
         if known is not None and known.incarnation != reply.node.incarnation:
-            self.node.forget_incarnations(reply.node.node_id, reply.node.incarnation)
+            self.network.forget_incarnations(reply.node.node_id, reply.node.incarnation)
             if known.address != address:
-                self.node.forget_client(known.address)
+                self.network.forget_client(known.address)
         for info in reply.peers:
             self.hear(info)
         return True
@@ -126,25 +126,25 @@ class Peering:
             if address in self._dialing:
                 continue  # that address is being asked already; its answer settles this too
             self._dialing.add(address)
-            self.node.spawn(self._dial(address, claim))
+            self.network.spawn(self._dial(address, claim))
 
     async def _dial(self, address: str, claim: pb.NodeInfo) -> None:
         try:
             await self.verify(address, claim)
         finally:
             self._dialing.discard(address)
-            if not self.node.stopping.is_set():
+            if not self.network.stopping.is_set():
                 self.kick()
 
     # -- departures -------------------------------------------------------------------
-    def on_leave(self, node_id: str, incarnation: int, peer: str) -> None:
+    def on_peer_left(self, node_id: str, incarnation: int, peer: str) -> None:
         state = self.membership.peers.get(node_id)
         if state is None or node_id in self._leave_checks:
             return
         if incarnation and incarnation != state.incarnation:
             return  # a goodbye from an incarnation we no longer know
         self._leave_checks.add(node_id)
-        self.node.spawn(self._check_leave(state, peer))
+        self.network.spawn(self._check_leave(state, peer))
 
     async def _check_leave(self, state: PeerState, peer: str) -> None:
         """Believe a Leave only if the node, asked at its address, is gone or leaving."""
@@ -158,7 +158,7 @@ class Peering:
                 and reply.node.node_id == state.node_id
                 and reply.node.incarnation == state.incarnation
             ):
-                self.node.on_rejected(
+                self.network.on_rejected(
                     peer,
                     ForgedLeave(
                         f"a Leave for {state.node_id!r} was refused: asked at {state.address}, "
@@ -169,17 +169,17 @@ class Peering:
             if self.membership.is_current(state.node_id, state.incarnation):
                 log.info("peer %s left the mesh", state.node_id)
                 self.apply(self.membership.departed_now(state.node_id))
-                self.node.forget_client(state.address)
+                self.network.forget_client(state.address)
         finally:
             self._leave_checks.discard(state.node_id)
 
     # -- anti-entropy -----------------------------------------------------------------
     async def run(self) -> None:
-        interval = self.node.config.membership.anti_entropy_interval_s
-        while not self.node.stopping.is_set():
+        interval = self.network.config.membership.anti_entropy_interval_s
+        while not self.network.stopping.is_set():
             await self.round()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.node.stopping.wait(), interval)
+                await asyncio.wait_for(self.network.stopping.wait(), interval)
 
     async def round(self) -> None:
         async with self._round:
@@ -195,9 +195,9 @@ class Peering:
                 node_id,
                 m.drop_after_s,
             )
-            self.node.forget_client(addresses[node_id])
+            self.network.forget_client(addresses[node_id])
         known = {s.address for s in m.peers.values()}
-        seeds = [a for a in self.node.config.seeds if a not in known and a != m.self_address]
+        seeds = [a for a in self.network.config.seeds if a not in known and a != m.self_address]
         await asyncio.gather(
             *(self._recheck(s) for s in m.suspected()), *(self.verify(a) for a in seeds)
         )
@@ -208,7 +208,7 @@ class Peering:
             return
         target = self.rng.choice(live)
         try:
-            infos = await self.node.client(target.address).peers(m.known(), RPC_TIMEOUT_S)
+            infos = await self.network.client(target.address).peers(m.known(), RPC_TIMEOUT_S)
         except GossipdError as err:
             self.failed(target.node_id, err)
             return
@@ -239,5 +239,5 @@ class Peering:
                 return False
             await self.round()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.node.stopping.wait(), 0.1)
+                await asyncio.wait_for(self.network.stopping.wait(), 0.1)
         return True

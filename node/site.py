@@ -27,11 +27,11 @@ from typing import Any
 
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig
-from gossipd.node.daemon import Node
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
-from gossipd.node.trainer import GossipTrainer, StepReport
+from gossipd.node.network import Network
+from gossipd.node.replica import Replica, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +96,14 @@ class TrainingLoop(threading.Thread):
         try:
             while not self.halt.is_set():
                 if self.finished.is_set():
-                    site.trainer.idle(0.05)
+                    site.replica.idle(0.05)
                     continue
                 t0 = time.perf_counter()
-                with site.trainer.lock:
+                with site.replica.lock:
                     loss = site.job.train_step()
-                    report = site.trainer.step(loss)
+                    report = site.replica.step(loss)
                 site.record(report, time.perf_counter() - t0, loss)
-                step = site.trainer.steps
+                step = site.replica.steps
                 if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
                     site.evaluate()
                 every = site.config.checkpoint.every_steps
@@ -114,7 +114,7 @@ class TrainingLoop(threading.Thread):
                     cfg.duration_s and elapsed >= cfg.duration_s
                 ):
                     site.evaluate()
-                    site.trainer.training_done = True
+                    site.replica.training_done = True
                     site.write_summary(training_done=True)
                     self.finished.set()
         except BaseException as err:
@@ -138,9 +138,9 @@ class Site:
                 options=dict(config.job.options),
             )
         )
-        self.trainer = GossipTrainer.from_config(config, self.job.model)
+        self.replica = Replica.from_config(config, self.job.model)
         self.metrics = NodeMetrics()
-        self.node = Node(config, self.trainer, self.metrics)
+        self.network = Network(config, self.replica, self.metrics)
         self.data_dir = Path(config.data_dir)
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -171,14 +171,14 @@ class Site:
     # -- trainer-thread helpers -------------------------------------------------------
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
         self.metrics.record_step(report, step_time_s, loss)
-        self.metrics.record_weights(self.trainer.summary.weights)
+        self.metrics.record_weights(self.replica.summary.weights)
         for failure in report.failed:
             log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
 
     def evaluate(self) -> None:
-        with self.trainer.lock:
+        with self.replica.lock:
             result = {k: float(v) for k, v in self.job.evaluate().items()}
-            step, loss = self.trainer.steps, self.trainer.last_loss
+            step, loss = self.replica.steps, self.replica.last_loss
         self.last_eval = result
         for key, value in result.items():
             self.metrics.eval_metric.labels(key).set(value)
@@ -195,7 +195,7 @@ class Site:
     def save_checkpoint(self, name: str = checkpoint.FILENAME) -> Path:
         """Write one checkpoint and count it; raises CheckpointWriteError, the old file intact."""
         started = time.perf_counter()
-        ckpt = checkpoint.capture(self.trainer, self.config.node_id, self.job.optimizer)
+        ckpt = checkpoint.capture(self.replica, self.config.node_id, self.job.optimizer)
         try:
             path = checkpoint.save(self.data_dir, ckpt, name)
         except checkpoint.CheckpointWriteError:
@@ -216,7 +216,7 @@ class Site:
             self.checkpoint_streak.succeeded(path)
 
     def write_summary(self, *, training_done: bool) -> None:
-        s = self.trainer.summary
+        s = self.replica.summary
         path = self.data_dir / "summary.json"
         try:
             write_json(
@@ -241,10 +241,10 @@ class Site:
             self.data_dir / "node.json",
             {
                 "node_id": self.config.node_id,
-                "address": self.node.address,
+                "address": self.network.address,
                 "metrics_port": self.metrics.port,
                 "pid": os.getpid(),
-                "fingerprint": self.trainer.fingerprint,
+                "fingerprint": self.replica.fingerprint,
             },
         )
 
@@ -258,17 +258,17 @@ class Site:
                 self.save_checkpoint("initial.pt")
             except checkpoint.CheckpointWriteError as err:
                 raise self._unwritable(f"cannot write {err.path.name}: {err.reason}") from None
-            self.restored_weights = list(self.trainer.core.weights)
+            self.restored_weights = list(self.replica.core.weights)
             return
-        ckpt = checkpoint.load(path, fingerprint=self.trainer.fingerprint)
-        with self.trainer.lock:
+        ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
+        with self.replica.lock:
             for index, values in enumerate(ckpt.segments):
-                self.trainer.flat.load_segment(index, values)
-            self.trainer.core.weights = list(ckpt.weights)
-            self.trainer.steps = ckpt.step
+                self.replica.flat.load_segment(index, values)
+            self.replica.core.weights = list(ckpt.weights)
+            self.replica.steps = ckpt.step
             if ckpt.optimizer is not None:
                 self.job.optimizer.load_state_dict(ckpt.optimizer)
-            self.trainer.publish()
+            self.replica.publish()
         self.resumed_from = self.saved_step = ckpt.step
         self.restored_weights = list(ckpt.weights)
         self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
@@ -295,17 +295,17 @@ class Site:
 
     async def bootstrap(self) -> None:
         """A joining node copies a live peer's model before its first step (its weight is 0)."""
-        if not await self.node.wait_for_peers(1, self.config.join_timeout_s):
+        if not await self.network.wait_for_peers(1, self.config.join_timeout_s):
             raise GossipdError(
                 f"join: no peer answered within {self.config.join_timeout_s} s; check seeds"
             )
-        peer = self.node.membership.live()[0]
-        model = await self.node.client(peer.address).pull(
-            self.trainer.flat.plan, self.node.limits, self.config.gossip.push_timeout_s
+        peer = self.network.membership.live()[0]
+        model = await self.network.client(peer.address).pull(
+            self.replica.flat.plan, self.network.limits, self.config.gossip.push_timeout_s
         )
-        with self.trainer.lock:
+        with self.replica.lock:
             for index, values in model.items():
-                self.trainer.flat.load_segment(index, values)
+                self.replica.flat.load_segment(index, values)
         log.info("bootstrapped the model from %s", peer.node_id)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -315,7 +315,7 @@ class Site:
         it runs, every way out goes through :meth:`shutdown`.
         """
         self.restore()
-        await self.node.start()
+        await self.network.start()
         try:
             try:
                 self.write_node_json()
@@ -335,12 +335,12 @@ class Site:
         if self.config.join and self.resumed_from is None:
             await self.bootstrap()
         wanted = self.config.membership.start_after_peers
-        if wanted and not await self.node.wait_for_peers(
+        if wanted and not await self.network.wait_for_peers(
             wanted, self.config.membership.start_timeout_s
         ):
             raise GossipdError(
                 f"membership.start_after_peers = {wanted}: only "
-                f"{len(self.node.membership.live())} peers became live within "
+                f"{len(self.network.membership.live())} peers became live within "
                 f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
             )
 
@@ -360,21 +360,21 @@ class Site:
                 )
             try:
                 await asyncio.wait_for(
-                    self.node.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
+                    self.network.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
                 )
             except (TimeoutError, GossipdError) as err:
                 log.warning("leaving the mesh did not complete: %r", err)
             self.final_checkpoint()
             self.write_summary(training_done=self.loop_thread.finished.is_set())
         finally:
-            await self.node.close(grace_s=0.5)
+            await self.network.close(grace_s=0.5)
 
     def final_checkpoint(self) -> None:
         # A node that never trained and whose weights did not move (no hand-off, no
         # merge) has nothing new to save; skipping keeps a joiner that failed to
         # bootstrap from resuming, on restart, as if it had.
         trained = self.loop_thread.ident is not None
-        if not trained and list(self.trainer.core.weights) == self.restored_weights:
+        if not trained and list(self.replica.core.weights) == self.restored_weights:
             return
         try:
             self.save_checkpoint()
@@ -383,8 +383,8 @@ class Site:
             return
         log.info(
             "wrote the final checkpoint (step %d, weights %s) to %s",
-            self.trainer.steps,
-            [round(w, 6) for w in self.trainer.core.weights],
+            self.replica.steps,
+            [round(w, 6) for w in self.replica.core.weights],
             self.data_dir / checkpoint.FILENAME,
         )
 

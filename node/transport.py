@@ -30,8 +30,8 @@ from gossipd.node.errors import (
     PeerUnreachable,
     UnknownPeer,
 )
+from gossipd.node.replica import OutboundPush
 from gossipd.node.segments import SegmentPlan
-from gossipd.node.trainer import OutboundPush
 from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,

@@ -17,7 +17,7 @@ import torch
 from gossipd.bench import transport
 from gossipd.node.codec import Codec
 from gossipd.node.protocols.sumweight import Push
-from gossipd.node.trainer import OutboundPush
+from gossipd.node.replica import OutboundPush
 from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import segment_frames
 from gossipd.proto import gossip_pb2 as pb

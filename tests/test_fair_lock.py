@@ -1,4 +1,4 @@
-"""Tests for gossipd.node.trainer.FairLock: re-entrant, owner-checked, handed over in arrival order.
+"""Tests for gossipd.node.replica.FairLock: re-entrant, owner-checked, handed over in arrival order.
 
 No sleep is used as synchronisation: threads meet on Events (every wait bounded), and where a
 test must know a thread is queued it polls ``len(lock._waiters)`` in a bounded loop.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gossipd.node.trainer import FairLock
+from gossipd.node.replica import FairLock
 
 WAIT_S = 30.0
 pytestmark = pytest.mark.timeout(120)

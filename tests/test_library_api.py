@@ -19,7 +19,7 @@ from gossipd.node import checkpoint
 from gossipd.node.api import GossipNode
 from gossipd.node.errors import ConfigError, GossipdError
 from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.trainer import StepReport
+from gossipd.node.replica import StepReport
 
 DEADLINE_S = 120.0
 
@@ -66,8 +66,8 @@ def test_step_reports_acknowledged_pushes_and_mass_is_conserved(daemons: Any) ->
         pushed = next(r for r in reports if r.pushed).pushed[0]
         assert pushed.peer == "peer" and pushed.acked_segments == (0,)
         # Settle: stop pushing, wait until nothing is in flight, then count the weight.
-        node.trainer.core.push_probability = 0.0
-        _step_until(node, lambda r: not node.trainer.core.in_flight, "no push in flight")
+        node.replica.core.push_probability = 0.0
+        _step_until(node, lambda r: not node.replica.core.in_flight, "no push in flight")
         ours = node.sum_weights[0]
         theirs = peer.status()["sum_weights"][0]
         assert ours < 1.0 < theirs
@@ -78,8 +78,8 @@ def test_peer_leaving_gracefully_hands_its_weight_to_the_user_loop(daemons: Any)
     peer = daemons("peer")
     node, _ = _user_node(peer, seed=3)
     with node:
-        node.trainer.core.push_probability = 0.0  # only the peer's hand-off moves weight
-        ours = node.trainer.flat.buffers[0].clone()
+        node.replica.core.push_probability = 0.0  # only the peer's hand-off moves weight
+        ours = node.replica.flat.buffers[0].clone()
         peer.proc.send_signal(signal.SIGTERM)
         reports = _step_until(
             node, lambda r: any(m.sender == "peer" for m in r.merged), "the peer's hand-off"
@@ -90,9 +90,9 @@ def test_peer_leaving_gracefully_hands_its_weight_to_the_user_loop(daemons: Any)
         assert node.sum_weights[0] == pytest.approx(2.0, abs=1e-12)
         # Equal weights (1 and 1): the hand-off makes our model the mean of both. The
         # peer trains at learning rate 0, so the model it left with is its initial.pt.
-        theirs = checkpoint.load(peer.data_dir / "initial.pt", fingerprint=node.trainer.fingerprint)
+        theirs = checkpoint.load(peer.data_dir / "initial.pt", fingerprint=node.replica.fingerprint)
         expected = (ours.double() + theirs.segments[0].double()) / 2
-        torch.testing.assert_close(node.trainer.flat.buffers[0].double(), expected)
+        torch.testing.assert_close(node.replica.flat.buffers[0].double(), expected)
         assert not torch.equal(ours, theirs.segments[0])  # the two models did differ
 
 
@@ -114,9 +114,9 @@ def test_pushes_to_a_killed_peer_fail_visibly_and_weight_returns(daemons: Any) -
         assert failure.peer == "peer" and failure.acked_segments == ()
         assert failure.error and "127.0.0.1" in failure.error  # names the unreachable address
         assert not next(r for r in reports if r.failed).ok
-        node.trainer.core.push_probability = 0.0
-        _step_until(node, lambda r: not node.trainer.core.in_flight, "no push in flight")
-        assert node.trainer.core.reserved == [0.0]
+        node.replica.core.push_probability = 0.0
+        _step_until(node, lambda r: not node.replica.core.in_flight, "no push in flight")
+        assert node.replica.core.reserved == [0.0]
         assert 0.0 < node.sum_weights[0] < 1.0  # what was acknowledged stays given away
 
 

@@ -101,22 +101,22 @@ def test_a_push_cancelled_while_its_receiver_hangs_settles_once_and_returns_its_
         node = GossipNode(config, job.model, job.optimizer)
         try:
             assert node.wait_for_peers(1, 60.0)
-            before = node.trainer.flat.buffers[0].clone()
+            before = node.replica.flat.buffers[0].clone()
             deadline = time.monotonic() + 60.0
             while hung.pushes_hanging == 0:
                 assert time.monotonic() < deadline, "no push reached the hung peer"
                 node.step()
                 time.sleep(0.01)
-            assert node.trainer.core.in_flight, "the push to the hung peer is unsettled"
-            assert node.trainer.core.reserved[0] > 0.0
+            assert node.replica.core.in_flight, "the push to the hung peer is unsettled"
+            assert node.replica.core.reserved[0] > 0.0
         finally:
             node.close()
-        core = node.trainer.core
+        core = node.replica.core
         assert core.in_flight == {}
         assert core.reserved == [0.0]
         assert core.weights == [1.0]  # nothing was acknowledged: all weight came home
         # Folding back our own snapshot, taken from an unchanged model, changes nothing.
-        assert torch.equal(node.trainer.flat.buffers[0], before)
+        assert torch.equal(node.replica.flat.buffers[0], before)
 
 
 def test_status_floods_do_not_stall_training(daemons: Any) -> None:

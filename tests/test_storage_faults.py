@@ -217,10 +217,10 @@ def _error_lines(output: str) -> list[str]:
 @functools.cache
 def _fingerprint() -> str:
     from gossipd.node.jobs import JobSpec, build_job
-    from gossipd.node.trainer import GossipTrainer
+    from gossipd.node.replica import Replica
 
     job = build_job(JobSpec("synthetic", seed=0, learning_rate=0.01))
-    return GossipTrainer("x", job.model, push_probability=0.0, segment_bytes=4 << 20).fingerprint
+    return Replica("x", job.model, push_probability=0.0, segment_bytes=4 << 20).fingerprint
 
 
 def _temp_files(directory: Path) -> list[str]:

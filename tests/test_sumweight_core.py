@@ -182,7 +182,7 @@ class Mesh:
     def leave(self, i: int) -> None:
         node = self.nodes[i]
         available = [node.available(s) for s in range(self.num_segments)]
-        push = node.on_leave()
+        push = node.hand_off()
         self.left.add(i)
         for j in range(len(self.nodes)):
             if j != i:
@@ -608,7 +608,7 @@ def test_ack_or_failure_of_an_unknown_or_settled_push_changes_nothing():
 def test_leave_hands_over_all_available_weight_to_the_chosen_peer():
     node = make(peers=("b", "c"))
     [first] = node.on_step_end()
-    push = node.on_leave("c" if first.peer == "b" else "b")
+    push = node.hand_off("c" if first.peer == "b" else "b")
     assert push is not None and push.peer != first.peer
     assert push.weights == {0: 0.5, 1: 0.5}  # everything not already reserved
     assert [node.available(s) for s in range(2)] == [0.0, 0.0]
@@ -620,20 +620,20 @@ def test_leave_hands_over_all_available_weight_to_the_chosen_peer():
 
 def test_leave_without_explicit_peer_picks_a_live_peer_and_none_without_peers():
     node = make(peers=("b", "c"), seed=3)
-    push = node.on_leave()
+    push = node.hand_off()
     assert push is not None and push.peer in {"b", "c"}
     assert push.weights == {0: 1.0, 1: 1.0}
-    assert make(peers=()).on_leave() is None
+    assert make(peers=()).hand_off() is None
 
 
 def test_leave_to_self_is_refused():
     with pytest.raises(ValueError, match="itself"):
-        make().on_leave("a")
+        make().hand_off("a")
 
 
 def test_leave_with_nothing_available_sends_nothing():
     node = make(initial_weight=0.0)
-    assert node.on_leave("b") is None
+    assert node.hand_off("b") is None
     assert node.in_flight == {}
 
 
@@ -641,7 +641,7 @@ def test_leave_hands_over_weight_even_to_a_busy_peer_with_max_in_flight_outstand
     node = make(max_in_flight=1)
     [first] = node.on_step_end()
     assert node.on_step_end() == []
-    push = node.on_leave("b")
+    push = node.hand_off("b")
     assert push is not None and push.weights == {0: 0.5, 1: 0.5}
     assert push.key == ("b", 2)  # the next number on that edge, never a reused key
     assert set(node.in_flight) == {first.key, push.key}
@@ -657,7 +657,7 @@ def test_node_with_zero_weight_never_pushes():
 
 def test_node_whose_weight_is_all_reserved_does_not_push_even_to_an_idle_peer():
     node = make(peers=("b", "c"), max_in_flight=8)
-    node.on_leave("b")
+    node.hand_off("b")
     assert node.busy_peers() == {"b"}  # c is idle and a slot is free: only the weight is missing
     for _ in range(20):
         assert node.on_step_end() == []
@@ -1283,7 +1283,7 @@ def test_no_self_peer_is_ever_chosen():
     alone = make(node_id="a", peers=("a",))
     assert alone.peers == set()
     assert alone.on_step_end() == []
-    assert alone.on_leave() is None
+    assert alone.hand_off() is None
 
 
 def test_pushes_go_only_to_live_peers_and_reach_every_one_of_them():

@@ -217,7 +217,7 @@ class SumWeightGossip:
         push = self._push(self.rng.choice(candidates), 0.5)
         return [push] if push else []
 
-    def on_leave(self, peer: str | None = None) -> Push | None:
+    def hand_off(self, peer: str | None = None) -> Push | None:
         """Hand all available weight to ``peer`` (or a random live one) before leaving."""
         if peer is None:
             if not self.peers:

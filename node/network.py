@@ -28,9 +28,9 @@ from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
 from gossipd.node.rejections import RejectionLog, peer_host
+from gossipd.node.replica import InboundPush, Replica
 from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
-from gossipd.node.trainer import GossipTrainer, InboundPush
 from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
 from gossipd.proto import SCHEMA_VERSION
@@ -85,17 +85,17 @@ def check_port_free(listen: str) -> None:
                 ) from None
 
 
-class Node:
+class Network:
     """Implements the servicer's ``Handlers`` and drives pushes and anti-entropy."""
 
     def __init__(
-        self, config: NodeConfig, trainer: GossipTrainer, metrics: NodeMetrics | None = None
+        self, config: NodeConfig, replica: Replica, metrics: NodeMetrics | None = None
     ) -> None:
         self.config = config
-        self.trainer = trainer
+        self.replica = replica
         self.mesh_id = config.mesh_id
         self.node_id = config.node_id
-        self.fingerprint = trainer.fingerprint
+        self.fingerprint = replica.fingerprint
         self.incarnation = time.time_ns() // 1000
         self.codec = Codec.parse(config.gossip.codec)
         self.limits = Limits(
@@ -164,7 +164,7 @@ class Node:
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
-        self.trainer.send = lambda out: loop.call_soon_threadsafe(
+        self.replica.send = lambda out: loop.call_soon_threadsafe(
             self.spawn, self.outbound.push(out), f"push:{out.push.peer}"
         )
         self.spawn(self.peering.run(), "anti-entropy")
@@ -182,7 +182,7 @@ class Node:
         self.stopping.set()
         # A trainer thread still stepping must not schedule onto a loop about to
         # close: its new pushes are folded back at its next step instead.
-        self.trainer.send = lambda out: self.trainer.post_push_result(
+        self.replica.send = lambda out: self.replica.post_push_result(
             out, [], "the node stopped before sending this push"
         )
         try:
@@ -222,7 +222,7 @@ class Node:
 
     def forget_incarnations(self, node_id: str, incarnation: int) -> None:
         """A verified restart: the old incarnation's de-duplication state can go."""
-        self.trainer.post(lambda _: self.trainer.core.on_peer_restarted(node_id, incarnation))
+        self.replica.post(lambda _: self.replica.core.on_peer_restarted(node_id, incarnation))
 
     # -- outbound -------------------------------------------------------------------
     def retry_now(self) -> None:
@@ -236,7 +236,7 @@ class Node:
 
     # -- Handlers (called by the servicer) ---------------------------------------------
     def new_assembler(self) -> SegmentAssembler:
-        return SegmentAssembler(self.trainer.flat.plan, self.limits)
+        return SegmentAssembler(self.replica.flat.plan, self.limits)
 
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         """Answer at once; the claimant becomes a peer only after our own dial to it."""
@@ -248,7 +248,7 @@ class Node:
             schema_version=SCHEMA_VERSION,
             node=self.identity.info(),
             fingerprint=self.fingerprint,
-            step=self.trainer.summary.steps,
+            step=self.replica.summary.steps,
             peers=self.membership.known(),
         )
 
@@ -268,7 +268,7 @@ class Node:
         self.check_sender(open_.sender, open_.incarnation)
         item = InboundPush(open_.sender, open_.incarnation, open_.sequence, segments)
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
-        self.trainer.inbox.put(item)
+        self.replica.inbox.put(item)
         # Answer Busy well before the sender's own deadline: a refusal is a known
         # outcome it can settle at once, a timeout an unknown one it must retry.
         wait_s = self.config.limits.merge_wait_s
@@ -315,11 +315,11 @@ class Node:
         self.metrics.messages.labels("sent", "pull").inc()
 
     def _snapshot(self) -> tuple[dict[int, object], list[float]]:
-        with self.trainer.lock:
-            return self.trainer.flat.snapshot(), list(self.trainer.core.weights)
+        with self.replica.lock:
+            return self.replica.flat.snapshot(), list(self.replica.core.weights)
 
-    def on_leave(self, request: pb.LeaveRequest, peer: str = "") -> None:
-        self.peering.on_leave(request.node_id, request.incarnation, peer or request.node_id)
+    def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
+        self.peering.on_peer_left(request.node_id, request.incarnation, peer or request.node_id)
 
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply:
         self.peering.hear(request.sender, direct=True)
@@ -330,7 +330,7 @@ class Node:
 
     async def on_status(self, checksum: bool = False) -> pb.StatusReply:
         """Answered from the trainer's published summary: never waits on a step."""
-        s = self.trainer.summary
+        s = self.replica.summary
         return pb.StatusReply(
             node_id=self.node_id,
             mesh_id=self.mesh_id,
@@ -342,7 +342,7 @@ class Node:
             protocol=self.config.gossip.protocol,
             loss=s.loss,
             pushes_in_flight=s.in_flight,
-            training_done=self.trainer.training_done,
+            training_done=self.replica.training_done,
             pushes_acked=s.pushes_acked,
             pushes_failed=s.pushes_failed,
             pushes_merged=s.pushes_merged,
@@ -364,8 +364,8 @@ class Node:
             self._checksum_at = time.monotonic()
 
             def compute() -> str:
-                with self.trainer.lock:
-                    copies = [b.detach().cpu().clone() for b in self.trainer.flat.buffers]
+                with self.replica.lock:
+                    copies = [b.detach().cpu().clone() for b in self.replica.flat.buffers]
                 return model_checksum(copies)
 
             return await asyncio.to_thread(compute)
@@ -379,4 +379,4 @@ class Node:
             self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
             return
         if self.rejections.record(peer_host(peer), reason, str(err)):
-            self.trainer.post_rejection(peer, reason, str(err))
+            self.replica.post_rejection(peer, reason, str(err))

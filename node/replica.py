@@ -6,7 +6,7 @@ inbox and push outcomes into an event queue; the trainer drains both at each
 step boundary, merges under ``torch.no_grad()``, and hands outbound snapshots to
 the loop through a callback (``call_soon_threadsafe`` in the daemon).
 
-Each :meth:`GossipTrainer.step` returns a :class:`StepReport`, so a caller sees
+Each :meth:`Replica.step` returns a :class:`StepReport`, so a caller sees
 what happened in its own loop (merged, pushed, rejected, failed), not only in a log.
 """
 
@@ -159,7 +159,7 @@ class Inbox:
             return None
 
 
-class GossipTrainer:
+class Replica:
     """Sum-weight gossip around a model the caller trains; call :meth:`step` after each step."""
 
     def __init__(
@@ -200,7 +200,7 @@ class GossipTrainer:
         self.summary = Summary.of(self)
 
     @classmethod
-    def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> GossipTrainer:
+    def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> Replica:
         """The trainer a site's config asks for (a joiner starts at weight 0)."""
         return cls(
             config.node_id,
@@ -315,7 +315,7 @@ class GossipTrainer:
 
     def leave(self, peer: str | None = None) -> OutboundPush | None:
         with self.lock:
-            push = self.core.on_leave(peer)
+            push = self.core.hand_off(peer)
             return OutboundPush(push, self.flat.snapshot(push.weights)) if push else None
 
     def _merge(self, item: InboundPush, report: StepReport) -> None:
@@ -390,16 +390,16 @@ class Summary:
     peers: frozenset[str]
 
     @classmethod
-    def of(cls, trainer: GossipTrainer) -> Summary:
-        core = trainer.core
+    def of(cls, replica: Replica) -> Summary:
+        core = replica.core
         return cls(
-            steps=trainer.steps,
-            loss=trainer.last_loss,
+            steps=replica.steps,
+            loss=replica.last_loss,
             weights=tuple(core.weights),
             reserved=tuple(core.reserved),
             in_flight=len(core.in_flight),
-            pushes_acked=trainer.pushes_acked,
-            pushes_failed=trainer.pushes_failed,
-            pushes_merged=trainer.pushes_merged,
+            pushes_acked=replica.pushes_acked,
+            pushes_failed=replica.pushes_failed,
+            pushes_merged=replica.pushes_merged,
             peers=frozenset(core.peers),
         )
