@@ -106,7 +106,13 @@ class GossipNode:
         self.closed = True
         timeout_s = timeout_s or self.config.shutdown_timeout_s
         try:
-            self._call(asyncio.wait_for(self.network.leave_mesh(), timeout_s), timeout_s + 1.0)
+            leaving = asyncio.run_coroutine_threadsafe(
+                asyncio.wait_for(self.network.leave_mesh(), timeout_s), self._loop
+            )
+            # The caller's thread is the replica's trainer: it runs the hand-off's merges.
+            while not leaving.done():
+                self.replica.idle(0.05)
+            leaving.result()
         except (TimeoutError, GossipdError) as err:
             log.warning("leaving the mesh did not complete: %r", err)
         finally:

@@ -1,7 +1,8 @@
 """Atomic checkpoints: a crash at any instant leaves either the old file or the new one.
 
-A checkpoint holds the flat segments, the sum-weights that go with them, the
-step, and the optimizer state. Weights reserved by pushes still in flight are
+A checkpoint holds the flat segments, the protocol core's whole state (sum-weights,
+round, de-duplication windows, what was in flight), the step, and the optimizer
+state. Weights reserved by pushes still in flight are
 saved as held (not yet given away): on a crash between a push's merge at the
 receiver and its acknowledgement here, that mass is counted twice, which is the
 bounded error DESIGN §5 accepts for faults.
@@ -22,7 +23,7 @@ import torch
 from gossipd.node.errors import CheckpointError
 from gossipd.node.replica import Replica
 
-FORMAT = 1
+FORMAT = 2  # 1: sum-weights only, no core state (still read)
 FILENAME = "checkpoint.pt"
 
 
@@ -31,9 +32,13 @@ class Checkpoint:
     node_id: str
     fingerprint: str
     step: int
-    weights: list[float]
+    core: dict[str, Any]
     segments: list[torch.Tensor]
     optimizer: dict[str, Any] | None = None
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.core["weights"])
 
 
 def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | None) -> Checkpoint:
@@ -43,7 +48,7 @@ def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | N
             node_id=node_id,
             fingerprint=replica.fingerprint,
             step=replica.steps,
-            weights=list(replica.core.weights),
+            core=replica.state_dict(),
             segments=[b.detach().cpu().clone() for b in replica.flat.buffers],
             optimizer=optimizer.state_dict() if optimizer is not None else None,
         )
@@ -115,7 +120,7 @@ def save(directory: Path, ckpt: Checkpoint, filename: str = FILENAME) -> Path:
         "node_id": ckpt.node_id,
         "fingerprint": ckpt.fingerprint,
         "step": ckpt.step,
-        "weights": list(ckpt.weights),
+        "core": ckpt.core,
         "segments": [s.detach().cpu() for s in ckpt.segments],
         "optimizer": ckpt.optimizer,
     }
@@ -158,8 +163,8 @@ def load(path: Path, *, fingerprint: str) -> Checkpoint:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err}") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a gossipd checkpoint of format {FORMAT}")
+    if not isinstance(payload, dict) or payload.get("format") not in (1, FORMAT):
+        raise CheckpointError(f"{path} is not a gossipd checkpoint of format 1 or {FORMAT}")
     if payload["fingerprint"] != fingerprint:
         raise CheckpointError(
             f"checkpoint {path} is for model {payload['fingerprint']}, this job builds "
@@ -169,7 +174,9 @@ def load(path: Path, *, fingerprint: str) -> Checkpoint:
         node_id=payload["node_id"],
         fingerprint=payload["fingerprint"],
         step=int(payload["step"]),
-        weights=[float(w) for w in payload["weights"]],
+        core=payload["core"]
+        if payload["format"] == FORMAT
+        else {"weights": [float(w) for w in payload["weights"]]},
         segments=list(payload["segments"]),
         optimizer=payload["optimizer"],
     )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gossipd.node.errors import ConfigError
+from gossipd.node.protocols import PROTOCOLS
 
 
 def _check_address(value: str) -> str:
@@ -55,7 +56,13 @@ class JobConfig(_Section):
 
 
 class GossipConfig(_Section):
-    protocol: Literal["sumweight"] = "sumweight"
+    protocol: str = Field(
+        "sumweight", description="the gossip protocol; every node of a mesh must use the same"
+    )
+    round_steps: int = Field(
+        1, ge=1, description="local steps per gossip round (crossover, shuffle-exchange)"
+    )
+    average_every_steps: int = Field(50, ge=1, description="persyn: steps between global averages")
     push_probability: float = Field(0.5, ge=0.0, le=1.0)
     codec: Literal["raw", "fp16", "bf16"] = "raw"
     segment_bytes: int = Field(4 << 20, ge=1024)
@@ -76,6 +83,15 @@ class GossipConfig(_Section):
         4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
     )
     seed: int = Field(0, description="seed of this node's peer choices")
+
+    @field_validator("protocol")
+    @classmethod
+    def _known_protocol(cls, value: str) -> str:
+        if value not in PROTOCOLS:
+            raise ValueError(
+                f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
+            )
+        return value
 
 
 class MembershipConfig(_Section):

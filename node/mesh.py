@@ -234,7 +234,7 @@ class LocalMesh:
 
     async def pull_all(self) -> list[torch.Tensor]:
         """Every node's model as one flat float64 vector, pulled over gRPC."""
-        identity = Identity(self.mesh_id, "launcher", "", 0, self.plan.fingerprint)
+        identity = Identity(self.mesh_id, "launcher", "", 0, self.plan.fingerprint, "")
         models = []
         for i in sorted(self.procs):
             client = PeerClient(self.addresses[i], identity)

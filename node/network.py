@@ -96,6 +96,7 @@ class Network:
         self.mesh_id = config.mesh_id
         self.node_id = config.node_id
         self.fingerprint = replica.fingerprint
+        self.protocol = config.gossip.protocol
         self.incarnation = time.time_ns() // 1000
         self.codec = Codec.parse(config.gossip.codec)
         self.limits = Limits(
@@ -151,7 +152,12 @@ class Network:
             await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             self.identity = Identity(
-                self.mesh_id, self.node_id, self.address, self.incarnation, self.fingerprint
+                self.mesh_id,
+                self.node_id,
+                self.address,
+                self.incarnation,
+                self.fingerprint,
+                self.config.gossip.protocol,
             )
             self.membership.self_address = self.address
             if self.config.metrics.listen:
@@ -222,7 +228,7 @@ class Network:
 
     def forget_incarnations(self, node_id: str, incarnation: int) -> None:
         """A verified restart: the old incarnation's de-duplication state can go."""
-        self.replica.post(lambda _: self.replica.core.on_peer_restarted(node_id, incarnation))
+        self.replica.post_restart(node_id, incarnation)
 
     # -- outbound -------------------------------------------------------------------
     def retry_now(self) -> None:
@@ -250,6 +256,7 @@ class Network:
             fingerprint=self.fingerprint,
             step=self.replica.summary.steps,
             peers=self.membership.known(),
+            protocol=self.config.gossip.protocol,
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:
@@ -266,7 +273,7 @@ class Network:
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
         self.check_sender(open_.sender, open_.incarnation)
-        item = InboundPush(open_.sender, open_.incarnation, open_.sequence, segments)
+        item = InboundPush(open_.sender, open_.incarnation, open_.sequence, segments, open_.round)
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)
         # Answer Busy well before the sender's own deadline: a refusal is a known
@@ -316,7 +323,7 @@ class Network:
 
     def _snapshot(self) -> tuple[dict[int, object], list[float]]:
         with self.replica.lock:
-            return self.replica.flat.snapshot(), list(self.replica.core.weights)
+            return self.replica.flat.snapshot(), list(self.replica.summary.weights)
 
     def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         self.peering.on_peer_left(request.node_id, request.incarnation, peer or request.node_id)
@@ -339,7 +346,7 @@ class Network:
             live_peers=[p.node_id for p in self.membership.live()],
             fingerprint=self.fingerprint,
             params_checksum=await self._checksum() if checksum else "",
-            protocol=self.config.gossip.protocol,
+            protocol=s.protocol,
             loss=s.loss,
             pushes_in_flight=s.in_flight,
             training_done=self.replica.training_done,
@@ -350,6 +357,8 @@ class Network:
             suspected_peers=[p.node_id for p in self.membership.suspected()],
             rejected=dict(self.rejections.counts),
             reserved_weights=s.reserved,
+            round=s.round,
+            membership_epoch=s.epoch,
         )
 
     async def _checksum(self) -> str:

@@ -122,7 +122,8 @@ class Outbound:
     async def leave_mesh(self) -> None:
         """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
 
-        Call only once the trainer thread has stopped stepping. Unacknowledged
+        Call once the replica's thread stopped stepping but still drives it
+        (:meth:`Replica.idle_until`): parameters are only written there. Unacknowledged
         pushes are retried at once, so a receiver that came back settles them
         exactly. After ``settle_s``, pushes whose receiver is not live (hung or
         gone) are cancelled and folded back, so their weight leaves with the
@@ -132,6 +133,10 @@ class Outbound:
         sum-weight core's docstring).
         """
         self.network.leaving = True
+        replica = self.network.replica
+        # Whatever the core still wants to send (a timer, a last round) is folded back
+        # at once: only the hand-off below leaves this node now.
+        replica.send = lambda out: replica.post_push_result(out, [], "the node is leaving")
         self.retry_now()
         gossip, budget_s = self.network.config.gossip, self.network.config.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
@@ -146,11 +151,16 @@ class Outbound:
             for task in stalled:
                 task.cancel()
             await asyncio.gather(*stalled, return_exceptions=True)
-        self.network.replica.idle(0)
+        # Every parameter write stays on the replica's own thread: these calls run
+        # there, after the outcomes the cancelled pushes just posted.
+        await asyncio.wrap_future(replica.call(lambda: None))
         live = {s.node_id for s in self.network.membership.live()}
-        candidates = sorted(live & self.network.replica.core.peers)
+        candidates = sorted(live & replica.summary.peers)
+        peer = self.network.rng.choice(candidates) if candidates else None
         out = (
-            self.network.replica.leave(self.network.rng.choice(candidates)) if candidates else None
+            await asyncio.wrap_future(replica.call(lambda: replica.hand_off(peer)))
+            if peer
+            else None
         )
         if out is not None:
             acks: list[pb.SegmentAck] = []
@@ -158,7 +168,8 @@ class Outbound:
             try:
                 acks, error = await self.deliver(out)
             finally:
-                self.network.replica.settle_push(out, acks, error)
+                settled = replica.call(lambda: replica.settle_push(out, acks, error))
+            await asyncio.wrap_future(settled)
             if error is None:
                 log.info("handed weight to %s", out.push.peer)
             else:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.membership import Change, Membership, PeerState
-from gossipd.node.segments import check_fingerprint
+from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.transport import PeerClient
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -60,7 +60,8 @@ class Peering:
     def apply(self, change: Change | None) -> None:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
-            self.network.replica.post_peer(change.node_id, change.live)
+            live = frozenset(p.node_id for p in self.membership.live())
+            self.network.replica.post_view(live | {self.network.node_id})
             if change.live:
                 self.network.retry_now()  # pushes waiting for it need not wait out a backoff
         self.network.metrics.live_peers.set(len(self.membership.live()))
@@ -96,6 +97,10 @@ class Peering:
                     "run the same gossipd release on every site"
                 )
             check_fingerprint(self.network.fingerprint, reply.fingerprint, address)
+            check_protocol(self.network.config.gossip.protocol, reply.protocol, address)
+        except MeshMismatch as err:  # a configuration to fix, not a passing failure
+            self.network.rejections.record(address, "MeshMismatch", str(err))
+            return False
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
             return False

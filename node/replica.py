@@ -1,4 +1,4 @@
-"""The trainer side of a node: owns the parameters and the gossip core.
+"""The parameter side of a node: owns the model replica and drives the protocol core.
 
 The event loop never writes parameters and the trainer never awaits the
 network. They meet here: the loop puts validated inbound pushes into a bounded
@@ -13,21 +13,45 @@ what happened in its own loop (merged, pushed, rejected, failed), not only in a 
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import queue
-import random
 import threading
-from collections import deque
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import Busy, InvalidFrame, NonFinitePayload
-from gossipd.node.protocols.sumweight import Merge, Push, Refused, SumWeightGossip
+from gossipd.node.errors import Busy, GossipdError, InvalidFrame, NonFinitePayload
+from gossipd.node.fairlock import FairLock
+from gossipd.node.protocols import CoreSettings, build
+from gossipd.node.protocols.base import (
+    Duplicate,
+    Event,
+    FoldBack,
+    GossipProtocol,
+    HandOff,
+    Merge,
+    PayloadArrived,
+    PayloadMerged,
+    PeerRestarted,
+    Push,
+    PushSettled,
+    Refused,
+    StartTimer,
+    StepEnded,
+    TimerFired,
+    TrainingEnded,
+    ViewChanged,
+    shared_seed,
+)
 from gossipd.node.segments import FlatModel
 from gossipd.node.wire import ReceivedSegment
 from gossipd.proto import gossip_pb2 as pb
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,7 @@ class InboundPush:
     incarnation: int
     sequence: int
     segments: list[ReceivedSegment]
+    round: int = 0
     reply: concurrent.futures.Future[list[pb.SegmentAck]] = field(
         default_factory=concurrent.futures.Future
     )
@@ -86,55 +111,6 @@ class InboundPush:
 class OutboundPush:
     push: Push
     snapshot: dict[int, torch.Tensor]
-
-
-class FairLock:
-    """A re-entrant lock handed over in arrival order.
-
-    The trainer releases and re-takes its lock once per step, a few hundred
-    times a second; with a plain RLock it wins every race and a reader (status,
-    PullModel snapshot, checkpoint) can starve for seconds.
-    """
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._waiters: deque[tuple[int, threading.Event]] = deque()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def acquire(self) -> None:
-        me = threading.get_ident()
-        with self._guard:
-            if self._owner == me:
-                self._depth += 1
-                return
-            if self._owner is None and not self._waiters:
-                self._owner, self._depth = me, 1
-                return
-            turn = threading.Event()
-            self._waiters.append((me, turn))
-        turn.wait()
-
-    def release(self) -> None:
-        with self._guard:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("FairLock released by a thread that does not hold it")
-            self._depth -= 1
-            if self._depth:
-                return
-            if self._waiters:
-                self._owner, turn = self._waiters.popleft()
-                self._depth = 1
-                turn.set()
-            else:
-                self._owner = None
-
-    def __enter__(self) -> FairLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Inbox:
@@ -160,39 +136,39 @@ class Inbox:
 
 
 class Replica:
-    """Sum-weight gossip around a model the caller trains; call :meth:`step` after each step."""
+    """A site's copy of the model and its protocol core; call :meth:`step` after each step.
+
+    The replica drives the core: it turns what the network reports into events,
+    and the core's actions into merges, fold-backs and snapshots for the network.
+    It never names a protocol; :func:`gossipd.node.protocols.build` does.
+    """
 
     def __init__(
         self,
         node_id: str,
         model: torch.nn.Module,
         *,
-        push_probability: float,
         segment_bytes: int,
+        protocol: str = "sumweight",
+        settings: Mapping[str, Any] | None = None,
         inbox_size: int = 16,
-        seed: int = 0,
-        initial_weight: float = 1.0,
-        max_in_flight: int = 4,
-        max_weight: float = 1e6,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.flat = FlatModel(model, segment_bytes)
-        self.core = SumWeightGossip(
-            node_id,
-            len(self.flat.plan),
-            push_probability=push_probability,
-            rng=random.Random(seed),
-            initial_weight=initial_weight,
-            max_in_flight=max_in_flight,
-            max_weight=max_weight,
+        self.core: GossipProtocol = build(
+            protocol, CoreSettings(node_id, len(self.flat.plan), **(settings or {}))
         )
         self.inbox = Inbox(inbox_size)
+        self.clock = clock
         self.steps = 0
         self.last_loss = float("nan")
         self.training_done = False
         self.send: Callable[[OutboundPush], None] = lambda out: None
         self._events: queue.SimpleQueue[Callable[[StepReport], None]] = queue.SimpleQueue()
+        self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
+        self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         # Held by whoever reads or writes parameters: the trainer while stepping,
-        # the loop while snapshotting for PullModel or status.
+        # the loop while snapshotting for PullModel or checkpoints.
         self.lock = FairLock()
         self.pushes_acked = 0
         self.pushes_failed = 0
@@ -201,17 +177,24 @@ class Replica:
 
     @classmethod
     def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> Replica:
-        """The trainer a site's config asks for (a joiner starts at weight 0)."""
+        """The replica a site's config asks for (a joiner starts at weight 0)."""
+        gossip = config.gossip
         return cls(
             config.node_id,
             model,
-            push_probability=config.gossip.push_probability,
-            segment_bytes=config.gossip.segment_bytes,
+            segment_bytes=gossip.segment_bytes,
+            protocol=gossip.protocol,
+            settings={
+                "seed": gossip.seed,
+                "mesh_seed": shared_seed(config.mesh_id),
+                "initial_weight": 0.0 if config.join else 1.0,
+                "max_in_flight": gossip.max_pushes_in_flight,
+                "max_weight": config.limits.max_sum_weight,
+                "push_probability": gossip.push_probability,
+                "round_steps": gossip.round_steps,
+                "average_every_steps": gossip.average_every_steps,
+            },
             inbox_size=config.limits.inbox_size,
-            seed=config.gossip.seed,
-            initial_weight=0.0 if config.join else 1.0,
-            max_in_flight=config.gossip.max_pushes_in_flight,
-            max_weight=config.limits.max_sum_weight,
         )
 
     @property
@@ -223,15 +206,118 @@ class Replica:
         with self.lock:
             self.summary = Summary.of(self)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The core's state, for a checkpoint (take it under :attr:`lock`)."""
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self.lock:
+            self.core.load_state_dict(state)
+            self.summary = Summary.of(self)
+
     # -- called from the event loop (any thread) -------------------------------------
     def post(self, event: Callable[[StepReport], None]) -> None:
         """Run ``event`` on the trainer thread at the next step boundary."""
         self._events.put(event)
 
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the thread that drives this replica, after every event posted
+        before it; the network leaves the mesh this way instead of touching parameters."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run(report: StepReport) -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:
+                    future.set_exception(err)
+
+        self.post(run)
+        return future
+
     def post_push_result(
         self, out: OutboundPush, acks: list[pb.SegmentAck], error: str | None
     ) -> None:
         self.post(lambda report: self.settle_push(out, acks, error, report))
+
+    def post_rejection(self, peer: str, reason: str, detail: str) -> None:
+        self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))
+
+    def post_view(self, members: frozenset[str]) -> None:
+        """The live members as the network sees them now (this node included)."""
+        self.post(lambda report: self._handle(ViewChanged(members)))
+
+    def post_restart(self, peer: str, incarnation: int) -> None:
+        self.post(lambda report: self._handle(PeerRestarted(peer, incarnation)))
+
+    # -- called from the trainer thread ----------------------------------------------
+    def step(self, loss: float | None = None) -> StepReport:
+        """Close one local step: merge what arrived, settle push outcomes, maybe push."""
+        with self.lock:
+            self.steps += 1
+            if loss is not None:
+                self.last_loss = float(loss)
+            report = StepReport(self.steps)
+            self.drain(report)
+            for push in self._handle(StepEnded(self.steps, self.clock())):
+                report.started_push_to = push.peer
+            self.summary = Summary.of(self)
+            return report
+
+    def finish_training(self) -> None:
+        """No more steps: a protocol may still owe the mesh a final exchange."""
+        with self.lock:
+            self.training_done = True
+            self._handle(TrainingEnded(self.steps, self.clock()))
+            self.summary = Summary.of(self)
+
+    def idle(self, wait_s: float) -> StepReport:
+        """After training ends, keep merging what peers push so they can still settle."""
+        with self.lock:
+            report = StepReport(self.steps)
+            self.drain(report, wait_s)
+            self.summary = Summary.of(self)
+            return report
+
+    def idle_until(self, stop: threading.Event) -> None:
+        """Drive the replica (merges, outcomes, calls) without stepping until ``stop``."""
+        while not stop.is_set():
+            self.idle(0.05)
+
+    def drain(self, report: StepReport, wait_s: float | None = None) -> None:
+        """Apply pending events and merge every queued push; optionally wait for the first.
+
+        Events are applied before the merges (peer changes, push outcomes) and again
+        after, so an outcome that arrived while merging is not left for the next step.
+        Timers that came due fire here: the replica has no thread of its own.
+        """
+        self._apply_events(report)
+        item = self.inbox.get(wait_s)
+        while item is not None:
+            self._merge(item, report)
+            item = self.inbox.get(None)
+        self._apply_events(report)
+        now = self.clock()
+        while self._timers and self._timers[0][0] <= now:
+            _, tag = heapq.heappop(self._timers)
+            self._handle(TimerFired(tag, now))
+
+    def _apply_events(self, report: StepReport) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            event(report)
+
+    def hand_off(self, peer: str | None = None) -> OutboundPush | None:
+        """The push that hands all weight to ``peer`` when leaving; the caller delivers it."""
+        with self.lock:
+            pushes = [a for a in self.core.handle(HandOff(peer)) if isinstance(a, Push)]
+            if not pushes:
+                return None
+            self._outstanding.add(pushes[0].key)
+            return OutboundPush(pushes[0], self.flat.snapshot(pushes[0].weights))
 
     def settle_push(
         self,
@@ -247,13 +333,16 @@ class Replica:
             if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
         )
         with self.lock:
-            if out.push.key not in self.core.in_flight:
+            if out.push.key not in self._outstanding:
                 return  # settled before (a late duplicate outcome changes nothing)
-            for merge in self.core.on_push_acked(out.push.key, acked):
-                # Our own snapshot coming home: finite, and the blend cannot overflow.
-                blended = self.flat.blend(merge.segment, out.snapshot[merge.segment], merge.alpha)
-                if blended is not None:
-                    self.flat.load_segment(merge.segment, blended)
+            self._outstanding.discard(out.push.key)
+            for action in self.core.handle(PushSettled(out.push.peer, out.push.sequence, acked)):
+                if isinstance(action, FoldBack):
+                    # Our own snapshot coming home: finite, and the blend cannot overflow.
+                    snapshot = out.snapshot[action.segment]
+                    blended = self.flat.blend(action.segment, snapshot, action.alpha)
+                    if blended is not None:
+                        self.flat.load_segment(action.segment, blended)
             if len(acked) == len(out.push.weights):
                 self.pushes_acked += 1
             else:
@@ -263,70 +352,39 @@ class Replica:
             record = PushRecord(out.push.peer, out.push.sequence, acked, error)
             (report.failed if error else report.pushed).append(record)
 
-    def post_rejection(self, peer: str, reason: str, detail: str) -> None:
-        self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))
-
-    def post_peer(self, peer: str, up: bool) -> None:
-        self.post(lambda report: (self.core.on_peer_up if up else self.core.on_peer_down)(peer))
-
-    # -- called from the trainer thread ----------------------------------------------
-    def step(self, loss: float | None = None) -> StepReport:
-        """Close one local step: merge what arrived, settle push outcomes, maybe push."""
-        with self.lock:
-            self.steps += 1
-            if loss is not None:
-                self.last_loss = float(loss)
-            report = StepReport(self.steps)
-            self.drain(report)
-            for push in self.core.on_step_end():
-                report.started_push_to = push.peer
-                self.send(OutboundPush(push, self.flat.snapshot(push.weights)))
-            self.summary = Summary.of(self)
-            return report
-
-    def drain(self, report: StepReport, wait_s: float | None = None) -> None:
-        """Apply pending events and merge every queued push; optionally wait for the first.
-
-        Events are applied before the merges (peer changes, push outcomes) and again
-        after, so an outcome that arrived while merging is not left for the next step.
-        """
-        self._apply_events(report)
-        item = self.inbox.get(wait_s)
-        while item is not None:
-            self._merge(item, report)
-            item = self.inbox.get(None)
-        self._apply_events(report)
-
-    def _apply_events(self, report: StepReport) -> None:
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return
-            event(report)
-
-    def idle(self, wait_s: float) -> StepReport:
-        """After training ends, keep merging what peers push so they can still settle."""
-        with self.lock:
-            report = StepReport(self.steps)
-            self.drain(report, wait_s)
-            self.summary = Summary.of(self)
-            return report
-
-    def leave(self, peer: str | None = None) -> OutboundPush | None:
-        with self.lock:
-            push = self.core.hand_off(peer)
-            return OutboundPush(push, self.flat.snapshot(push.weights)) if push else None
+    def _handle(self, event: Event) -> list[Push]:
+        """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
+        pushes = []
+        for action in self.core.handle(event):
+            match action:
+                case Push():
+                    self._outstanding.add(action.key)
+                    self.send(OutboundPush(action, self.flat.snapshot(action.weights)))
+                    pushes.append(action)
+                case StartTimer():
+                    heapq.heappush(self._timers, (action.at_s, action.tag))
+                case _:
+                    raise GossipdError(
+                        f"protocol {self.core.name} asked for {action!r}, which this "
+                        "daemon does not carry out; pick another gossip.protocol"
+                    )
+        return pushes
 
     def _merge(self, item: InboundPush, report: StepReport) -> None:
         """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
         try:
-            weights = {seg.segment: seg.sum_weight for seg in item.segments}
+            arrival = PayloadArrived(
+                item.sender,
+                item.incarnation,
+                item.sequence,
+                item.round,
+                {seg.segment: seg.sum_weight for seg in item.segments},
+            )
             values = {seg.segment: seg.values for seg in item.segments}
             try:
-                plan = self.core.plan_receive(item.sender, item.incarnation, item.sequence, weights)
+                plan = self.core.handle(arrival)
             except Refused as err:
                 raise InvalidFrame(f"push {item.sender}#{item.sequence}: {err}") from None
             blends: dict[int, torch.Tensor] = {}
@@ -340,18 +398,20 @@ class Replica:
                             "nothing merged"
                         )
                     blends[action.segment] = blended
-            self.core.apply_receive(item.sender, item.incarnation, item.sequence, plan)
+            self.core.handle(PayloadMerged(arrival))
             for segment, blended in blends.items():
                 self.flat.load_segment(segment, blended)
+            weights = self.core.status().weights
             acks = [
                 pb.SegmentAck(
                     segment=action.segment,
                     result=pb.SEGMENT_RESULT_MERGED
                     if isinstance(action, Merge)
                     else pb.SEGMENT_RESULT_DUPLICATE,
-                    receiver_weight=self.core.weights[action.segment],
+                    receiver_weight=weights[action.segment],
                 )
                 for action in plan
+                if isinstance(action, Merge | Duplicate)
             ]
             if blends:
                 self.pushes_merged += 1
@@ -360,7 +420,7 @@ class Replica:
                     item.sender,
                     item.sequence,
                     tuple(blends),
-                    tuple(a.segment for a in plan if not isinstance(a, Merge)),
+                    tuple(a.segment for a in plan if isinstance(a, Duplicate)),
                 )
             )
             item.reply.set_result(acks)
@@ -373,14 +433,17 @@ class Replica:
 
 @dataclass(frozen=True)
 class Summary:
-    """A consistent copy of trainer state, replaced whole at each step boundary.
+    """A consistent copy of replica state, replaced whole at each step boundary.
 
     Readers on other threads (status, metrics, health) read the current object
-    without taking the trainer's lock, so they never wait on a step.
+    without taking the replica's lock, so they never wait on a step.
     """
 
     steps: int
     loss: float
+    protocol: str
+    round: int
+    epoch: int
     weights: tuple[float, ...]
     reserved: tuple[float, ...]
     in_flight: int
@@ -391,15 +454,18 @@ class Summary:
 
     @classmethod
     def of(cls, replica: Replica) -> Summary:
-        core = replica.core
+        core = replica.core.status()
         return cls(
             steps=replica.steps,
             loss=replica.last_loss,
-            weights=tuple(core.weights),
-            reserved=tuple(core.reserved),
-            in_flight=len(core.in_flight),
+            protocol=core.protocol,
+            round=core.round,
+            epoch=core.epoch,
+            weights=core.weights,
+            reserved=core.reserved,
+            in_flight=core.in_flight,
             pushes_acked=replica.pushes_acked,
             pushes_failed=replica.pushes_failed,
             pushes_merged=replica.pushes_merged,
-            peers=frozenset(core.peers),
+            peers=core.peers,
         )

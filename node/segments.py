@@ -202,6 +202,14 @@ def model_checksum(buffers: Sequence[torch.Tensor]) -> str:
     return digest.hexdigest()[:32]
 
 
+def check_protocol(local: str, remote: str, who: str) -> None:
+    if local != remote:
+        raise MeshMismatch(
+            f"{who} gossips protocol {remote!r}, this node {local!r}; every node of a mesh "
+            "must set the same gossip.protocol"
+        )
+
+
 def check_fingerprint(local: str, remote: str, who: str) -> None:
     if local != remote:
         raise MeshMismatch(

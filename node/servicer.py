@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError, Message
 
 from gossipd.node.admission import ByteBudget, IdleBounded, Slots
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
-from gossipd.node.segments import check_fingerprint
+from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.wire import ReceivedSegment, SegmentAssembler, pull_chunk_frame
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -92,10 +92,11 @@ _push_frame_parser = _parser(pb.PushFrame)
 
 
 class Handlers(Protocol):
-    """What the servicer hands off to; the daemon's Node implements it."""
+    """What the servicer hands off to; the site's Network implements it."""
 
     mesh_id: str
     fingerprint: str
+    protocol: str
     config: NodeConfig
 
     def new_assembler(self) -> SegmentAssembler: ...
@@ -157,6 +158,7 @@ class GossipServicer:
                 )
             self.check_mesh(req.mesh_id, f"node {req.node.node_id!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"node {req.node.node_id!r}")
+            check_protocol(self.node.protocol, req.protocol, f"node {req.node.node_id!r}")
             return self.node.on_handshake(req)
 
         return await self._guard(context, context.peer(), call)

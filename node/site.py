@@ -88,6 +88,9 @@ class TrainingLoop(threading.Thread):
         # silent, half-alive peer, so the site shuts down (and `gossipd node` exits 1).
         self.on_fatal: Callable[[], None] = lambda: None
         self.finished = threading.Event()
+        # After ``halt`` the thread stops stepping but keeps merging and runs the
+        # leave's hand-off and settlements (parameters are written only here) until this.
+        self.release = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -114,9 +117,10 @@ class TrainingLoop(threading.Thread):
                     cfg.duration_s and elapsed >= cfg.duration_s
                 ):
                     site.evaluate()
-                    site.replica.training_done = True
+                    site.replica.finish_training()
                     site.write_summary(training_done=True)
                     self.finished.set()
+            site.replica.idle_until(self.release)
         except BaseException as err:
             log.exception("trainer thread failed")
             self.error = err
@@ -258,13 +262,13 @@ class Site:
                 self.save_checkpoint("initial.pt")
             except checkpoint.CheckpointWriteError as err:
                 raise self._unwritable(f"cannot write {err.path.name}: {err.reason}") from None
-            self.restored_weights = list(self.replica.core.weights)
+            self.restored_weights = list(self.replica.summary.weights)
             return
         ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
         with self.replica.lock:
             for index, values in enumerate(ckpt.segments):
                 self.replica.flat.load_segment(index, values)
-            self.replica.core.weights = list(ckpt.weights)
+            self.replica.load_state_dict(ckpt.core)
             self.replica.steps = ckpt.step
             if ckpt.optimizer is not None:
                 self.job.optimizer.load_state_dict(ckpt.optimizer)
@@ -354,16 +358,21 @@ class Site:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         try:
             self.loop_thread.halt.set()
-            if self.loop_thread.is_alive():
-                await asyncio.to_thread(
-                    self.loop_thread.join, max(0.1, deadline - time.monotonic())
+            driver = self.loop_thread
+            if not driver.is_alive():  # never started, or died: something must drive
+                driver = threading.Thread(
+                    target=self.replica.idle_until, args=(driver.release,), daemon=True
                 )
+                driver.start()
             try:
                 await asyncio.wait_for(
                     self.network.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
                 )
             except (TimeoutError, GossipdError) as err:
                 log.warning("leaving the mesh did not complete: %r", err)
+            finally:
+                self.loop_thread.release.set()
+                await asyncio.to_thread(driver.join, max(0.1, deadline - time.monotonic()))
             self.final_checkpoint()
             self.write_summary(training_done=self.loop_thread.finished.is_set())
         finally:
@@ -374,7 +383,7 @@ class Site:
         # merge) has nothing new to save; skipping keeps a joiner that failed to
         # bootstrap from resuming, on restart, as if it had.
         trained = self.loop_thread.ident is not None
-        if not trained and list(self.replica.core.weights) == self.restored_weights:
+        if not trained and list(self.replica.summary.weights) == self.restored_weights:
             return
         try:
             self.save_checkpoint()
@@ -384,7 +393,7 @@ class Site:
         log.info(
             "wrote the final checkpoint (step %d, weights %s) to %s",
             self.replica.steps,
-            [round(w, 6) for w in self.replica.core.weights],
+            [round(w, 6) for w in self.replica.summary.weights],
             self.data_dir / checkpoint.FILENAME,
         )
 

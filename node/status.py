@@ -35,6 +35,8 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "suspected_peers": list(reply.suspected_peers),
         "rejected": dict(reply.rejected),
         "reserved_weights": list(reply.reserved_weights),
+        "round": reply.round,
+        "membership_epoch": reply.membership_epoch,
     }
 
 

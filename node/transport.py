@@ -102,7 +102,7 @@ class Identity:
     address: str
     incarnation: int
     fingerprint: str
-    protocol: str = "sumweight"
+    protocol: str
 
     def info(self) -> pb.NodeInfo:
         return pb.NodeInfo(node_id=self.node_id, address=self.address, incarnation=self.incarnation)
@@ -243,6 +243,7 @@ class PeerClient:
                 sequence=out.push.sequence,
                 segment_count=len(segments),
                 incarnation=self.identity.incarnation,
+                round=out.push.round,
             )
         ).SerializeToString()
         for index in segments:

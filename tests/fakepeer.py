@@ -91,6 +91,7 @@ class FakePeer:
                 node=self.info(),
                 fingerprint=self.fingerprint,
                 step=0,
+                protocol="sumweight",
             )
 
         async def peers(request: pb.PeersRequest, context: Any) -> pb.PeersReply:

@@ -74,7 +74,7 @@ def _protobuf_frames(out: OutboundPush, identity: Identity, chunk_bytes: int) ->
 
 @pytest.mark.parametrize("chunk_bytes", [4, 124, 128, 1000, 16384, 1 << 20, 4 << 20])
 def test_push_frames_encoded_by_hand_equal_protobuf_serialization(chunk_bytes: int) -> None:
-    identity = Identity("mesh", "sender", "127.0.0.1:1", 7, "f" * 32)
+    identity = Identity("mesh", "sender", "127.0.0.1:1", 7, "f" * 32, "sumweight")
     gen = torch.Generator().manual_seed(0)
     snapshot = {i: torch.randn(n, generator=gen) for i, n in enumerate([1, 33, 700, (5 << 18) + 3])}
     out = OutboundPush(Push("peer", 3, {0: 0.5, 1: 0.25, 2: 0.0, 3: 1.0}), snapshot)

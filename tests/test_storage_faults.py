@@ -220,7 +220,7 @@ def _fingerprint() -> str:
     from gossipd.node.replica import Replica
 
     job = build_job(JobSpec("synthetic", seed=0, learning_rate=0.01))
-    return Replica("x", job.model, push_probability=0.0, segment_bytes=4 << 20).fingerprint
+    return Replica("x", job.model, segment_bytes=4 << 20).fingerprint
 
 
 def _temp_files(directory: Path) -> list[str]:
@@ -230,13 +230,14 @@ def _temp_files(directory: Path) -> list[str]:
 def test_checkpoint_save_on_a_full_disk_raises_keeps_the_old_file_and_leaves_no_temp(
     small_disk: SmallDisk,
 ) -> None:
-    ckpt = checkpoint.Checkpoint("n", "fp", 1, [1.0], [torch.zeros(1000)])
+    ckpt = checkpoint.Checkpoint("n", "fp", 1, {"weights": [1.0]}, [torch.zeros(1000)])
     checkpoint.save(small_disk.path, ckpt)
     small_disk.fill(os.getpid())
     try:
         with pytest.raises(CheckpointError) as caught:
             checkpoint.save(
-                small_disk.path, checkpoint.Checkpoint("n", "fp", 2, [0.5], [torch.ones(1000)])
+                small_disk.path,
+                checkpoint.Checkpoint("n", "fp", 2, {"weights": [0.5]}, [torch.ones(1000)]),
             )
     finally:
         small_disk.free()

@@ -20,15 +20,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.protocols.sumweight import (
-    DEDUP_WINDOW,
-    SEQUENCE_AHEAD,
-    Duplicate,
-    Merge,
-    Push,
-    Refused,
-    SumWeightGossip,
-)
+from gossipd.node.protocols.base import Duplicate, FoldBack, Merge, Push, Refused
+from gossipd.node.protocols.ledger import DEDUP_WINDOW, SEQUENCE_AHEAD
+from gossipd.node.protocols.sumweight import SumWeightGossip
 
 PROPERTY = settings(max_examples=100, derandomize=True, deadline=None, database=None)
 CONSENSUS = settings(max_examples=40, derandomize=True, deadline=None, database=None)
@@ -236,7 +230,7 @@ class Mesh:
         f = self.flights[key]
         node = self.nodes[f.sender]
         before = (list(node.weights), list(node.reserved))
-        node.on_push_acked(f.push.key, segments)
+        node.settle(f.push.key, segments)
         if f.resolved:
             assert (node.weights, node.reserved) == before, "a stale ack changed the sender"
             return
@@ -252,7 +246,7 @@ class Mesh:
         if not f.delivered and self.rng.random() < self.faults.fail:
             sender = self.nodes[f.sender]
             available = [sender.available(s) for s in range(self.num_segments)]
-            for merge in sender.on_push_failed(f.push.key):
+            for merge in sender.settle(f.push.key, ()):
                 # The returned weight comes back with the snapshot it left with.
                 x = self.x[f.sender][merge.segment]
                 self.x[f.sender][merge.segment] = (1 - merge.alpha) * x + merge.alpha * f.snapshot[
@@ -548,7 +542,7 @@ def test_push_reserves_half_and_removes_weight_only_when_acknowledged():
     assert node.reserved == [0.5, 0.5]
     assert node.available(0) == node.available(1) == 0.5
     assert node.in_flight == {("b", 1): push}
-    assert node.on_push_acked(push.key, [0, 1]) == []
+    assert node.settle(push.key, [0, 1]) == []
     assert node.weights == [0.5, 0.5]
     assert node.reserved == [0.0, 0.0]
     assert node.in_flight == {}
@@ -562,8 +556,8 @@ def test_second_push_goes_to_the_other_peer_with_half_of_the_remaining_available
     assert first.sequence == second.sequence == 1  # two edges, each at its first push
     assert second.weights == {0: 0.25, 1: 0.25}
     assert node.reserved == [0.75, 0.75]
-    node.on_push_acked(second.key, [0, 1])
-    node.on_push_acked(first.key, [0, 1])
+    node.settle(second.key, [0, 1])
+    node.settle(first.key, [0, 1])
     assert node.weights == [0.25, 0.25]
     assert node.reserved == [0.0, 0.0]
 
@@ -571,19 +565,22 @@ def test_second_push_goes_to_the_other_peer_with_half_of_the_remaining_available
 def test_partial_ack_commits_acknowledged_segments_and_returns_the_rest():
     node = make(num_segments=3)
     [push] = node.on_step_end()
-    merges = node.on_push_acked(push.key, [1])
+    merges = node.settle(push.key, [1])
     assert node.weights == [1.0, 0.5, 1.0]
     assert node.reserved == [0.0, 0.0, 0.0]
     assert node.in_flight == {}
     # the unacknowledged halves come home with the snapshot they left with
-    assert merges == [Merge(0, 0.5, 1.0), Merge(2, 0.5, 1.0)]
+    assert merges == [FoldBack("b", 1, 0, 0.5), FoldBack("b", 1, 2, 0.5)]
 
 
 def test_failed_push_returns_the_whole_reservation_with_its_snapshot():
     node = make()
     [push] = node.on_step_end()
-    merges = node.on_push_failed(push.key)
-    assert merges == [Merge(0, 0.5, 1.0), Merge(1, 0.5, 1.0)]  # alpha = sent / available
+    merges = node.settle(push.key, ())
+    assert merges == [
+        FoldBack("b", 1, 0, 0.5),
+        FoldBack("b", 1, 1, 0.5),
+    ]  # alpha = sent / available
     assert node.weights == [1.0, 1.0]
     assert node.reserved == [0.0, 0.0]
     assert node.in_flight == {}
@@ -594,13 +591,13 @@ def test_ack_or_failure_of_an_unknown_or_settled_push_changes_nothing():
     node = make(peers=("b", "c"), max_in_flight=2)
     [first] = node.on_step_end()
     [second] = node.on_step_end()  # stays in flight throughout
-    node.on_push_acked(first.key, [0, 1])
+    node.settle(first.key, [0, 1])
     state = snapshot(node)
-    assert node.on_push_acked(first.key, [0, 1]) == []  # duplicated ack
-    assert node.on_push_failed(first.key) == []  # late failure report
-    assert node.on_push_acked((second.peer, second.sequence + 1), [0]) == []  # not sent yet
-    assert node.on_push_acked((first.peer, 999), [0]) == []
-    assert node.on_push_failed(("zzz", second.sequence)) == []  # right number, wrong peer
+    assert node.settle(first.key, [0, 1]) == []  # duplicated ack
+    assert node.settle(first.key, ()) == []  # late failure report
+    assert node.settle((second.peer, second.sequence + 1), [0]) == []  # not sent yet
+    assert node.settle((first.peer, 999), [0]) == []
+    assert node.settle(("zzz", second.sequence), ()) == []  # right number, wrong peer
     assert snapshot(node) == state
     assert node.in_flight == {second.key: second}
 
@@ -612,8 +609,8 @@ def test_leave_hands_over_all_available_weight_to_the_chosen_peer():
     assert push is not None and push.peer != first.peer
     assert push.weights == {0: 0.5, 1: 0.5}  # everything not already reserved
     assert [node.available(s) for s in range(2)] == [0.0, 0.0]
-    node.on_push_acked(first.key, [0, 1])
-    node.on_push_acked(push.key, [0, 1])
+    node.settle(first.key, [0, 1])
+    node.settle(push.key, [0, 1])
     assert node.weights == [0.0, 0.0]
     assert node.reserved == [0.0, 0.0]
 
@@ -672,7 +669,7 @@ def test_sequences_are_per_edge_and_count_1_2_3_for_each_receiver():
         for push in node.on_step_end():
             sent[push.peer].append(push.sequence)
         for key in list(node.in_flight):
-            node.on_push_acked(key, [0, 1])
+            node.settle(key, [0, 1])
     for peer, sequences in sent.items():
         assert sequences == list(range(1, len(sequences) + 1)), peer
     assert all(len(sequences) >= 5 for sequences in sent.values()), sent
@@ -681,7 +678,7 @@ def test_sequences_are_per_edge_and_count_1_2_3_for_each_receiver():
 def test_a_retried_failure_does_not_reuse_the_sequence_of_the_failed_push():
     node = make()
     [first] = node.on_step_end()
-    node.on_push_failed(first.key)
+    node.settle(first.key, ())
     [second] = node.on_step_end()
     assert second.key == ("b", 2)
 
@@ -695,7 +692,7 @@ def test_with_one_of_two_peers_busy_the_next_push_goes_to_the_other(seed):
     assert node.busy_peers() == {"b", "c"}
     for _ in range(20):
         assert node.on_step_end() == []  # every peer busy: none, though slots are free
-    node.on_push_acked(first.key, [0, 1])
+    node.settle(first.key, [0, 1])
     [third] = node.on_step_end()
     assert third.key == (first.peer, 2)
 
@@ -708,7 +705,7 @@ def test_max_in_flight_caps_unacknowledged_pushes_in_total_across_idle_peers():
     for _ in range(20):
         assert node.on_step_end() == []  # three idle peers, no free slot
     assert snapshot(node) == state  # a skipped turn does not even draw from the rng
-    node.on_push_acked(pushes[0].key, [0, 1])
+    node.settle(pushes[0].key, [0, 1])
     [nxt] = node.on_step_end()
     assert nxt.peer != pushes[1].peer
     assert len(node.in_flight) == 2
@@ -721,7 +718,7 @@ def test_node_with_max_in_flight_unacknowledged_pushes_skips_its_turn():
     for _ in range(10):
         assert node.on_step_end() == []
     assert (node.weights, node.reserved) == state
-    node.on_push_acked(push.key, [0, 1])
+    node.settle(push.key, [0, 1])
     [nxt] = node.on_step_end()
     assert nxt.sequence == (2 if nxt.peer == push.peer else 1)
 
@@ -731,7 +728,7 @@ def test_failed_push_frees_its_in_flight_slot_and_its_peer():
     [first] = node.on_step_end()
     [second] = node.on_step_end()
     assert node.on_step_end() == []
-    node.on_push_failed(first.key)
+    node.settle(first.key, ())
     assert first.peer not in node.busy_peers()
     assert len(node.on_step_end()) == 1
     assert second.key in node.in_flight
@@ -762,7 +759,7 @@ def test_rounding_remainders_of_reservations_are_reset_so_tiny_weights_still_pus
         for push in pushes:
             shadow += push.weights[0]
         for push in reversed(pushes) if newest_first else pushes:
-            node.on_push_acked(push.key, [0])
+            node.settle(push.key, [0])
             shadow = max(shadow - push.weights[0], 0.0)
         remainders += shadow != 0.0
         assert node.reserved == [0.0]  # exactly, not approximately
@@ -777,8 +774,8 @@ def test_a_failed_push_also_resets_the_reservation_to_exactly_zero():
     node = make(num_segments=1, peers=("b", "c"), max_in_flight=2, initial_weight=0.3)
     for _ in range(200):
         pushes = [push for _ in range(2) for push in node.on_step_end()]
-        node.on_push_failed(pushes[0].key)
-        node.on_push_acked(pushes[1].key, [0])
+        node.settle(pushes[0].key, ())
+        node.settle(pushes[1].key, [0])
         assert node.reserved == [0.0]
     assert node.weights[0] > 0.0
 
@@ -826,11 +823,11 @@ def test_every_schedule_of_pushes_acks_and_failures_settles_reservations_to_exac
                 sequences[push.peer] = push.sequence
         elif op[0] == "ack" and keys:
             push = node.in_flight[keys[op[1] % len(keys)]]
-            node.on_push_acked(push.key, op[2])
+            node.settle(push.key, op[2])
             for s in op[2]:
                 total[s] -= push.weights[s]
         elif op[0] == "fail" and keys:
-            node.on_push_failed(keys[op[1] % len(keys)])
+            node.settle(keys[op[1] % len(keys)], ())
         elif op[0] == "receive":
             received += 1
             node.on_message("x", 0, received, op[2], op[1])
@@ -850,7 +847,7 @@ def test_every_schedule_of_pushes_acks_and_failures_settles_reservations_to_exac
         if not node.in_flight:
             assert node.reserved == [0.0, 0.0, 0.0]
     for key in sorted(node.in_flight):
-        node.on_push_failed(key)
+        node.settle(key, ())
     assert node.reserved == [0.0, 0.0, 0.0]
     for peer in ("b", "c", "d"):
         node.on_peer_up(peer)
@@ -1153,8 +1150,8 @@ def test_lost_ack_then_retry_with_same_sequence_is_duplicate_and_keeps_the_sum_e
     # the acknowledgement is lost; a retries the same push with the same number
     assert deliver(b, "a", push) == [Duplicate(0), Duplicate(1)]
     assert b.on_message("a", 0, push.sequence, 1, push.weights[1]) == Duplicate(1)
-    a.on_push_acked(push.key, [0, 1])
-    assert a.on_push_acked(push.key, [0, 1]) == []  # the first attempt's ack, late
+    a.settle(push.key, [0, 1])
+    assert a.settle(push.key, [0, 1]) == []  # the first attempt's ack, late
     for s in range(2):
         assert a.weights[s] + b.weights[s] == 2.0
         assert (a.weights[s], b.weights[s]) == (0.5, 1.5)
@@ -1169,7 +1166,7 @@ def test_merged_then_declared_dead_exceeds_the_total_by_exactly_that_push():
     total = [a.weights[s] + b.weights[s] for s in range(2)]
     [push] = a.on_step_end()
     deliver(b, "a", push)
-    a.on_push_failed(push.key)  # b declared dead; its acknowledgement never arrives
+    a.settle(push.key, ())  # b declared dead; its acknowledgement never arrives
     assert a.reserved == [0.0, 0.0]
     for s in range(2):
         excess = a.weights[s] + b.weights[s] - total[s]
@@ -1211,7 +1208,7 @@ def test_sum_of_weights_exceeds_the_total_by_exactly_the_pushes_merged_then_decl
         [push] = pushes
         receiver = nodes[push.peer]
         if outcome == "refused":  # e.g. the receiver was busy: it merged nothing
-            sender.on_push_failed(push.key)
+            sender.settle(push.key, ())
         else:
             deliver(receiver, sender.node_id, push)
             if outcome == "ack_lost_then_retry":
@@ -1219,10 +1216,10 @@ def test_sum_of_weights_exceeds_the_total_by_exactly_the_pushes_merged_then_decl
                     isinstance(x, Duplicate) for x in deliver(receiver, sender.node_id, push)
                 )
             if outcome == "merged_then_dead":
-                sender.on_push_failed(push.key)
+                sender.settle(push.key, ())
                 excess = [excess[s] + push.weights[s] for s in range(2)]
             else:
-                sender.on_push_acked(push.key, list(push.weights))
+                sender.settle(push.key, list(push.weights))
         for s in range(2):
             held = math.fsum(node.weights[s] for node in nodes.values())
             assert math.isclose(held, total[s] + excess[s], rel_tol=1e-12, abs_tol=1e-12)
@@ -1259,7 +1256,7 @@ def test_push_probability_one_pushes_after_every_step():
     node = make(p=1.0, peers=("b", "c"))
     for k in range(1, 21):
         [push] = node.on_step_end()
-        node.on_push_acked(push.key, [0, 1])
+        node.settle(push.key, [0, 1])
         assert node.weights[0] == 0.5**k
 
 
@@ -1269,7 +1266,7 @@ def test_push_probability_half_pushes_about_half_of_the_steps():
     for _ in range(4000):
         for push in node.on_step_end():
             pushed += 1
-            node.on_push_failed(push.key)
+            node.settle(push.key, ())
     assert 1800 < pushed < 2200
 
 
@@ -1279,7 +1276,7 @@ def test_no_self_peer_is_ever_chosen():
     for _ in range(500):
         for push in node.on_step_end():
             assert push.peer != "a"
-            node.on_push_failed(push.key)
+            node.settle(push.key, ())
     alone = make(node_id="a", peers=("a",))
     assert alone.peers == set()
     assert alone.on_step_end() == []
@@ -1294,7 +1291,7 @@ def test_pushes_go_only_to_live_peers_and_reach_every_one_of_them():
     for _ in range(300):
         for push in node.on_step_end():
             targets.add(push.peer)
-            node.on_push_failed(push.key)
+            node.settle(push.key, ())
     assert targets == {"b", "d"}
 
 
@@ -1305,7 +1302,7 @@ def test_same_rng_seed_gives_the_same_pushes():
         for _ in range(200):
             for push in node.on_step_end():
                 out.append((push.peer, push.sequence))
-                node.on_push_acked(push.key, [0, 1])
+                node.settle(push.key, [0, 1])
         return out
 
     assert trace(11) == trace(11)

@@ -1,0 +1,59 @@
+"""Gossip protocol cores (sans-IO) and the one registry that maps config names to them.
+
+Outside this package nothing names a concrete protocol: drivers build a core
+with :func:`build` and talk to it through
+:class:`~gossipd.node.protocols.base.GossipProtocol`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gossipd.node.protocols.base import GossipProtocol
+from gossipd.node.protocols.sumweight import SumWeightGossip
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """What every core may be built from: the protocol-independent part of a config."""
+
+    node_id: str
+    num_segments: int
+    seed: int = 0
+    mesh_seed: int = 0
+    initial_weight: float = 1.0
+    max_in_flight: int = 4
+    max_weight: float = 1e6
+    push_probability: float = 0.5
+    round_steps: int = 1
+    average_every_steps: int = 50
+
+
+def _sumweight(s: CoreSettings) -> GossipProtocol:
+    return SumWeightGossip(
+        s.node_id,
+        s.num_segments,
+        push_probability=s.push_probability,
+        rng=random.Random(s.seed),
+        initial_weight=s.initial_weight,
+        max_in_flight=s.max_in_flight,
+        max_weight=s.max_weight,
+    )
+
+
+PROTOCOLS: dict[str, Callable[[CoreSettings], GossipProtocol]] = {
+    "sumweight": _sumweight,
+}
+
+
+def build(protocol: str, settings: CoreSettings) -> GossipProtocol:
+    """The core named ``protocol`` (a ``gossip.protocol`` value)."""
+    try:
+        factory = PROTOCOLS[protocol]
+    except KeyError:
+        raise ValueError(
+            f"unknown protocol {protocol!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
+        ) from None
+    return factory(settings)

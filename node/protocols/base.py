@@ -1,0 +1,268 @@
+"""The interface every gossip protocol core implements: events in, actions out.
+
+A core is a sans-IO state machine (DESIGN §2). It never touches sockets,
+threads, clocks or torch: the driver (the daemon's replica, or the simulator)
+tells it what happened with one :meth:`GossipProtocol.handle` call per event
+and carries out the actions it returns. Events and actions are plain frozen
+data, so a driver can log, replay or reorder them in tests.
+
+What a driver promises:
+
+* ``PayloadArrived`` is a *question*: the core answers with the merges it would
+  do (or raises :class:`Refused`) and changes nothing. The driver computes every
+  blend, checks it, and only then reports ``PayloadMerged`` for the same payload
+  with no other event in between, so a payload merges whole or not at all.
+* Every ``Push`` a core returns is answered by exactly one ``PushSettled`` (with
+  the segments the receiver acknowledged, possibly none), whatever happens to it.
+* ``StartTimer`` is answered by ``TimerFired`` at or after ``at_s`` (same clock as
+  ``StepEnded.time_s``); ``Pull`` by ``PullArrived`` or ``PullFailed``.
+* ``ViewChanged`` carries the whole current view of live members (this node
+  included), so a core that ranks nodes needs no bookkeeping of ups and downs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, ClassVar
+
+
+class Refused(ValueError):
+    """A payload the core will not merge; nothing was changed."""
+
+
+# -- events ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepEnded:
+    """The local optimizer finished step ``step`` at ``time_s`` (driver's clock, seconds)."""
+
+    step: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class TrainingEnded:
+    """No more local steps will come; the node keeps merging until it leaves."""
+
+    step: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ViewChanged:
+    """The live members of the mesh as this node sees them, itself included.
+
+    A simulator hands the same frozenset to thousands of cores; they keep it
+    instead of copying it, and rank it once through :func:`ranked`.
+    """
+
+    members: frozenset[str]
+
+
+@dataclass(frozen=True)
+class PeerRestarted:
+    """``peer`` came back as ``incarnation``: it remembers nothing of earlier pushes."""
+
+    peer: str
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class PayloadArrived:
+    """A push from ``sender``: what would merging it do? (No state changes.)"""
+
+    sender: str
+    incarnation: int
+    sequence: int
+    round: int
+    weights: Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class PayloadMerged:
+    """The driver applied every ``Merge`` the core proposed for ``payload``: commit it."""
+
+    payload: PayloadArrived
+
+
+@dataclass(frozen=True)
+class PushSettled:
+    """A push ended: the receiver acknowledged ``acked`` segments; the rest comes home."""
+
+    peer: str
+    sequence: int
+    acked: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """This node leaves: hand all its weight to ``peer`` (or one the core picks)."""
+
+    peer: str | None = None
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    tag: str
+    time_s: float
+
+
+@dataclass(frozen=True)
+class PullArrived:
+    """A pulled model from ``peer``: what would merging it do? (No state changes.)"""
+
+    peer: str
+    round: int
+    weights: Mapping[int, float]
+
+
+@dataclass(frozen=True)
+class PullMerged:
+    """The driver applied every ``Merge`` proposed for ``pull``."""
+
+    pull: PullArrived
+
+
+@dataclass(frozen=True)
+class PullFailed:
+    peer: str
+    round: int
+    error: str
+
+
+Event = (
+    StepEnded
+    | TrainingEnded
+    | ViewChanged
+    | PeerRestarted
+    | PayloadArrived
+    | PayloadMerged
+    | PushSettled
+    | HandOff
+    | TimerFired
+    | PullArrived
+    | PullMerged
+    | PullFailed
+)
+
+
+# -- actions --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Push:
+    """Snapshot these segments now and send them, with these sum-weights, to ``peer``."""
+
+    peer: str
+    sequence: int
+    weights: Mapping[int, float]
+    round: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Sequences are per receiver, so a push in flight is known by (peer, sequence)."""
+        return (self.peer, self.sequence)
+
+
+@dataclass(frozen=True)
+class Merge:
+    """x ← (1 − alpha)·x + alpha·x_received on ``segment``; the weight becomes ``weight_after``."""
+
+    segment: int
+    alpha: float
+    weight_after: float
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """Merged before: acknowledge again, change nothing."""
+
+    segment: int
+
+
+@dataclass(frozen=True)
+class FoldBack:
+    """A push's unacknowledged ``segment`` comes home: x ← (1 − alpha)·x + alpha·x_sent."""
+
+    peer: str
+    sequence: int
+    segment: int
+    alpha: float
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Fetch ``segments`` of ``peer``'s model, starting at ``at_s`` (driver's clock)."""
+
+    peer: str
+    round: int
+    segments: tuple[int, ...]
+    at_s: float
+
+
+@dataclass(frozen=True)
+class StartTimer:
+    at_s: float
+    tag: str
+
+
+Action = Push | Merge | Duplicate | FoldBack | Pull | StartTimer
+
+
+@dataclass(frozen=True)
+class CoreStatus:
+    """What status, metrics and checkpoints may know of a core, as one immutable copy."""
+
+    protocol: str
+    round: int
+    epoch: int
+    weights: tuple[float, ...]
+    reserved: tuple[float, ...]
+    in_flight: int
+    peers: frozenset[str]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class GossipProtocol(ABC):
+    """One node's protocol state. Subclasses live one per file, each naming its paper."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def handle(self, event: Event) -> list[Action]:
+        """Apply one event; return what the driver must do. Raises ``Refused`` for payloads."""
+
+    @abstractmethod
+    def status(self) -> CoreStatus: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (plain Python data: checkpoints pickle it)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+# -- ranks and shared seeds --------------------------------------------------------------
+@dataclass(frozen=True)
+class View:
+    """Members ranked by sorted node id; ``epoch`` names the view, equal wherever views are."""
+
+    members: tuple[str, ...]
+    rank_of: Mapping[str, int]
+    epoch: int
+
+
+@lru_cache(maxsize=64)
+def ranked(members: frozenset[str]) -> View:
+    """Cached: a simulator's thousands of nodes share one view object per membership."""
+    ordered = tuple(sorted(members))
+    digest = hashlib.blake2b("\n".join(ordered).encode(), digest_size=6).digest()
+    return View(ordered, {m: i for i, m in enumerate(ordered)}, int.from_bytes(digest, "big"))
+
+
+def shared_seed(*parts: int | str) -> int:
+    """A 64-bit seed every node derives alike from the same parts, with no shared RNG state."""
+    text = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")

@@ -1,0 +1,429 @@
+"""Sum-weight mass accounting shared by every push-based protocol core.
+
+Every protocol here mixes models with the sum-weight rule (GoSGD; DESIGN §5):
+a node keeps a float64 weight w per segment, sends (x, share of w), and a
+receiver merges x_r ← (w_r·x_r + w_s·x_s)/(w_r + w_s), w_r ← w_r + w_s. The
+protocols differ only in *whom* they send *which* share, and when; this module
+is the part they share, and it keeps the total weight exact over a real network:
+
+* a sent share is *reserved*, not removed; it is removed only when the receiver
+  acknowledges that segment (acknowledge-then-commit), and folded back on
+  failure, so a dead peer never swallows mass;
+* the receiver de-duplicates by (sender, incarnation, sequence, segment), so a
+  retried push whose acknowledgement was lost never merges twice;
+* a merge uses the node's *available* weight (weight minus reservations), which
+  keeps Σ w·x exact while pushes are in flight;
+* a message for an earlier or later round, or from a sender this node did not
+  expect, is merged by the same rule: never waited for, never dropped.
+
+Sequences are per edge: a sender numbers its pushes to each receiver 1, 2, 3…
+(starting again when the receiver restarts) and a retry reuses its number. The
+receiver admits a sequence at most ``SEQUENCE_AHEAD`` beyond the highest it
+admitted from that sender incarnation (beyond 0 before the first) and refuses
+anything further: it is never allowed to move the window. Only a segment this
+node remembers merging is answered DUPLICATE; a sequence older than what it
+remembers is refused, so the sender folds it back rather than losing it. An
+honest sender never sees either refusal (it has one push in flight per edge);
+a forger who can pass as a sender can at worst get that sender's pushes
+refused, never answered DUPLICATE unmerged.
+
+Mass bound: without faults Σw is exact. A push is folded back into its sender
+only when the receiver refused it (it merged nothing) or was declared dead; the
+one remaining error is a receiver that merged a push and was then declared
+dead before its acknowledgement arrived (it comes back after ``drop_after_s``,
+or restarts from a checkpoint taken after the merge): that push's weight then
+exists twice. Everything else (lost acknowledgements, retries, duplicates,
+reordering) keeps the total exact.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from gossipd.node.protocols.base import (
+    Action,
+    CoreStatus,
+    Duplicate,
+    Event,
+    FoldBack,
+    GossipProtocol,
+    HandOff,
+    Merge,
+    PayloadArrived,
+    PayloadMerged,
+    PeerRestarted,
+    PullArrived,
+    PullFailed,
+    PullMerged,
+    Push,
+    PushSettled,
+    Refused,
+    StepEnded,
+    TimerFired,
+    TrainingEnded,
+    View,
+    ViewChanged,
+    ranked,
+)
+
+# How many recent sequences are remembered per (sender, incarnation). Sequences are
+# per edge and a sender has at most one push in flight to us, so a retry older
+# than this is long settled and treated as already merged.
+DEDUP_WINDOW = 4096
+# How far beyond the highest admitted sequence a push may be. Sequences to one
+# receiver grow by one per push, so a gap only comes from pushes given up on.
+SEQUENCE_AHEAD = 1024
+
+
+class _Window:
+    """Recently merged (sequence, segment) pairs of one sender incarnation, bounded in size."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[int, int]] = set()
+        self.order: deque[tuple[int, int]] = deque()
+        self.forgotten_up_to = -1
+        self.highest: int | None = None
+
+    def check(self, sequence: int) -> None:
+        """Refuse a sequence too far ahead (it must not move the window) or forgotten."""
+        highest = self.highest or 0
+        if sequence > highest + SEQUENCE_AHEAD:
+            raise Refused(
+                f"sequence {sequence} is more than {SEQUENCE_AHEAD} beyond the highest "
+                f"admitted from this sender ({highest}); refused"
+            )
+        if sequence <= self.forgotten_up_to:
+            raise Refused(
+                f"sequence {sequence} is older than this node remembers (up to "
+                f"{self.forgotten_up_to} forgotten); refused, not acknowledged"
+            )
+
+    def is_new(self, sequence: int, segment: int) -> bool:
+        return sequence > self.forgotten_up_to and (sequence, segment) not in self.seen
+
+    def admit(self, sequence: int, segment: int, capacity: int) -> bool:
+        """True the first time a pair is offered; False for a repeat or anything too old."""
+        ident = (sequence, segment)
+        if not self.is_new(sequence, segment):
+            return False
+        self.highest = sequence if self.highest is None else max(self.highest, sequence)
+        self.seen.add(ident)
+        self.order.append(ident)
+        while len(self.order) > capacity:
+            old = self.order.popleft()
+            self.seen.discard(old)
+            self.forgotten_up_to = max(self.forgotten_up_to, old[0])
+        return True
+
+    def state(self) -> dict[str, Any]:
+        return {"order": list(self.order), "forgotten": self.forgotten_up_to, "high": self.highest}
+
+    @classmethod
+    def restore(cls, state: Mapping[str, Any]) -> _Window:
+        window = cls()
+        window.order = deque(tuple(pair) for pair in state["order"])
+        window.seen = set(window.order)
+        window.forgotten_up_to = state["forgotten"]
+        window.highest = state["high"]
+        return window
+
+
+class SumWeightLedger(GossipProtocol):
+    """Weights, reservations, de-duplication and the view; subclasses choose the pushes.
+
+    A subclass implements :meth:`on_step` (and, if it needs them,
+    :meth:`on_training_ended` and :meth:`on_timer`) using :meth:`push` to send
+    shares of its available weight. Everything else, including settling and
+    merging, is handled here identically for every protocol.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        rng: random.Random,
+        initial_weight: float = 1.0,
+        max_in_flight: int = 2,
+        max_weight: float = math.inf,
+    ) -> None:
+        if num_segments < 1:
+            raise ValueError(f"num_segments must be at least 1, got {num_segments}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        if not (math.isfinite(initial_weight) and initial_weight >= 0):
+            raise ValueError(f"initial_weight must be finite and >= 0, got {initial_weight}")
+        self.node_id = node_id
+        self.max_in_flight = max_in_flight
+        self.max_weight = max_weight
+        self.rng = rng
+        self.weights: list[float] = [float(initial_weight)] * num_segments
+        self.reserved: list[float] = [0.0] * num_segments
+        self.in_flight: dict[tuple[str, int], Push] = {}
+        self.round = 0
+        self.view: View = ranked(frozenset({node_id}))
+        self._sequences: dict[str, int] = {}  # last sequence used towards each receiver
+        self._seen: dict[tuple[str, int], _Window] = {}
+
+    # -- the interface ------------------------------------------------------------------
+    def handle(self, event: Event) -> list[Action]:
+        match event:
+            case StepEnded():
+                return list(self.on_step(event))
+            case PayloadArrived():
+                return list(self.plan_receive(*_payload_key(event), event.weights))
+            case PayloadMerged(payload=p):
+                self.apply_receive(*_payload_key(p), self.plan_receive(*_payload_key(p), p.weights))
+                return []
+            case PushSettled():
+                return list(self.settle((event.peer, event.sequence), event.acked))
+            case ViewChanged():
+                self.set_members(event.members)
+                return []
+            case PeerRestarted():
+                self.on_peer_restarted(event.peer, event.incarnation)
+                return []
+            case HandOff():
+                push = self.hand_off(event.peer)
+                return [push] if push else []
+            case TrainingEnded():
+                return list(self.on_training_ended(event))
+            case TimerFired():
+                return list(self.on_timer(event))
+            case PullArrived() | PullMerged() | PullFailed():
+                raise Refused(f"protocol {self.name} never pulls; a pulled model is not merged")
+        raise TypeError(f"not a protocol event: {event!r}")
+
+    def status(self) -> CoreStatus:
+        return CoreStatus(
+            protocol=self.name,
+            round=self.round,
+            epoch=self.view.epoch,
+            weights=tuple(self.weights),
+            reserved=tuple(self.reserved),
+            in_flight=len(self.in_flight),
+            peers=self.peers,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights as held (reservations count as held: their pushes' outcomes are unknown
+        to whoever restores this), the round, the de-duplication windows, and the pushes
+        that were in flight, for the record."""
+        return {
+            "protocol": self.name,
+            "weights": list(self.weights),
+            "reserved": list(self.reserved),
+            "round": self.round,
+            "in_flight": [
+                {
+                    "peer": p.peer,
+                    "sequence": p.sequence,
+                    "round": p.round,
+                    "weights": dict(p.weights),
+                }
+                for p in self.in_flight.values()
+            ],
+            "sequences": dict(self._sequences),
+            "windows": [
+                {"sender": s, "incarnation": i, **w.state()} for (s, i), w in self._seen.items()
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume as a new incarnation: held weights, round and windows come back.
+
+        Pushes that were in flight are not resumed (nothing will settle them), so
+        their reservations are not restored; the weights already count them as
+        held, which is the crash bound above. Sequences towards receivers restart
+        at 1, because receivers key their windows by this node's new incarnation.
+        """
+        if state.get("protocol", self.name) != self.name:
+            raise ValueError(
+                f"state of protocol {state['protocol']!r} cannot resume a {self.name!r} core; "
+                "set gossip.protocol back or start from a fresh checkpoint directory"
+            )
+        weights = [float(w) for w in state["weights"]]
+        if len(weights) != len(self.weights):
+            raise ValueError(
+                f"state has {len(weights)} segment weights, this model has {len(self.weights)}"
+            )
+        self.weights = weights
+        self.reserved = [0.0] * len(weights)
+        self.in_flight.clear()
+        self._sequences.clear()
+        self.round = int(state.get("round", 0))
+        self._seen = {
+            (w["sender"], w["incarnation"]): _Window.restore(w) for w in state.get("windows", ())
+        }
+
+    # -- what subclasses decide ----------------------------------------------------------
+    @abstractmethod
+    def on_step(self, event: StepEnded) -> Iterable[Push]:
+        """Which shares to push now that a local step ended."""
+
+    def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
+        return ()
+
+    def on_timer(self, event: TimerFired) -> Iterable[Action]:
+        return ()
+
+    # -- membership -------------------------------------------------------------------
+    def set_members(self, members: frozenset[str]) -> None:
+        self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
+
+    @property
+    def peers(self) -> frozenset[str]:
+        return frozenset(self.view.members) - {self.node_id}
+
+    def on_peer_up(self, peer: str) -> None:
+        self.set_members(frozenset(self.view.members) | {peer})
+
+    def on_peer_down(self, peer: str) -> None:
+        if peer != self.node_id:
+            self.set_members(frozenset(self.view.members) - {peer})
+
+    def on_peer_restarted(self, peer: str, incarnation: int) -> None:
+        """``peer`` restarted: its old de-duplication state goes, and our numbering to it
+        starts again at 1, since the new incarnation remembers nothing of ours."""
+        self.forget_sender(peer, incarnation)
+        self._sequences.pop(peer, None)
+
+    def forget_sender(self, sender: str, keep_incarnation: int) -> None:
+        """Drop de-duplication state of a sender's older incarnations (it restarted)."""
+        for key in [k for k in self._seen if k[0] == sender and k[1] < keep_incarnation]:
+            del self._seen[key]
+
+    # -- sending ----------------------------------------------------------------------
+    def available(self, segment: int) -> float:
+        return self.weights[segment] - self.reserved[segment]
+
+    def busy_peers(self) -> set[str]:
+        return {peer for peer, _ in self.in_flight}
+
+    def can_push(self, peer: str) -> bool:
+        """A free slot, and nothing unacknowledged to ``peer`` already (one per edge)."""
+        return (
+            peer != self.node_id
+            and len(self.in_flight) < self.max_in_flight
+            and all(p != peer for p, _ in self.in_flight)
+        )
+
+    def push(
+        self, peer: str, amounts: Mapping[int, float], *, everything: bool = False
+    ) -> Push | None:
+        """Reserve ``amounts`` of the available weights and send them to ``peer``.
+
+        ``everything`` hands over the whole weight exactly: w + reserved may
+        round away from it, leaving a leaving node a crumb it no longer has.
+        """
+        weights = {s: float(w) for s, w in amounts.items()}
+        if not any(w > 0 for w in weights.values()):
+            return None
+        for s, w in weights.items():
+            if w > self.available(s) * (1 + 1e-12):
+                raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")
+        sequence = self._sequences.get(peer, 0) + 1
+        self._sequences[peer] = sequence
+        for s, w in weights.items():
+            self.reserved[s] = self.weights[s] if everything else self.reserved[s] + w
+        push = Push(peer, sequence, weights, self.round)
+        self.in_flight[push.key] = push
+        return push
+
+    def push_share(
+        self, peer: str, fraction: float, segments: Iterable[int] | None = None
+    ) -> Push | None:
+        """Push ``fraction`` of the available weight of ``segments`` (all by default)."""
+        chosen = range(len(self.weights)) if segments is None else segments
+        return self.push(peer, {s: self.available(s) * fraction for s in chosen})
+
+    def hand_off(self, peer: str | None = None) -> Push | None:
+        """Hand all available weight to ``peer`` (or a random live one) before leaving."""
+        if peer is None:
+            peers = sorted(self.peers)
+            if not peers:
+                return None
+            peer = self.rng.choice(peers)
+        if peer == self.node_id:
+            raise ValueError("a node cannot hand its weight to itself")
+        amounts = {s: self.available(s) for s in range(len(self.weights))}
+        return self.push(peer, amounts, everything=True)
+
+    def settle(self, key: tuple[str, int], acked_segments: Sequence[int]) -> list[FoldBack]:
+        """Commit acknowledged segments; the rest of the reservation comes home.
+
+        Returned weight comes back with the snapshot it left with: the returned
+        ``FoldBack`` actions fold that snapshot back in (x ← (1 − α)·x + α·x_sent,
+        α = sent/available), exactly as if the push had been a message to self.
+        Without them a failed push would keep the mass but lose its value, and
+        Σ w·x would drift every time a peer dies mid-push.
+        """
+        push = self.in_flight.pop(key, None)
+        if push is None:
+            return []
+        acked = set(acked_segments)
+        folds = []
+        for s, w in push.weights.items():
+            self.reserved[s] = max(self.reserved[s] - w, 0.0)
+            if not self.in_flight:
+                self.reserved[s] = 0.0  # no rounding remainder may outlive the pushes
+            if s in acked:
+                self.weights[s] = max(self.weights[s] - w, 0.0)
+            elif w > 0:
+                available = self.available(s)
+                folds.append(
+                    FoldBack(push.peer, push.sequence, s, w / available if available > 0 else 1.0)
+                )
+        return folds
+
+    # -- receiving ----------------------------------------------------------------------
+    def plan_receive(
+        self, sender: str, incarnation: int, sequence: int, weights: Mapping[int, float]
+    ) -> list[Merge | Duplicate]:
+        """What merging this push would do, without doing it; raises ``Refused``."""
+        window = self._seen.get((sender, incarnation)) or _Window()
+        window.check(sequence)
+        actions: list[Merge | Duplicate] = []
+        for segment, weight in weights.items():
+            if not 0 <= segment < len(self.weights):
+                raise Refused(f"segment {segment} out of range 0..{len(self.weights) - 1}")
+            if not (math.isfinite(weight) and 0 <= weight <= self.max_weight):
+                raise Refused(
+                    f"sum-weight {weight} of segment {segment} is not a finite number in "
+                    f"[0, {self.max_weight}] (limits.max_sum_weight)"
+                )
+            if not window.is_new(sequence, segment):
+                actions.append(Duplicate(segment))
+                continue
+            mine = self.available(segment)
+            total = mine + weight
+            alpha = weight / total if total > 0 else 0.0
+            actions.append(Merge(segment, alpha, self.weights[segment] + weight))
+        return actions
+
+    def apply_receive(
+        self, sender: str, incarnation: int, sequence: int, plan: Sequence[Merge | Duplicate]
+    ) -> None:
+        """Commit a plan from :meth:`plan_receive`, with no other call in between."""
+        window = self._seen.setdefault((sender, incarnation), _Window())
+        capacity = DEDUP_WINDOW * len(self.weights)
+        for action in plan:
+            if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
+                self.weights[action.segment] = action.weight_after
+
+    def on_message(
+        self, sender: str, incarnation: int, sequence: int, segment: int, weight: float
+    ) -> Merge | Duplicate:
+        """One segment planned and applied at once (raises ``Refused``)."""
+        (action,) = self.plan_receive(sender, incarnation, sequence, {segment: weight})
+        self.apply_receive(sender, incarnation, sequence, [action])
+        return action
+
+
+def _payload_key(p: PayloadArrived) -> tuple[str, int, int]:
+    return (p.sender, p.incarnation, p.sequence)
