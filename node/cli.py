@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.protocols import PROTOCOLS
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -63,6 +64,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "nodes": args.nodes,
         "job": args.job,
         "protocol": args.protocol,
+        "round_steps": args.round_steps,
         "duration_s": args.duration_s,
         "max_steps": args.max_steps,
         "push_probability": args.push_probability,
@@ -109,7 +111,13 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
     p.add_argument("--nodes", type=int, default=nodes)
     p.add_argument("--job", default=job, help="digits, synthetic or module:factory")
-    p.add_argument("--protocol", default="sumweight", choices=["sumweight"])
+    p.add_argument(
+        "--protocol",
+        default="sumweight",
+        choices=sorted(PROTOCOLS),
+        help="gossip protocol of every node (default: %(default)s)",
+    )
+    p.add_argument("--round-steps", type=int, default=1, help="local steps per round (default: 1)")
     p.add_argument("--duration-s", type=float, default=duration_s)
     p.add_argument("--max-steps", type=int, default=0, help="stop each node after N steps")
     p.add_argument("--push-probability", type=float, default=None)

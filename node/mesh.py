@@ -42,6 +42,7 @@ class MeshSpec:
     nodes: int = 4
     job: str = "digits"
     protocol: str = "sumweight"
+    round_steps: int = 1
     duration_s: float = 30.0
     max_steps: int = 0
     push_probability: float | None = None
@@ -85,7 +86,12 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
     }
     if spec.learning_rate is not None:
         job["learning_rate"] = spec.learning_rate
-    gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
+    gossip: dict[str, Any] = {
+        "protocol": spec.protocol,
+        "round_steps": spec.round_steps,
+        "codec": spec.codec,
+        "seed": index,
+    }
     if spec.push_probability is not None:
         gossip["push_probability"] = spec.push_probability
     lines = [
