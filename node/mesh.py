@@ -331,7 +331,12 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         nodes = []
         for i, state in enumerate(states):
             summary = _summary(mesh, i)
-            entry = {"node_id": state["node_id"], "steps": state["step"], "loss": state["loss"]}
+            entry = {
+                "node_id": state["node_id"],
+                "steps": state["step"],
+                "round": state["round"],
+                "loss": state["loss"],
+            }
             entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
             nodes.append(entry)
     result = {

@@ -141,6 +141,7 @@ class Outbound:
         gossip, budget_s = self.network.config.gossip, self.network.config.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
         pending = {t for t in self.network.tasks if t.get_name().startswith("push:")}
+        slow_peers: set[str] = set()
         if pending:
             _, pending = await asyncio.wait(pending, timeout=settle_s)
             live = {f"push:{p.node_id}" for p in self.network.membership.live()}
@@ -150,12 +151,18 @@ class Outbound:
                 stalled |= slow
             for task in stalled:
                 task.cancel()
+                slow_peers.add(task.get_name().removeprefix("push:"))
             await asyncio.gather(*stalled, return_exceptions=True)
         # Every parameter write stays on the replica's own thread: these calls run
         # there, after the outcomes the cancelled pushes just posted.
         await asyncio.wrap_future(replica.call(lambda: None))
-        live = {s.node_id for s in self.network.membership.live()}
-        candidates = sorted(live & replica.summary.peers)
+        # The hand-off goes to a peer that answers: one that did not just stall a push
+        # and has no failure on record. A hand-off cut off by the shutdown deadline has
+        # an unknown outcome, and folding it back while the receiver merged it makes
+        # mass, so a slow receiver is the last choice.
+        live = [s for s in self.network.membership.live() if s.node_id in replica.summary.peers]
+        steady = [s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers]
+        candidates = sorted(steady or [s.node_id for s in live])
         peer = self.network.rng.choice(candidates) if candidates else None
         out = (
             await asyncio.wrap_future(replica.call(lambda: replica.hand_off(peer)))

@@ -65,7 +65,8 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     wait_until(lambda: b.status()["sum_weights"] == [2.0], "b to hold all the weight")
     assert "handed weight to b" in a.log()
     ckpt = torch.load(a.data_dir / "checkpoint.pt", weights_only=True)
-    assert ckpt["weights"] == [0.0]
+    assert ckpt["core"]["weights"] == [0.0]
+    assert ckpt["core"]["protocol"] == "sumweight" and ckpt["core"]["in_flight"] == []
     summary = json.loads((a.data_dir / "summary.json").read_text())
     assert summary["sum_weights"] == [0.0]
 

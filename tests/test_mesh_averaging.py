@@ -1,8 +1,8 @@
-"""Pure averaging on real daemons (learning rate 0): sum-weight gossip computes the mean.
+"""Pure averaging on real daemons (learning rate 0): every protocol computes the mean.
 
 With training off, Σ wᵢ·xᵢ / Σ wᵢ never changes (each push is acknowledged before
-its weight is committed), so every node must end at the mean of the initial
-models, and the sum of weights must still be N.
+its weight is committed, whatever protocol chose it), so every node must end at
+the mean of the initial models, and the sum of weights must still be N.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ import pytest
 import torch
 
 from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.protocols import PROTOCOLS
 
 
-def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(tmp_path: Path) -> None:
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(
+    tmp_path: Path, protocol: str
+) -> None:
     spec = MeshSpec(
+        protocol=protocol,
         nodes=3,
         job="synthetic",
         learning_rate=0.0,
@@ -39,6 +44,8 @@ def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(tmp_path: P
         codes = [mesh.stop(i) for i in sorted(mesh.procs)]
 
     assert codes == [0, 0, 0]
+    assert {s["protocol"] for s in states} == {protocol}
+    assert all(s["round"] > 0 for s in states), [s["round"] for s in states]
     assert consensus_distance(initial) > 0.5
     assert consensus_distance(models) < 1e-6
     weights = [s["sum_weights"][0] for s in states]

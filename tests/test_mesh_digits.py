@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from gossipd.node.protocols import PROTOCOLS
+
 
 @pytest.mark.timeout(480)
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
-    tmp_path: Path,
+    tmp_path: Path, protocol: str
 ) -> None:
     plot = tmp_path / "mesh.png"
     proc = subprocess.run(
@@ -27,7 +30,7 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
             "--job",
             "digits",
             "--protocol",
-            "sumweight",
+            protocol,
             "--duration-s",
             "20",
             "--workdir",
@@ -43,9 +46,11 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["nodes"]) == 4
+    assert result["protocol"] == protocol
     for node in result["nodes"]:
         assert node["test_accuracy"] >= 0.90, node
         assert node["steps"] > 0
+        assert node["round"] > 0, node
     assert result["consensus_distance_end"] * 10 <= result["consensus_distance_start"], result
     # Nothing was lost or created: every push was acknowledged before it was committed.
     assert abs(result["sum_weight_end"] - result["sum_weight_start"]) < 1e-9, result
