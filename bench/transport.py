@@ -44,7 +44,7 @@ from gossipd.node.config import parse_config
 from gossipd.node.jobs import JobSpec
 from gossipd.node.mesh import spawn_node, stop_process
 from gossipd.node.network import Network
-from gossipd.node.protocols.sumweight import Push
+from gossipd.node.protocols.base import Push
 from gossipd.node.replica import OutboundPush, Replica
 from gossipd.node.segments import FlatModel
 from gossipd.node.status import query_status
