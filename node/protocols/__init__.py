@@ -12,6 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gossipd.node.protocols.base import GossipProtocol
+from gossipd.node.protocols.crossover import CrossoverGossip
+from gossipd.node.protocols.persyn import PerSyn
+from gossipd.node.protocols.pushsum_expgraph import PushSumExpGraph
+from gossipd.node.protocols.shuffle_exchange import ShuffleExchange
 from gossipd.node.protocols.sumweight import SumWeightGossip
 
 
@@ -43,8 +47,62 @@ def _sumweight(s: CoreSettings) -> GossipProtocol:
     )
 
 
+def _crossover(s: CoreSettings) -> GossipProtocol:
+    return CrossoverGossip(
+        s.node_id,
+        s.num_segments,
+        mesh_seed=s.mesh_seed,
+        round_steps=s.round_steps,
+        rng=random.Random(s.seed),
+        initial_weight=s.initial_weight,
+        max_in_flight=s.max_in_flight,
+        max_weight=s.max_weight,
+    )
+
+
+def _pushsum_expgraph(s: CoreSettings) -> GossipProtocol:
+    return PushSumExpGraph(
+        s.node_id,
+        s.num_segments,
+        round_steps=s.round_steps,
+        rng=random.Random(s.seed),
+        initial_weight=s.initial_weight,
+        max_in_flight=s.max_in_flight,
+        max_weight=s.max_weight,
+    )
+
+
+def _shuffle_exchange(s: CoreSettings) -> GossipProtocol:
+    return ShuffleExchange(
+        s.node_id,
+        s.num_segments,
+        mesh_seed=s.mesh_seed,
+        round_steps=s.round_steps,
+        rng=random.Random(s.seed),
+        initial_weight=s.initial_weight,
+        max_in_flight=s.max_in_flight,
+        max_weight=s.max_weight,
+    )
+
+
+def _persyn(s: CoreSettings) -> GossipProtocol:
+    return PerSyn(
+        s.node_id,
+        s.num_segments,
+        average_every_steps=s.average_every_steps,
+        rng=random.Random(s.seed),
+        initial_weight=s.initial_weight,
+        max_in_flight=s.max_in_flight,
+        max_weight=s.max_weight,
+    )
+
+
 PROTOCOLS: dict[str, Callable[[CoreSettings], GossipProtocol]] = {
     "sumweight": _sumweight,
+    "crossover": _crossover,
+    "pushsum-expgraph": _pushsum_expgraph,
+    "shuffle-exchange": _shuffle_exchange,
+    "persyn": _persyn,
 }
 
 

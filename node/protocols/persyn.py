@@ -1,0 +1,139 @@
+"""Periodic global averaging (PerSyn of GoSGD, Blot et al. 2019; the inter-node average
+every K′ steps of Moreno-Álvarez et al., IEEE TNNLS 2023), without a central node.
+
+Every ``average_every_steps`` local steps (K′), the mesh averages globally by a
+burst of R = ⌈log2 N⌉ sub-rounds of the exponential-graph exchange: at the j-th
+step of the burst (step ≡ j mod K′, j < R, step ≥ K′: the first burst starts
+at step K′) the node of rank i pushes half of its available weight, every
+segment, to rank (i + 2^j) mod N. The round is the burst's number, step // K′,
+and local training goes on between sub-rounds. PerSyn's master would
+collect and broadcast; here the butterfly does it with one push per node per
+sub-round, and no node is special.
+
+Exactness: if N is a power of two and every node merges sub-round j − 1's push
+before it sends sub-round j's (synchronous sub-rounds), the product of the R
+matrices (I + P_j)/2 is J/N and every model ends at the exact average. Otherwise
+(N not a power of two, K′ < R, or pushes still in flight when the next
+sub-round starts, which is the normal case here since nothing waits) each
+sub-round is still a doubly stochastic, contracting mix, so disagreement shrinks
+but the burst is not an exact average; the next burst shrinks it again.
+
+Invariant: the sum of weights is constant whatever arrives (the ledger's job);
+a destination still busy with an earlier push is skipped, never queued.
+
+When training ends, the node runs one more burst, paced by timers instead of
+steps: sub-round 0 at once, sub-round j about j step-times later (step time
+estimated from ``StepEnded.time_s``), so models leave training averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gossipd.node.protocols.base import (
+    Action,
+    Push,
+    StartTimer,
+    StepEnded,
+    TimerFired,
+    TrainingEnded,
+)
+from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.topology import ceil_log2, exponential_peer
+
+DEFAULT_STEP_TIME_S = 0.1
+# Weight of the newest step time in the moving average: a few steps settle it, and
+# one slow step (a checkpoint, a merge of a big payload) does not dominate it.
+STEP_TIME_SMOOTHING = 0.2
+FINAL_BURST_TAG = "persyn-final"
+
+
+class PerSyn(SumWeightLedger):
+    name = "persyn"
+
+    def __init__(
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        average_every_steps: int,
+        rng: random.Random,
+        initial_weight: float = 1.0,
+        max_in_flight: int = 2,
+        max_weight: float = math.inf,
+    ) -> None:
+        if average_every_steps < 1:
+            raise ValueError(f"average_every_steps must be at least 1, got {average_every_steps}")
+        super().__init__(
+            node_id,
+            num_segments,
+            rng=rng,
+            initial_weight=initial_weight,
+            max_in_flight=max_in_flight,
+            max_weight=max_weight,
+        )
+        self.average_every_steps = average_every_steps
+        self.step_time_s = DEFAULT_STEP_TIME_S  # until two steps have been seen
+        self._step_times_seen = 0
+        self._last_step_at_s: float | None = None
+
+    def exchange(self, sub_round: int) -> list[Push]:
+        """Sub-round ``sub_round`` of a burst: half of everything to rank + 2^sub_round."""
+        n = len(self.view.members)
+        if n < 2 or sub_round >= ceil_log2(n):
+            return []
+        rank = self.view.rank_of[self.node_id]
+        peer = self.view.members[exponential_peer(rank, n, sub_round)]
+        if not self.can_push(peer):
+            return []  # busy: the weight stays here this sub-round
+        push = self.push_share(peer, 0.5)
+        return [push] if push else []
+
+    def on_step(self, event: StepEnded) -> Iterable[Push]:
+        self._observe_step_time(event.time_s)
+        self.round = event.step // self.average_every_steps
+        if self.round == 0:
+            return []  # the first burst comes after K′ steps of local training
+        return self.exchange(event.step % self.average_every_steps)
+
+    def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
+        """One more burst, timed: sub-round 0 now, sub-round j at j estimated step-times."""
+        self.round = event.step // self.average_every_steps + 1
+        actions: list[Action] = list(self.exchange(0))
+        for j in range(1, ceil_log2(max(len(self.view.members), 1))):
+            tag = f"{FINAL_BURST_TAG}:{self.round}:{j}"
+            actions.append(StartTimer(event.time_s + j * self.step_time_s, tag))
+        return actions
+
+    def on_timer(self, event: TimerFired) -> Iterable[Action]:
+        prefix, _, rest = event.tag.partition(":")
+        burst, _, sub_round = rest.partition(":")
+        if prefix != FINAL_BURST_TAG or int(burst) != self.round:
+            return []  # not ours, or a timer of a burst this incarnation did not start
+        return self.exchange(int(sub_round))
+
+    def _observe_step_time(self, now_s: float) -> None:
+        if self._last_step_at_s is not None and now_s > self._last_step_at_s:
+            seen = now_s - self._last_step_at_s
+            if self._step_times_seen == 0:
+                self.step_time_s = seen  # the first measurement beats the default
+            else:
+                self.step_time_s += STEP_TIME_SMOOTHING * (seen - self.step_time_s)
+            self._step_times_seen += 1
+        self._last_step_at_s = now_s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "step_time_s": self.step_time_s,
+            "step_times_seen": self._step_times_seen,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.step_time_s = float(state.get("step_time_s", DEFAULT_STEP_TIME_S))
+        self._step_times_seen = int(state.get("step_times_seen", 0))
+        self._last_step_at_s = None  # the restored clock is not this process's clock

@@ -1,0 +1,75 @@
+"""Push-sum on the directed exponential graph (SGP's baseline; Assran et al., ICML 2019).
+
+At iteration k = step // round_steps (one push per iteration, at the step that
+starts it), the node of rank i pushes half its mass, every segment, to rank
+(i + 2^(k mod m)) mod N, with m = ⌈log2 N⌉ and ranks taken from the current view.
+
+Why the ceiling: SGP writes log2 N because it assumes N is a power of two; then
+the shifts are 1, 2, …, N/2 and this is exactly the directed exponential graph,
+whose m consecutive mixing matrices multiply to the exact average J/N. For
+other N, ⌈log2 N⌉ keeps every shift below N (no self-edge) and lets sums of
+distinct shifts reach every offset, so any m consecutive iterations still carry
+every node's mass to every other; ⌊log2 N⌋ would drop the longest hop. The
+product is then contracting but no longer the exact average.
+
+Invariant: each iteration's map is a permutation (a rotation of the ranks), so
+with every push delivered each node sends and receives one half-share and the
+mixing matrix (I + P)/2 is doubly stochastic; sum-weights travel with every push
+and are never inferred from the graph, so a skipped or lost push changes the
+weights, never the total.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+
+from gossipd.node.protocols.base import Push, StepEnded
+from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.topology import exponential_peer
+
+
+class PushSumExpGraph(SumWeightLedger):
+    name = "pushsum-expgraph"
+
+    def __init__(
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        round_steps: int,
+        rng: random.Random,
+        initial_weight: float = 1.0,
+        max_in_flight: int = 2,
+        max_weight: float = math.inf,
+    ) -> None:
+        if round_steps < 1:
+            raise ValueError(f"round_steps must be at least 1, got {round_steps}")
+        super().__init__(
+            node_id,
+            num_segments,
+            rng=rng,
+            initial_weight=initial_weight,
+            max_in_flight=max_in_flight,
+            max_weight=max_weight,
+        )
+        self.round_steps = round_steps
+
+    def destination(self) -> str | None:
+        """This iteration's out-neighbour, or None when alone."""
+        n = len(self.view.members)
+        if n < 2:
+            return None
+        rank = self.view.rank_of[self.node_id]
+        return self.view.members[exponential_peer(rank, n, self.round)]
+
+    def on_step(self, event: StepEnded) -> Iterable[Push]:
+        self.round = event.step // self.round_steps
+        if event.step % self.round_steps:
+            return []
+        peer = self.destination()
+        if peer is None or not self.can_push(peer):
+            return []  # busy: the mass stays here this iteration
+        push = self.push_share(peer, 0.5)
+        return [push] if push else []

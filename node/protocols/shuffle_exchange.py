@@ -1,0 +1,83 @@
+"""Shuffle-exchange groups (SESGD; Yang, Qi, Wang, Sun, Li, Quek).
+
+Every ``round_steps`` local steps (1: every iteration; H > 1: the paper's
+"local" variant), all nodes derive one shuffle of the ranks from a stateless
+hash of (mesh seed, view epoch, round) and cut it into k = round(√N) contiguous
+groups of near-equal size. A node in a group of g sends each of the g − 1 other
+members a share 1/g of its available weight (every segment), keeping 1/g: when
+all of a group's pushes arrive, the group holds the average of its members'
+models. Each node talks to O(√N) peers per round instead of Ring-SGD's O(N).
+
+Invariant: the round's mixing matrix is block-diagonal with blocks J_g/g, which
+is doubly stochastic, so the weights stay where they were and the sum of weights
+is constant whatever arrives (the ledger's job). The shares are computed from
+the available weight before the first reservation, so every member gets the
+same 1/g; a member that cannot be reached this round (a push to it still
+unsettled, or no free slot: a group of g needs ``max_in_flight`` ≥ g − 1 to
+average exactly) simply gets nothing, and its share stays here. No barrier:
+messages from other rounds are merged by the sum-weight rule.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+
+from gossipd.node.protocols.base import Push, StepEnded
+from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.topology import shuffled_groups
+
+
+class ShuffleExchange(SumWeightLedger):
+    name = "shuffle-exchange"
+
+    def __init__(
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        mesh_seed: int,
+        round_steps: int,
+        rng: random.Random,
+        initial_weight: float = 1.0,
+        max_in_flight: int = 2,
+        max_weight: float = math.inf,
+    ) -> None:
+        if round_steps < 1:
+            raise ValueError(f"round_steps must be at least 1, got {round_steps}")
+        super().__init__(
+            node_id,
+            num_segments,
+            rng=rng,
+            initial_weight=initial_weight,
+            max_in_flight=max_in_flight,
+            max_weight=max_weight,
+        )
+        self.mesh_seed = mesh_seed
+        self.round_steps = round_steps
+
+    def group(self) -> list[str]:
+        """This round's group, this node included, in rank order of the shuffle."""
+        view = self.view
+        grouping = shuffled_groups(len(view.members), self.mesh_seed, view.epoch, self.round)
+        mine = grouping.groups[grouping.group_of[view.rank_of[self.node_id]]]
+        return [view.members[r] for r in mine]
+
+    def on_step(self, event: StepEnded) -> Iterable[Push]:
+        self.round = event.step // self.round_steps
+        if event.step % self.round_steps:
+            return []
+        group = self.group()
+        if len(group) < 2:
+            return []
+        share = 1.0 / len(group)
+        amounts = {s: self.available(s) * share for s in range(len(self.weights))}
+        pushes = []
+        for peer in group:
+            if peer == self.node_id or not self.can_push(peer):
+                continue  # busy: that member's share stays here this round
+            push = self.push(peer, amounts)
+            if push:
+                pushes.append(push)
+        return pushes
