@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -113,7 +113,7 @@ def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float,
     p.add_argument("--job", default=job, help="digits, synthetic or module:factory")
     p.add_argument(
         "--protocol",
-        default="sumweight",
+        default=DEFAULT_PROTOCOL,
         choices=sorted(PROTOCOLS),
         help="gossip protocol of every node (default: %(default)s)",
     )

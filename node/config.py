@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 
 
 def _check_address(value: str) -> str:
@@ -57,7 +57,7 @@ class JobConfig(_Section):
 
 class GossipConfig(_Section):
     protocol: str = Field(
-        "sumweight", description="the gossip protocol; every node of a mesh must use the same"
+        DEFAULT_PROTOCOL, description="the gossip protocol; every node of a mesh must use the same"
     )
     round_steps: int = Field(
         1, ge=1, description="local steps per gossip round (crossover, shuffle-exchange)"

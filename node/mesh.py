@@ -28,6 +28,7 @@ import torch
 
 from gossipd.node import checkpoint
 from gossipd.node.errors import GossipdError
+from gossipd.node.protocols import DEFAULT_PROTOCOL
 from gossipd.node.status import query_status
 from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import Limits
@@ -41,7 +42,7 @@ STATUS_PATIENCE_S = 60.0
 class MeshSpec:
     nodes: int = 4
     job: str = "digits"
-    protocol: str = "sumweight"
+    protocol: str = DEFAULT_PROTOCOL
     round_steps: int = 1
     duration_s: float = 30.0
     max_steps: int = 0

@@ -26,7 +26,7 @@ import torch
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import Busy, GossipdError, InvalidFrame, NonFinitePayload
 from gossipd.node.fairlock import FairLock
-from gossipd.node.protocols import CoreSettings, build
+from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     Duplicate,
     Event,
@@ -149,7 +149,7 @@ class Replica:
         model: torch.nn.Module,
         *,
         segment_bytes: int,
-        protocol: str = "sumweight",
+        protocol: str = DEFAULT_PROTOCOL,
         settings: Mapping[str, Any] | None = None,
         inbox_size: int = 16,
         clock: Callable[[], float] = time.monotonic,

@@ -97,6 +97,8 @@ def _persyn(s: CoreSettings) -> GossipProtocol:
     )
 
 
+DEFAULT_PROTOCOL = "sumweight"
+
 PROTOCOLS: dict[str, Callable[[CoreSettings], GossipProtocol]] = {
     "sumweight": _sumweight,
     "crossover": _crossover,
