@@ -328,3 +328,18 @@ def test_cli_node_with_bad_config_exits_2(tmp_path: Path) -> None:
     assert "did you mean 'gossip'?" in proc.stderr
     assert str(path) in proc.stderr
     assert not (tmp_path / "gossipd-state").exists()
+
+
+def test_unknown_protocol_names_the_key_and_every_registered_protocol() -> None:
+    message = _error(_with(gossip={"protocol": "gossipsub"}))
+    assert "gossip.protocol" in message and "'gossipsub'" in message
+    for name in ("sumweight", "crossover", "pushsum-expgraph", "shuffle-exchange", "persyn"):
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    "protocol", ["sumweight", "crossover", "pushsum-expgraph", "shuffle-exchange", "persyn"]
+)
+def test_every_protocol_is_a_valid_config(protocol: str) -> None:
+    config = parse_config(_with(gossip={"protocol": protocol, "round_steps": 2}))
+    assert config.gossip.protocol == protocol and config.gossip.round_steps == 2
