@@ -16,6 +16,7 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -202,12 +203,13 @@ class Network:
         finally:
             self.metrics.close()
 
-    def spawn(self, coro: object, name: str | None = None) -> None:
+    def spawn(self, coro: object, name: str | None = None) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         if name:
             task.set_name(name)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     def client(self, address: str) -> PeerClient:
         assert self.identity is not None, "start() the node first"
@@ -260,8 +262,6 @@ class Network:
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:
-        if self.leaving:
-            raise Leaving(f"node {self.node_id} is leaving the mesh; push elsewhere")
         if not self.membership.is_current(sender, incarnation):
             raise UnknownPeer(
                 f"sender {sender!r} (incarnation {incarnation}) is not a verified peer of "
@@ -273,7 +273,19 @@ class Network:
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
         self.check_sender(open_.sender, open_.incarnation)
-        item = InboundPush(open_.sender, open_.incarnation, open_.sequence, segments, open_.round)
+        # A leaving node merges nothing new (its weight is being handed off), but it
+        # still answers DUPLICATE for what it merged: that answer is what lets a
+        # sender whose acknowledgement was lost commit exactly instead of folding
+        # back weight this node already passed on. The rest it leaves unacknowledged,
+        # and since it will never merge them, the sender folds them back exactly.
+        item = InboundPush(
+            open_.sender,
+            open_.incarnation,
+            open_.sequence,
+            segments,
+            open_.round,
+            merge_new=not self.leaving,
+        )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)
         # Answer Busy well before the sender's own deadline: a refusal is a known
@@ -325,8 +337,10 @@ class Network:
         with self.replica.lock:
             return self.replica.flat.snapshot(), list(self.replica.summary.weights)
 
-    def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
-        self.peering.on_peer_left(request.node_id, request.incarnation, peer or request.node_id)
+    async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
+        await self.peering.on_peer_left(
+            request.node_id, request.incarnation, peer or request.node_id
+        )
 
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply:
         self.peering.hear(request.sender, direct=True)

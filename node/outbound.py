@@ -114,6 +114,13 @@ class Outbound:
         self.network.metrics.bytes.labels("sent", "failed").inc(nbytes)
         return acked, str(err)
 
+    async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
+        """Retry the pushes to ``peer`` at once and wait (bounded) for them to settle."""
+        pending = {t for t in self.network.tasks if t.get_name() == f"push:{peer}"}
+        if pending:
+            self.retry_now()
+            await asyncio.wait(pending, timeout=timeout_s)
+
     def retry_now(self) -> None:
         """Cut short the waits between retries (a peer came back, or this node leaves)."""
         self._retry_now.set()

@@ -142,14 +142,21 @@ class Peering:
                 self.kick()
 
     # -- departures -------------------------------------------------------------------
-    def on_peer_left(self, node_id: str, incarnation: int, peer: str) -> None:
+    async def on_peer_left(self, node_id: str, incarnation: int, peer: str) -> None:
+        """Check a Leave, settling pushes to the leaver while it can still answer.
+
+        The leaver waits for this reply while it still serves, so the check (and
+        the last retries of pushes to it) run now, bounded well inside its
+        Leave deadline; a check still running then goes on in the background.
+        """
         state = self.membership.peers.get(node_id)
         if state is None or node_id in self._leave_checks:
             return
         if incarnation and incarnation != state.incarnation:
             return  # a goodbye from an incarnation we no longer know
         self._leave_checks.add(node_id)
-        self.network.spawn(self._check_leave(state, peer))
+        check = self.network.spawn(self._check_leave(state, peer))
+        await asyncio.wait({check}, timeout=RPC_TIMEOUT_S * 0.8)
 
     async def _check_leave(self, state: PeerState, peer: str) -> None:
         """Believe a Leave only if the node, asked at its address, is gone or leaving."""
@@ -172,6 +179,10 @@ class Peering:
                 )
                 return
             if self.membership.is_current(state.node_id, state.incarnation):
+                # Retry what is unacknowledged to it once more, now: a leaving node
+                # answers DUPLICATE for what it merged, which settles exactly; once it
+                # is gone, only folding back (and maybe counting twice) is left.
+                await self.network.outbound.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
                 log.info("peer %s left the mesh", state.node_id)
                 self.apply(self.membership.departed_now(state.node_id))
                 self.network.forget_client(state.address)

@@ -102,6 +102,7 @@ class InboundPush:
     sequence: int
     segments: list[ReceivedSegment]
     round: int = 0
+    merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
     reply: concurrent.futures.Future[list[pb.SegmentAck]] = field(
         default_factory=concurrent.futures.Future
     )
@@ -354,13 +355,16 @@ class Replica:
 
     def _handle(self, event: Event) -> list[Push]:
         """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
-        pushes = []
-        for action in self.core.handle(event):
+        actions = self.core.handle(event)
+        pushes = [a for a in actions if isinstance(a, Push)]
+        # One copy of each segment serves every push of this event (a group exchange
+        # sends the same model to several peers); snapshots are never written.
+        snapshot = self.flat.snapshot(sorted({s for p in pushes for s in p.weights}))
+        for action in actions:
             match action:
                 case Push():
                     self._outstanding.add(action.key)
-                    self.send(OutboundPush(action, self.flat.snapshot(action.weights)))
-                    pushes.append(action)
+                    self.send(OutboundPush(action, {s: snapshot[s] for s in action.weights}))
                 case StartTimer():
                     heapq.heappush(self._timers, (action.at_s, action.tag))
                 case _:
@@ -387,6 +391,8 @@ class Replica:
                 plan = self.core.handle(arrival)
             except Refused as err:
                 raise InvalidFrame(f"push {item.sender}#{item.sequence}: {err}") from None
+            if not item.merge_new:
+                plan = [a for a in plan if isinstance(a, Duplicate)]
             blends: dict[int, torch.Tensor] = {}
             for action in plan:
                 if isinstance(action, Merge):
@@ -398,7 +404,8 @@ class Replica:
                             "nothing merged"
                         )
                     blends[action.segment] = blended
-            self.core.handle(PayloadMerged(arrival))
+            if item.merge_new:
+                self.core.handle(PayloadMerged(arrival))
             for segment, blended in blends.items():
                 self.flat.load_segment(segment, blended)
             weights = self.core.status().weights

@@ -1,0 +1,78 @@
+"""A leaving receiver merges nothing new but still answers DUPLICATE for what it merged.
+
+The case: a sender's push was merged, its acknowledgement was lost, and the
+receiver starts leaving before the sender's retry arrives. Refusing the retry
+would make the sender fold the weight back while the receiver hands the same
+weight on (mass created). Answering DUPLICATE lets the sender commit; leaving a
+never-merged push unacknowledged lets it fold back, exactly, because the leaving
+receiver will not merge it later either.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.protocols.base import PushSettled
+from gossipd.node.protocols.sumweight import SumWeightGossip
+from gossipd.node.replica import InboundPush, Replica
+from gossipd.node.wire import ReceivedSegment
+from gossipd.proto import gossip_pb2 as pb
+
+
+def _replica() -> Replica:
+    job = build_job(JobSpec("synthetic", seed=3, learning_rate=0.0))
+    return Replica("r", job.model, segment_bytes=4 << 20, settings={"push_probability": 0.0})
+
+
+def _deliver(replica: Replica, sequence: int, weight: float, *, merge_new: bool) -> list:
+    values = torch.full((replica.flat.plan.segments[0].numel,), 7.0)
+    item = InboundPush("s", 1, sequence, [ReceivedSegment(0, weight, values)], merge_new=merge_new)
+    replica.inbox.put(item)
+    replica.idle(0)
+    return item.reply.result(timeout=5.0)
+
+
+def test_a_retry_reaching_a_leaving_receiver_is_acknowledged_duplicate_and_changes_nothing():
+    replica = _replica()
+    [ack] = _deliver(replica, 1, 0.5, merge_new=True)
+    assert ack.result == pb.SEGMENT_RESULT_MERGED
+    merged = replica.flat.buffers[0].clone()
+    assert replica.summary.weights == (1.5,)
+
+    [retry] = _deliver(replica, 1, 0.5, merge_new=False)
+    assert retry.result == pb.SEGMENT_RESULT_DUPLICATE
+    assert torch.equal(replica.flat.buffers[0], merged)
+    assert replica.summary.weights == (1.5,)
+
+
+def test_a_new_push_reaching_a_leaving_receiver_is_left_unacknowledged_and_unmerged():
+    replica = _replica()
+    before = replica.flat.buffers[0].clone()
+    assert _deliver(replica, 1, 0.5, merge_new=False) == []
+    assert torch.equal(replica.flat.buffers[0], before)
+    assert replica.summary.weights == (1.0,)
+    # Nothing was admitted either: once the node stays, the same push still merges.
+    [ack] = _deliver(replica, 1, 0.5, merge_new=True)
+    assert ack.result == pb.SEGMENT_RESULT_MERGED
+
+
+def test_sender_and_leaving_receiver_keep_the_total_exact_through_a_lost_ack():
+    """Both answers settle the sender exactly: Σw stays 2 with the ack lost in between."""
+    sender = SumWeightGossip("s", 1, push_probability=1.0, rng=random.Random(0))
+    sender.on_peer_up("r")
+    replica = _replica()
+    [push] = sender.on_step_end()
+    _deliver(replica, push.sequence, push.weights[0], merge_new=True)  # the ack is lost
+    acks = _deliver(replica, push.sequence, push.weights[0], merge_new=False)  # the retry
+    sender.handle(PushSettled("r", push.sequence, tuple(a.segment for a in acks)))
+    assert sender.weights[0] + replica.summary.weights[0] == 2.0
+
+    [second] = sender.on_step_end()
+    acks = _deliver(replica, second.sequence, second.weights[0], merge_new=False)
+    assert acks == []
+    folds = sender.handle(PushSettled("r", second.sequence, ()))
+    assert [f.segment for f in folds] == [0]
+    assert sender.weights[0] + replica.summary.weights[0] == 2.0
