@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gossipd.node.errors import GossipdError
 from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+from gossipd.node.sim.command import add_arguments as add_sim_arguments
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -169,6 +170,12 @@ def _add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.set_defaults(func=_certs_show)
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from gossipd.node.sim.command import run
+
+    return run(args)
+
+
 def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
     p.add_argument("--nodes", type=int, default=nodes)
     p.add_argument("--job", default=job, help="digits, synthetic or module:factory")
@@ -215,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser("sim", help="simulate N nodes of a protocol on a virtual clock")
+    add_sim_arguments(p)
+    p.set_defaults(func=_sim)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,0 +1,309 @@
+"""`gossipd sim`: flags, a progress line, the table, the plot and the JSON line.
+
+Heavy imports (numpy, SimPy, torch, matplotlib) wait until the command runs, so
+building the ``gossipd`` parser stays cheap for every other subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.sim.scenarios import SCENARIOS, load_scenario, parse_fault
+
+if TYPE_CHECKING:
+    from gossipd.node.sim.driver import Simulation
+    from gossipd.node.sim.spec import SimResult, SimSpec
+
+TABLE_ROWS = 25  # longer runs print evenly spaced rounds and the last one
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``gossipd sim``; every help text names its default."""
+    p.add_argument(
+        "--protocol",
+        default="sumweight",
+        choices=sorted(PROTOCOLS),
+        help="gossip protocol core of every node (default: %(default)s)",
+    )
+    p.add_argument("--nodes", type=int, default=16, help="simulated nodes (default: %(default)s)")
+    p.add_argument(
+        "--rounds", type=int, default=20, help="rounds to simulate at most (default: %(default)s)"
+    )
+    p.add_argument("--segments", type=int, default=4, help="model segments (default: %(default)s)")
+    p.add_argument(
+        "--scenario",
+        default="homogeneous",
+        help=f"network and faults: {', '.join(SCENARIOS)}, or a .json file with the fields of "
+        "gossipd.node.sim.scenarios.Scenario (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of everything (default: %(default)s)")
+    p.add_argument(
+        "--payload",
+        choices=["vector", "digits"],
+        default="vector",
+        help="what nodes hold: a float64 vector per node, training off (consensus studies), or "
+        "a digits MLP per node trained with real torch steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dim", type=int, default=64, help="vector length, vector payload (default: %(default)s)"
+    )
+    p.add_argument(
+        "--model-bytes",
+        type=int,
+        default=0,
+        help="size of the model on the simulated wire, for transfer times and byte counts; "
+        "0: the payload's own size (default: %(default)s)",
+    )
+    p.add_argument(
+        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
+    )
+    p.add_argument(
+        "--average-every-steps",
+        type=int,
+        default=0,
+        help="persyn: steps between global averages; 0: ceil(log2 N), one burst after another "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=0,
+        help="unacknowledged pushes per node; 0: max(4, segments, isqrt(N-1)+3), enough for a "
+        "round of any protocol (the daemon's default is 4) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--push-probability",
+        type=float,
+        default=None,
+        help="sumweight: chance of a push per step; unset: the core's default "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="digits payload: SGD learning rate, 0 for training off; unset: the job's default "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--target-error",
+        type=float,
+        default=0.0,
+        help="stop early once the consensus error (and its prediction, if tracked) is at most "
+        "this; 0: run every round (default: %(default)s)",
+    )
+    for kind, form in (("fail", "NODE@TIME"), ("leave", "NODE@TIME"), ("join", "TIME")):
+        p.add_argument(
+            f"--{kind}",
+            action="append",
+            default=[],
+            metavar=form,
+            help=f"add a '{kind}' fault entry to the scenario, repeatable (default: none)",
+        )
+    p.add_argument(
+        "--loss",
+        type=float,
+        default=None,
+        help="probability that a payload or an acknowledgement is lost; unset: the scenario's "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--predict",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="track the mixing matrices and predict the error from sigma_1(P_k - J); unset: "
+        "when N <= 256 (at most 1024; vectors without membership changes) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--check-invariants",
+        action="store_true",
+        help="check sum-weight mass and sum of w*x at every round; O(N) per round "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of error (or accuracy) against virtual time (default: %(default)s)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="table to stderr, one JSON object as the last stdout line (default: %(default)s)",
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> SimSpec:
+    from gossipd.node.sim.spec import SimSpec
+
+    kinds = ("fail", "leave", "join")
+    faults = tuple(parse_fault(kind, text) for kind in kinds for text in getattr(args, kind))
+    scenario = load_scenario(args.scenario)
+    if faults or args.loss is not None:
+        scenario = scenario.with_faults(faults, args.loss)
+    return SimSpec(
+        protocol=args.protocol,
+        nodes=args.nodes,
+        rounds=args.rounds,
+        segments=args.segments,
+        scenario=scenario,
+        seed=args.seed,
+        payload=args.payload,
+        dim=args.dim,
+        model_bytes=args.model_bytes,
+        round_steps=args.round_steps,
+        average_every_steps=args.average_every_steps,
+        max_in_flight=args.max_in_flight,
+        push_probability=args.push_probability,
+        learning_rate=args.learning_rate,
+        target_error=args.target_error,
+        predict=args.predict,
+        check_invariants=args.check_invariants,
+    )
+
+
+class Progress:
+    """A progress line on a terminal only: tqdm if installed, else a line redrawn with \\r."""
+
+    def __init__(self, total: int, stream: IO[str] = sys.stderr) -> None:
+        self.stream = stream
+        self.total = total
+        self.enabled = stream.isatty()
+        self.started = time.perf_counter()
+        self._bar: Any = None
+        if self.enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, unit="round", file=stream, leave=False)
+
+    def __call__(self, sim: Simulation, k: int) -> None:
+        if not self.enabled:
+            return
+        error = sim.result.errors[-1]
+        if self._bar is not None:
+            self._bar.n = k
+            self._bar.set_postfix(error=f"{error:.2e}", t=f"{sim.now:.1f}s")
+            return
+        wall = time.perf_counter() - self.started
+        self.stream.write(
+            f"\rround {k}/{self.total}  virtual {sim.now:9.2f} s  error {error:.3e}  "
+            f"wall {wall:6.1f} s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            self.stream.write("\r" + " " * 78 + "\r")
+            self.stream.flush()
+
+
+def print_table(result: SimResult, spec: SimSpec, file: IO[str]) -> None:
+    n = len(result.errors)
+    step = max(1, -(-n // TABLE_ROWS))
+    shown = sorted({*range(0, n, step), n - 1})
+    cols = ["round", "virtual s", "error (max)", "error (rms)"]
+    if result.predicted_errors:
+        cols.append("predicted")
+    if result.accuracy is not None:
+        cols.append("accuracy")
+    print(
+        f"gossipd sim: {result.protocol}, {result.nodes} nodes, {result.segments} segments, "
+        f"scenario {result.scenario}, {result.payload} payload, seed {result.seed}",
+        file=file,
+    )
+    print("  ".join(f"{c:>12}" for c in cols), file=file)
+    for k in shown:
+        row = [f"{k:>12d}", f"{result.times_s[k]:>12.2f}", f"{result.errors[k]:>12.3e}"]
+        row.append(f"{result.rms_errors[k]:>12.3e}")
+        if result.predicted_errors:
+            row.append(f"{result.predicted_errors[k]:>12.3e}")
+        if result.accuracy is not None:
+            row.append(f"{result.accuracy[k]:>12.3f}")
+        print("  ".join(row), file=file)
+    print(
+        f"{result.messages} payloads ({result.retries} retries, {result.refused} refused), "
+        f"{result.bytes / 1e6:.3f} MB, {result.bytes_per_node_per_round:.0f} B per node per "
+        f"round; {result.steps} steps; virtual {result.virtual_time_s:.2f} s in "
+        f"{result.wall_s:.2f} s wall",
+        file=file,
+    )
+    if result.mass_lost or result.mass_duplicated:
+        print(
+            f"mass lost with failed nodes {result.mass_lost:.6g}, duplicated "
+            f"{result.mass_duplicated:.6g} (summed over segments)",
+            file=file,
+        )
+    if result.invariant_mass_error is not None:
+        print(
+            f"invariants: worst relative drift of sum w {result.invariant_mass_error:.2e}, "
+            f"of sum w*x {result.invariant_value_error:.2e}",
+            file=file,
+        )
+
+
+def plot_result(result: SimResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if result.accuracy is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    floor = 1e-16
+    ax.semilogy(result.times_s, [max(e, floor) for e in result.errors], "k.-", label="measured")
+    if result.predicted_errors:
+        ax.semilogy(
+            result.times_s,
+            [max(e, floor) for e in result.predicted_errors],
+            "r--",
+            label="predicted: error₀·σ₁(P_k − J)",
+        )
+    ax.set(title="consensus error max‖xᵢ − x̄‖/‖x̄‖", xlabel="virtual time (s)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if result.accuracy is not None:
+        acc = axes[0][1]
+        acc.plot(result.times_s, result.accuracy, "b.-")
+        acc.set(title="mean test accuracy", xlabel="virtual time (s)", ylim=(0, 1))
+        acc.grid(alpha=0.3)
+    fig.suptitle(
+        f"gossipd sim · {result.protocol} · {result.nodes} nodes · {result.scenario}", fontsize=11
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from gossipd.node.sim.driver import Simulation
+
+    spec = spec_from_args(args)
+    progress = Progress(spec.rounds)
+    try:
+        result = Simulation(spec, on_probe=progress).run()
+    finally:
+        progress.close()
+    out = sys.stderr if args.json else sys.stdout
+    print_table(result, spec, out)
+    if args.plot:
+        print(f"plot: {plot_result(result, Path(args.plot))}", file=out)
+    if args.json:
+        data = result.as_dict()
+        data["scenario_description"] = spec.scenario.description
+        print(json.dumps(data))
+    return 0

@@ -1,0 +1,206 @@
+"""What a simulation is asked to do (:class:`SimSpec`) and what it reports (:class:`SimResult`).
+
+A *round* is ``round_steps`` steps of the fastest site; the consensus error of
+round k is measured at k rounds plus half a step, when, in the homogeneous
+scenario, every push of round k has landed and been acknowledged and nothing of
+round k + 1 has started. Round 0 is the start.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gossipd.node.protocols import CoreSettings
+from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
+from gossipd.node.protocols.topology import ceil_log2
+from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
+from gossipd.node.sim.spectral import MAX_TRACKED_N
+
+AUTO_TRACKED_N = 256
+
+if TYPE_CHECKING:
+    from gossipd.node.sim.driver import Simulation
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    protocol: str = "sumweight"
+    nodes: int = 16
+    rounds: int = 20  # at most this many; fewer if target_error is reached
+    segments: int = 4
+    scenario: Scenario = HOMOGENEOUS
+    seed: int = 0
+    payload: str = "vector"  # "vector" or "digits"
+    dim: int = 64  # vector length (vector payload)
+    model_bytes: int = 0  # bytes of the whole model on the simulated wire; 0: the payload's own
+    round_steps: int = 1
+    average_every_steps: int = 0  # persyn's K′; 0: ⌈log2 N⌉, one burst right after another
+    max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
+    push_probability: float | None = None  # None: CoreSettings' default
+    learning_rate: float | None = None  # digits payload; None: the job's default, 0: training off
+    target_error: float = 0.0  # > 0: stop once both the error and its prediction are at most this
+    predict: bool | None = None  # None: N ≤ 256; True: N ≤ 1024 (vectors, no membership changes)
+    check_invariants: bool = False  # Σw and Σw·x at every probe (O(N) status calls each)
+
+    @property
+    def tracks_mixing(self) -> bool:
+        """Whether the mixing product is tracked: it costs S·N² memory and, at each round,
+        S eigenvalue problems of size N (0.3 s each at N = 1024 on 2 cores), so by
+        default only up to N = 256; asked for, up to N = 1024."""
+        possible = (
+            self.nodes <= MAX_TRACKED_N
+            and self.payload == "vector"
+            and not self.scenario.has_membership_changes
+        )
+        if self.predict is None:
+            return possible and self.nodes <= AUTO_TRACKED_N
+        return self.predict and possible
+
+
+def core_settings(
+    spec: SimSpec, node_id: str, segments: int, initial_weight: float
+) -> CoreSettings:
+    """Every node's settings: shared mesh seed, its own seed, the sim's sizing defaults."""
+    extra: dict[str, Any] = {}
+    if spec.push_probability is not None:
+        extra["push_probability"] = spec.push_probability
+    return CoreSettings(
+        node_id=node_id,
+        num_segments=segments,
+        seed=shared_seed("sim-core", spec.seed, node_id),
+        mesh_seed=shared_seed("sim-mesh", spec.seed),
+        initial_weight=initial_weight,
+        max_in_flight=spec.max_in_flight
+        or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
+        round_steps=spec.round_steps,
+        average_every_steps=spec.average_every_steps or max(1, ceil_log2(max(spec.nodes, 1))),
+        **extra,
+    )
+
+
+class SimNode:
+    """A simulated node: its core and what the driver must remember for it (kept small)."""
+
+    __slots__ = ("alive", "core", "flights", "handoffs", "id", "index", "leaving", "site", "steps")
+
+    def __init__(self, index: int, node_id: str, core: GossipProtocol, site: int) -> None:
+        self.index = index
+        self.id = node_id
+        self.core = core
+        self.site = site
+        self.alive = True
+        self.leaving = False
+        self.steps = 0
+        self.handoffs = 0
+        self.flights: dict[tuple[str, int], Flight] = {}
+
+
+class Flight:
+    """A push from its snapshot to its settle: what fold-backs and retries need."""
+
+    __slots__ = ("attempts", "merged", "nbytes", "push", "rows", "sender", "values")
+
+    def __init__(
+        self, push: Push, sender: SimNode, values: dict[int, Any], rows: Any, nbytes: int
+    ) -> None:
+        self.push = push
+        self.sender = sender
+        self.values = values  # the snapshot of each segment, as sent
+        self.rows = rows  # the same snapshot in the mixing tracker, or None
+        self.nbytes = nbytes
+        self.attempts = 0
+        self.merged = False  # the receiver merged it (whatever became of the acknowledgement)
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else x
+
+
+@dataclass
+class SimResult:
+    protocol: str
+    nodes: int
+    segments: int
+    scenario: str
+    payload: str
+    seed: int
+    rounds: int = 0
+    errors: list[float] = field(default_factory=list)  # max over nodes, one per round
+    rms_errors: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # virtual time of each measurement
+    sigmas: list[float] | None = None  # max over segments of σ₁(P_k − J)
+    predicted_errors: list[float] | None = None  # errors[0]·σ_k
+    accuracy: list[float] | None = None  # digits: mean test accuracy of the members
+    consensus_error_start: float = math.nan
+    consensus_error_end: float = math.nan
+    virtual_time_s: float = 0.0
+    wall_s: float = 0.0
+    messages: int = 0  # payload transmissions, retries included
+    acks: int = 0
+    retries: int = 0
+    refused: int = 0
+    bytes: int = 0  # payload bytes sent, retries included (headers and acks not counted)
+    bytes_per_node_per_round: float = 0.0
+    steps: int = 0
+    live_nodes: int = 0
+    mass_lost: float = 0.0  # summed over segments
+    mass_duplicated: float = 0.0
+    invariant_mass_error: float | None = None  # worst relative drift of Σw seen
+    invariant_value_error: float | None = None  # worst relative drift of Σw·x seen
+
+    @classmethod
+    def start(cls, spec: SimSpec, segments: int) -> SimResult:
+        result = cls(
+            spec.protocol, spec.nodes, segments, spec.scenario.name, spec.payload, spec.seed
+        )
+        if spec.tracks_mixing:
+            result.sigmas, result.predicted_errors = [], []
+        if spec.payload == "digits":
+            result.accuracy = []
+        return result
+
+    def record(self, sim: Simulation, err_max: float, err_rms: float, sigma: float | None) -> None:
+        self.errors.append(err_max)
+        self.rms_errors.append(err_rms)
+        self.times_s.append(sim.now)
+        if sigma is not None and self.sigmas is not None and self.predicted_errors is not None:
+            self.sigmas.append(sigma)
+            self.predicted_errors.append(self.errors[0] * sigma)
+        if self.accuracy is not None:
+            self.accuracy.append(sim.payload.metrics(sim.member_idx).get("accuracy", math.nan))
+        if sim.spec.check_invariants:
+            self._note_invariants(sim)
+
+    def _note_invariants(self, sim: Simulation) -> None:
+        mass, values = sim.invariant_errors()
+        self.invariant_mass_error = max(self.invariant_mass_error or 0.0, mass)
+        self.invariant_value_error = max(self.invariant_value_error or 0.0, values)
+
+    def finish(self, sim: Simulation, wall_s: float) -> None:
+        """After the drain: totals, and the invariants once more with nothing in flight."""
+        self.rounds = len(self.errors) - 1
+        self.consensus_error_start = self.errors[0]
+        self.consensus_error_end = self.errors[-1]
+        self.virtual_time_s = self.times_s[-1]
+        self.wall_s = wall_s
+        self.messages, self.acks, self.retries = sim.messages, sim.acks, sim.retries
+        self.refused, self.bytes = sim.refused, sim.bytes_sent
+        self.steps = sum(n.steps for n in sim.nodes)
+        self.live_nodes = len(sim.members)
+        self.bytes_per_node_per_round = self.bytes / max(1, self.nodes * max(1, self.rounds))
+        self.mass_lost = float(sim.lost.sum())
+        self.mass_duplicated = float(sim.duplicated.sum())
+        if sim.spec.check_invariants:
+            self._note_invariants(sim)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (NaN becomes null, so the line parses anywhere)."""
+        data = asdict(self)
+        for key, value in data.items():
+            if isinstance(value, float):
+                data[key] = _finite(value)
+            elif isinstance(value, list):
+                data[key] = [_finite(v) if isinstance(v, float) else v for v in value]
+        return data
