@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
+from gossipd.node import certs
 from gossipd.node.codec import Codec
 from gossipd.node.config import parse_config
 from gossipd.node.jobs import JobSpec
@@ -48,6 +49,7 @@ from gossipd.node.protocols.base import Push
 from gossipd.node.replica import OutboundPush, Replica
 from gossipd.node.segments import FlatModel
 from gossipd.node.status import query_status
+from gossipd.node.tls import Credentials
 from gossipd.node.transport import PeerClient
 from gossipd.node.wire import Limits
 from gossipd.proto import gossip_pb2 as pb
@@ -106,8 +108,32 @@ class Setting:
         return f"segment {self.segment_mb} MiB, chunk {self.chunk_kb} KiB, streams {self.streams}"
 
 
-def _receiver_config(workdir: Path, numel: int, tensor_numel: int, setting: Setting) -> Path:
+def _tls(workdir: Path, secure: bool) -> dict[str, Any]:
+    """Config [tls] for ``receiver`` and ``sender``: a throwaway CA, or plaintext."""
+    if not secure:
+        return {"insecure": True}
+    if not (workdir / "ca.pem").exists():
+        certs.init_ca(workdir, mesh_id=MESH)
+        for node_id in ("receiver", "sender"):
+            certs.issue(node_id, workdir)
+    return {"ca": workdir / "ca.pem"}
+
+
+def _site_tls(workdir: Path, secure: bool, node_id: str) -> dict[str, Any]:
+    tls = _tls(workdir, secure)
+    if secure:
+        tls.update(cert=workdir / f"{node_id}.pem", key=workdir / f"{node_id}.key")
+    return tls
+
+
+def _receiver_config(
+    workdir: Path, numel: int, tensor_numel: int, setting: Setting, secure: bool
+) -> Path:
     options = f"{{ numel = {numel}, tensor_numel = {tensor_numel} }}"
+    tls = "\n".join(
+        f"{k} = {json.dumps(v if isinstance(v, bool) else str(v))}"
+        for k, v in _site_tls(workdir, secure, "receiver").items()
+    )
     text = f"""\
 mesh_id = "{MESH}"
 node_id = "receiver"
@@ -134,6 +160,9 @@ anti_entropy_interval_s = 3600.0
 
 [checkpoint]
 every_steps = 0
+
+[tls]
+{tls}
 """
     path = workdir / "receiver.toml"
     path.write_text(text)
@@ -157,7 +186,7 @@ def _daemon(config: Path, data_dir: Path, timeout_s: float = 60.0) -> Iterator[s
         stop_process(proc, timeout_s=20.0)
 
 
-async def _sender_node(flat: FlatModel, setting: Setting) -> Network:
+async def _sender_node(flat: FlatModel, setting: Setting, tls: dict[str, Any]) -> Network:
     """A real node that answers the receiver's dial-back, so its pushes are accepted."""
     config = parse_config(
         {
@@ -166,6 +195,7 @@ async def _sender_node(flat: FlatModel, setting: Setting) -> Network:
             "metrics": {"listen": ""},
             "gossip": {"push_probability": 0.0, "segment_bytes": setting.segment_mb * MiB},
             "membership": {"anti_entropy_interval_s": 3600.0},
+            "tls": tls,
         },
         "bench sender",
     )
@@ -174,19 +204,24 @@ async def _sender_node(flat: FlatModel, setting: Setting) -> Network:
     return node
 
 
-async def _accepted_by(address: str, node_id: str) -> None:
+async def _accepted_by(address: str, node_id: str, tls: Credentials) -> None:
     """Until the receiver has dialled the sender back and counts it as a live peer."""
     deadline = time.monotonic() + TIMEOUT_S
-    while node_id not in (await query_status(address, TIMEOUT_S))["live_peers"]:
+    while node_id not in (await query_status(address, TIMEOUT_S, tls=tls))["live_peers"]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the receiver at {address} never accepted {node_id!r}")
         await asyncio.sleep(0.05)
 
 
 async def _push_and_pull(
-    address: str, flat: FlatModel, setting: Setting, reps: int, pull: bool
+    address: str,
+    flat: FlatModel,
+    setting: Setting,
+    reps: int,
+    pull: bool,
+    tls: dict[str, Any],
 ) -> dict[str, list[float]]:
-    sender = await _sender_node(flat, setting)
+    sender = await _sender_node(flat, setting, tls)
     assert sender.identity is not None
     client = PeerClient(
         address,
@@ -194,6 +229,8 @@ async def _push_and_pull(
         codec=Codec.RAW,
         chunk_bytes=setting.chunk_kb * 1024,
         streams=setting.streams,
+        tls=sender.tls,
+        expected="receiver",
     )
     snapshot = flat.snapshot()
     weights = dict.fromkeys(range(len(flat.plan)), 0.0)
@@ -201,7 +238,7 @@ async def _push_and_pull(
     try:
         if not await sender.peering.verify(address):
             raise RuntimeError(f"the receiver at {address} did not answer a handshake")
-        await _accepted_by(address, "sender")
+        await _accepted_by(address, "sender", sender.tls)
         for sequence in range(reps + 1):  # the first push warms the connection up
             out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
             t0 = time.perf_counter()
@@ -229,25 +266,42 @@ async def _push_and_pull(
 
 
 def bench_gossipd(
-    numel: int, tensor_numel: int, settings: list[Setting], reps: int, pull: bool
+    numel: int,
+    tensor_numel: int,
+    settings: list[Setting],
+    reps: int,
+    pull: bool,
+    tls_modes: tuple[bool, ...] = (False, True),
 ) -> list[dict[str, Any]]:
-    """One receiver daemon per segment size; every setting with that size pushes to it."""
+    """One receiver daemon per segment size and TLS mode; every setting pushes to it.
+
+    Plaintext and mutual TLS run one after the other in the same run, so their
+    ratio is measured side by side (TLS: the push rows say "mTLS").
+    """
     rows = []
-    for segment_mb in sorted({s.segment_mb for s in settings}):
-        group = [s for s in settings if s.segment_mb == segment_mb]
-        flat = FlatModel(bench_job(_job_spec(numel, tensor_numel, seed=2)).model, segment_mb * MiB)
-        with tempfile.TemporaryDirectory(prefix="gossipd-bench-") as tmp:
-            workdir = Path(tmp)
-            config = _receiver_config(workdir, numel, tensor_numel, group[0])
-            with _daemon(config, workdir / "receiver") as address:
-                for i, setting in enumerate(group):
-                    do_pull = pull and i == 0
-                    times = asyncio.run(_push_and_pull(address, flat, setting, reps, do_pull))
-                    label = f"{setting.label} ({len(flat.plan)} segments)"
-                    rows.append(_row("gossipd push", label, times["push"]))
-                    if do_pull:
-                        label = f"segment {segment_mb} MiB, chunk {setting.chunk_kb} KiB, 1 stream"
-                        rows.append(_row("gossipd pull", label, times["pull"]))
+    for secure in tls_modes:
+        suffix = " (mTLS)" if secure else ""
+        for segment_mb in sorted({s.segment_mb for s in settings}):
+            group = [s for s in settings if s.segment_mb == segment_mb]
+            model = bench_job(_job_spec(numel, tensor_numel, seed=2)).model
+            flat = FlatModel(model, segment_mb * MiB)
+            with tempfile.TemporaryDirectory(prefix="gossipd-bench-") as tmp:
+                workdir = Path(tmp)
+                config = _receiver_config(workdir, numel, tensor_numel, group[0], secure)
+                tls = _site_tls(workdir, secure, "sender")
+                with _daemon(config, workdir / "receiver") as address:
+                    for i, setting in enumerate(group):
+                        do_pull = pull and i == 0
+                        times = asyncio.run(
+                            _push_and_pull(address, flat, setting, reps, do_pull, tls)
+                        )
+                        label = f"{setting.label} ({len(flat.plan)} segments)"
+                        rows.append(_row("gossipd push" + suffix, label, times["push"]))
+                        if do_pull:
+                            label = (
+                                f"segment {segment_mb} MiB, chunk {setting.chunk_kb} KiB, 1 stream"
+                            )
+                            rows.append(_row("gossipd pull" + suffix, label, times["pull"]))
     return rows
 
 
@@ -423,6 +477,18 @@ def main(argv: list[str] | None = None) -> int:
         f"best gossipd push: {best['ratio_vs_raw_tcp']:.2f} x raw TCP ({best['settings']})",
         file=out,
     )
+    for row in rows:
+        if row["method"] == "gossipd push (mTLS)":
+            plain = next(
+                r
+                for r in rows
+                if r["method"] == "gossipd push" and r["settings"] == row["settings"]
+            )
+            print(
+                f"mTLS push: {row['gbps_best'] / plain['gbps_best']:.2f} x plaintext push "
+                f"({row['settings']})",
+                file=out,
+            )
     for note in notes:
         print(note, file=out)
     if args.plot:

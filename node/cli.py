@@ -66,6 +66,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "job": args.job,
         "protocol": args.protocol,
         "round_steps": args.round_steps,
+        "insecure": args.insecure,
         "duration_s": args.duration_s,
         "max_steps": args.max_steps,
         "push_probability": args.push_probability,
@@ -90,11 +91,29 @@ def _run_mesh(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _client_tls(args: argparse.Namespace) -> object:
+    """The certificate a command presents: a site config's [tls], or --ca/--cert/--key."""
+    from gossipd.node.tls import Credentials
+
+    if args.config is not None:
+        from gossipd.node.config import load_config
+
+        return Credentials.from_config(load_config(args.config).tls)
+    given = [args.ca, args.cert, args.key]
+    if any(given) and not all(given):
+        raise GossipdError("--ca, --cert and --key go together; give all three or none")
+    if all(given):
+        return Credentials(ca=args.ca, cert=args.cert, key=args.key)
+    return Credentials(insecure=True)
+
+
 def _status(args: argparse.Namespace) -> int:
     from gossipd.node.status import query_status
 
     # One call by a person or a script: worth the model copy a fresh checksum costs.
-    reply = asyncio.run(query_status(args.address, args.timeout_s, checksum=True))
+    reply = asyncio.run(
+        query_status(args.address, args.timeout_s, checksum=True, tls=_client_tls(args))
+    )
     if args.json:
         print(json.dumps(reply))
     else:
@@ -194,6 +213,11 @@ def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float,
     p.add_argument("--workdir", default=None, help="keep node state here (default: temporary)")
     p.add_argument("--plot", default=None, help="write a PNG of loss, accuracy, consensus")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC; by default the mesh gets a throwaway CA and mutual TLS",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -219,8 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="ask a running node what it is doing")
     p.add_argument("--address", required=True, help="HOST:PORT of the node's gRPC server")
-    p.add_argument("--timeout-s", type=float, default=5.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=5.0, help="default: %(default)s")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--config", type=Path, default=None, help="present this site config's [tls] certificate"
+    )
+    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate")
+    p.add_argument("--cert", type=Path, default=None, help="a certificate of that mesh")
+    p.add_argument("--key", type=Path, default=None, help="its key")
     p.set_defaults(func=_status)
 
     p = sub.add_parser("sim", help="simulate N nodes of a protocol on a virtual clock")

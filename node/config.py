@@ -158,6 +158,38 @@ class MetricsConfig(_Section):
         return _check_address(v) if v else None
 
 
+class TlsConfig(_Section):
+    ca: Path | None = Field(None, description="the mesh CA certificate (gossipd certs init)")
+    cert: Path | None = Field(None, description="this site's certificate (gossipd certs issue)")
+    key: Path | None = Field(None, description="this site's private key")
+    allow: list[str] | None = Field(
+        None, description="node ids admitted; unset: every certificate of the mesh CA"
+    )
+    insecure: bool = Field(
+        False, description="plaintext, no identities: anyone who reaches the port is believed"
+    )
+
+    @model_validator(mode="after")
+    def _files_or_insecure(self) -> TlsConfig:
+        files = {"ca": self.ca, "cert": self.cert, "key": self.key}
+        if self.insecure:
+            given = [k for k, v in files.items() if v is not None]
+            if given:
+                raise ValueError(
+                    f"tls.insecure = true with tls.{', tls.'.join(given)} set; drop one or the "
+                    "other"
+                )
+            return self
+        missing = [k for k, v in files.items() if v is None]
+        if missing:
+            raise ValueError(
+                f"tls.{', tls.'.join(missing)} not set: give the mesh CA, this site's "
+                "certificate and key (gossipd certs init / issue), or set tls.insecure = true "
+                "to run plaintext"
+            )
+        return self
+
+
 class NodeConfig(_Section):
     mesh_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     node_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
@@ -176,6 +208,8 @@ class NodeConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # No silent default: a site states how it is secured (certificates, or insecure).
+    tls: TlsConfig = Field(default=TlsConfig.model_construct(), validate_default=True)
 
     @field_validator("listen", "advertise")
     @classmethod
@@ -211,7 +245,9 @@ def _explain(err: ValidationError, source: str) -> ConfigError:
             lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key} = {e.get('input')!r}: {msg}")
+            value = e.get("input")
+            shown = "" if isinstance(value, BaseModel | dict) else f" = {value!r}"
+            lines.append(f"  {key}{shown}: {msg}")
     return ConfigError("\n".join(lines))
 
 

@@ -26,10 +26,11 @@ from typing import Any, TextIO
 
 import torch
 
-from gossipd.node import checkpoint
+from gossipd.node import certs, checkpoint
 from gossipd.node.errors import GossipdError
 from gossipd.node.protocols import DEFAULT_PROTOCOL
 from gossipd.node.status import query_status
+from gossipd.node.tls import Credentials
 from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import Limits
 
@@ -44,6 +45,7 @@ class MeshSpec:
     job: str = "digits"
     protocol: str = DEFAULT_PROTOCOL
     round_steps: int = 1
+    insecure: bool = False
     duration_s: float = 30.0
     max_steps: int = 0
     push_probability: float | None = None
@@ -95,6 +97,16 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
     }
     if spec.push_probability is not None:
         gossip["push_probability"] = spec.push_probability
+    tls_dir = root / "tls"
+    tls = (
+        ["insecure = true"]
+        if spec.insecure
+        else [
+            f'ca = "{tls_dir / certs.CA_CERT_FILE}"',
+            f'cert = "{tls_dir / f"node-{index}.pem"}"',
+            f'key = "{tls_dir / f"node-{index}.key"}"',
+        ]
+    )
     lines = [
         f'mesh_id = "{mesh_id}"',
         f'node_id = "node-{index}"',
@@ -116,8 +128,32 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         "",
         "[checkpoint]",
         f"every_steps = {spec.checkpoint_every_steps}",
+        "",
+        "[tls]",
+        *tls,
     ]
     return "\n".join(lines) + "\n"
+
+
+LAUNCHER_ID = "launcher"
+
+
+def make_mesh_ca(spec: MeshSpec, mesh_id: str, root: Path) -> Credentials:
+    """A throwaway CA in the work dir, a certificate per node and one for this launcher,
+    so a local mesh runs the way a real one should: mutual TLS (unless ``insecure``)."""
+    if spec.insecure:
+        return Credentials(insecure=True)
+    tls_dir = root / "tls"
+    if not (tls_dir / certs.CA_CERT_FILE).exists():
+        certs.init_ca(tls_dir, mesh_id=mesh_id)
+    for node_id in [LAUNCHER_ID, *(f"node-{i}" for i in range(spec.nodes))]:
+        if not (tls_dir / f"{node_id}.pem").exists():
+            certs.issue(node_id, tls_dir)
+    return Credentials(
+        ca=tls_dir / certs.CA_CERT_FILE,
+        cert=tls_dir / f"{LAUNCHER_ID}.pem",
+        key=tls_dir / f"{LAUNCHER_ID}.key",
+    )
 
 
 def spawn_node(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
@@ -164,6 +200,7 @@ class LocalMesh:
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.configs: list[Path] = []
+        self.tls = make_mesh_ca(spec, self.mesh_id, root)
         for i in range(spec.nodes):
             path = root / f"node-{i}.toml"
             path.write_text(node_toml(spec, self.mesh_id, i, self.ports, root))
@@ -206,7 +243,7 @@ class LocalMesh:
         deadline = time.monotonic() + patience_s
         while True:
             try:
-                return await query_status(self.addresses[index], 10.0)
+                return await query_status(self.addresses[index], 10.0, tls=self.tls)
             except GossipdError:
                 self.check_alive()
                 if time.monotonic() > deadline:
@@ -241,10 +278,10 @@ class LocalMesh:
 
     async def pull_all(self) -> list[torch.Tensor]:
         """Every node's model as one flat float64 vector, pulled over gRPC."""
-        identity = Identity(self.mesh_id, "launcher", "", 0, self.plan.fingerprint, "")
+        identity = Identity(self.mesh_id, LAUNCHER_ID, "", 0, self.plan.fingerprint, "")
         models = []
         for i in sorted(self.procs):
-            client = PeerClient(self.addresses[i], identity)
+            client = PeerClient(self.addresses[i], identity, tls=self.tls, expected=f"node-{i}")
             try:
                 segs = await client.pull(self.plan, Limits(), 60.0)
             finally:

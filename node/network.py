@@ -32,6 +32,7 @@ from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.replica import InboundPush, Replica
 from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
+from gossipd.node.tls import Credentials
 from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
 from gossipd.proto import SCHEMA_VERSION
@@ -115,6 +116,12 @@ class Network:
         self.stopping = asyncio.Event()
         self.leaving = False
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
+        self.tls = Credentials.from_config(config.tls)
+        if self.tls.node_id not in (None, self.node_id):
+            raise ConfigError(
+                f"tls.cert {config.tls.cert} is for node {self.tls.node_id!r}, but node_id is "
+                f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
+            )
         self.peering = Peering(self)
         self.outbound = Outbound(self)
         self.membership = self.peering.membership
@@ -142,7 +149,7 @@ class Network:
                 (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
             try:
-                port = server.add_insecure_port(listen)
+                port = self.tls.add_port(server, listen)
             except RuntimeError:
                 raise ConfigError(
                     f"listen {listen}: cannot bind it (in use, or not an address of this "
@@ -176,8 +183,18 @@ class Network:
         )
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(
-            "node %s serving on %s (fingerprint %s)", self.node_id, self.address, self.fingerprint
+            "node %s serving on %s with %s (fingerprint %s)",
+            self.node_id,
+            self.address,
+            "plaintext gRPC" if self.tls.insecure else "mutual TLS",
+            self.fingerprint,
         )
+        if self.tls.insecure:
+            log.warning(
+                "tls.insecure = true: anyone who reaches %s can read the model and speak for "
+                "any node id; give [tls] ca, cert and key (gossipd certs) to require certificates",
+                self.address,
+            )
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop serving and end this node's tasks, so none of it outlives the loop.
@@ -211,16 +228,46 @@ class Network:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def client(self, address: str) -> PeerClient:
+    def client(self, address: str, node_id: str) -> PeerClient:
+        """The channel to verified peer ``node_id`` (whose certificate must name it)."""
         assert self.identity is not None, "start() the node first"
-        if address not in self.clients:
-            self.clients[address] = PeerClient(
+        client = self.clients.get(address)
+        if client is None or client.expected != node_id:
+            if client is not None:
+                self.spawn(client.close())
+            client = self.clients[address] = PeerClient(
                 address,
                 self.identity,
                 codec=self.codec,
                 chunk_bytes=self.config.gossip.chunk_bytes,
+                tls=self.tls,
+                expected=node_id,
             )
-        return self.clients[address]
+        return client
+
+    def reload_tls(self) -> None:
+        """SIGHUP: read the certificate files again; new connections use them.
+
+        The server hands the new certificate to each new connection. Channels to
+        peers are replaced, so this node presents it when dialling too; pushes in
+        flight on an old channel end with an unknown outcome and are retried.
+        """
+        if self.tls.insecure:
+            log.warning("SIGHUP: tls.insecure is set, there is no certificate to reload")
+            return
+        try:
+            material = self.tls.reload()
+        except GossipdError as err:
+            log.warning("SIGHUP: kept the current certificate: %s", err)
+            return
+        old, self.clients = self.clients, {}
+        for client in old.values():
+            self.spawn(client.close())
+        log.info(
+            "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
+            material.node_id,
+            material.not_after,
+        )
 
     def forget_client(self, address: str) -> None:
         """Close the channel to an address no verified peer holds any more."""
@@ -373,6 +420,7 @@ class Network:
             reserved_weights=s.reserved,
             round=s.round,
             membership_epoch=s.epoch,
+            transport_security="insecure" if self.tls.insecure else "mtls",
         )
 
     async def _checksum(self) -> str:

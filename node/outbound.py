@@ -71,7 +71,7 @@ class Outbound:
                 )
             remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
             try:
-                acks = await self.network.client(state.address).push(
+                acks = await self.network.client(state.address, peer).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
                 self.network.metrics.messages.labels("sent", "ok").inc()
@@ -188,7 +188,9 @@ class Outbound:
                 log.info("handed weight to %s", out.push.peer)
             else:
                 log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
-        clients = [self.network.client(s.address) for s in self.network.membership.live()]
+        clients = [
+            self.network.client(s.address, s.node_id) for s in self.network.membership.live()
+        ]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
         )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.membership import Change, Membership, PeerState
 from gossipd.node.segments import check_fingerprint, check_protocol
+from gossipd.node.tls import IdentityMismatch
 from gossipd.node.transport import PeerClient
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -76,21 +77,39 @@ class Peering:
         self.apply(self.membership.succeeded(node_id))
 
     # -- dialling ---------------------------------------------------------------------
-    async def handshake(self, address: str) -> pb.HandshakeReply:
-        """Our Handshake to ``address``: a verified peer's channel, or a throwaway one."""
-        if any(p.address == address for p in self.membership.peers.values()):
-            return await self.network.client(address).handshake(RPC_TIMEOUT_S)
+    async def handshake(
+        self, address: str, expected: str | None = None
+    ) -> tuple[pb.HandshakeReply, str | None]:
+        """Our Handshake to ``address``: a verified peer's channel, or a throwaway one.
+
+        Returns the reply and the node id the server's certificate was checked
+        against (None: any site of the mesh, or plaintext).
+        """
+        for p in self.membership.peers.values():
+            if p.address == address:
+                return await self.network.client(address, p.node_id).handshake(
+                    RPC_TIMEOUT_S
+                ), p.node_id
         assert self.network.identity is not None, "start() the node first"
-        client = PeerClient(address, self.network.identity)
+        client = PeerClient(address, self.network.identity, tls=self.network.tls, expected=expected)
         try:
-            return await client.handshake(RPC_TIMEOUT_S)
+            return await client.handshake(RPC_TIMEOUT_S), expected
         finally:
             await client.close()
 
     async def verify(self, address: str, claim: pb.NodeInfo | None = None) -> bool:
         """Dial ``address``; whoever answers there (and matches ``claim``) is a peer."""
         try:
-            reply = await self.handshake(address)
+            reply, checked = await self.handshake(address, claim.node_id if claim else None)
+            if not self.network.tls.insecure and checked != reply.node.node_id:
+                # The first dial proved only that a site of this mesh answers there:
+                # dial again, checking the node id it claims against its certificate.
+                reply, checked = await self.handshake(address, reply.node.node_id)
+                if checked != reply.node.node_id:
+                    raise IdentityMismatch(
+                        f"{address} answered as {reply.node.node_id!r} over a connection "
+                        f"whose certificate names {checked!r}"
+                    )
             if reply.schema_version != SCHEMA_VERSION:
                 raise MeshMismatch(
                     f"{address} speaks schema {reply.schema_version}, we speak {SCHEMA_VERSION}; "
@@ -162,7 +181,7 @@ class Peering:
         """Believe a Leave only if the node, asked at its address, is gone or leaving."""
         try:
             try:
-                reply: pb.HandshakeReply | None = await self.handshake(state.address)
+                reply: pb.HandshakeReply | None = (await self.handshake(state.address))[0]
             except GossipdError:
                 reply = None
             if (
@@ -224,7 +243,9 @@ class Peering:
             return
         target = self.rng.choice(live)
         try:
-            infos = await self.network.client(target.address).peers(m.known(), RPC_TIMEOUT_S)
+            infos = await self.network.client(target.address, target.node_id).peers(
+                m.known(), RPC_TIMEOUT_S
+            )
         except GossipdError as err:
             self.failed(target.node_id, err)
             return

@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError, Message
 from gossipd.node.admission import ByteBudget, IdleBounded, Slots
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
+from gossipd.node.tls import Credentials, check_claim
 from gossipd.node.wire import ReceivedSegment, SegmentAssembler, pull_chunk_frame
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -97,6 +98,7 @@ class Handlers(Protocol):
     mesh_id: str
     fingerprint: str
     protocol: str
+    tls: Credentials
     config: NodeConfig
 
     def new_assembler(self) -> SegmentAssembler: ...
@@ -156,6 +158,7 @@ class GossipServicer:
                     f"schema version {req.schema_version} is not ours ({SCHEMA_VERSION}); "
                     "run the same gossipd release on every site"
                 )
+            check_claim(self.node.tls.peer_id(context), req.node.node_id, "a Handshake")
             self.check_mesh(req.mesh_id, f"node {req.node.node_id!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"node {req.node.node_id!r}")
             check_protocol(self.node.protocol, req.protocol, f"node {req.node.node_id!r}")
@@ -171,6 +174,7 @@ class GossipServicer:
         """
 
         async def call() -> pb.PushReply:
+            who = self.node.tls.peer_id(context)
             with self.pushes.take(), self.pending.hold() as held:
                 frames = IdleBounded(
                     aiter(request_iterator), self.idle_s, "limits.stream_idle_timeout_s"
@@ -179,6 +183,7 @@ class GossipServicer:
                 if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
                     raise InvalidFrame("a push stream must start with a PushOpen frame")
                 opened = first.open
+                check_claim(who, opened.sender, "a push")
                 self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
                 check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
                 self.node.check_sender(opened.sender, opened.incarnation)
@@ -236,6 +241,7 @@ class GossipServicer:
         peer = context.peer()
         try:
             req = _require(request)
+            check_claim(self.node.tls.peer_id(context), req.requester, "a pull")
             self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
             slot = self.pulls.take()
@@ -266,6 +272,7 @@ class GossipServicer:
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.LeaveReply:
             req = _require(request)
+            check_claim(self.node.tls.peer_id(context), req.node_id, "a Leave")
             self.check_mesh(req.mesh_id, f"node {req.node_id!r}")
             await self.node.on_peer_left(req, context.peer())
             return pb.LeaveReply()
@@ -275,6 +282,7 @@ class GossipServicer:
     async def Peers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.PeersReply:
             req = _require(request)
+            check_claim(self.node.tls.peer_id(context), req.sender.node_id, "a peer list")
             self.check_mesh(req.mesh_id, f"node {req.sender.node_id!r}")
             return self.node.on_peers(req)
 
@@ -282,6 +290,7 @@ class GossipServicer:
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.StatusReply:
+            self.node.tls.peer_id(context)  # any site of the mesh (on the allow-list) may ask
             return await self.node.on_status(_require(request).checksum)
 
         return await self._guard(context, context.peer(), call)

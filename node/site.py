@@ -304,7 +304,7 @@ class Site:
                 f"join: no peer answered within {self.config.join_timeout_s} s; check seeds"
             )
         peer = self.network.membership.live()[0]
-        model = await self.network.client(peer.address).pull(
+        model = await self.network.client(peer.address, peer.node_id).pull(
             self.replica.flat.plan, self.network.limits, self.config.gossip.push_timeout_s
         )
         with self.replica.lock:

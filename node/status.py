@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.tls import Credentials
 from gossipd.node.transport import CHANNEL_OPTIONS
 from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc
@@ -37,21 +38,33 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "reserved_weights": list(reply.reserved_weights),
         "round": reply.round,
         "membership_epoch": reply.membership_epoch,
+        "transport_security": reply.transport_security,
     }
 
 
 async def query_status(
-    address: str, timeout_s: float = 5.0, *, checksum: bool = False
+    address: str,
+    timeout_s: float = 5.0,
+    *,
+    checksum: bool = False,
+    tls: Credentials | None = None,
 ) -> dict[str, Any]:
-    """One node's status; ``checksum`` also hashes its model (costs a model copy)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    """One node's status; ``checksum`` also hashes its model (costs a model copy).
+
+    ``tls``: a certificate of the node's mesh (any site's will do); None: plaintext.
+    """
+    tls = tls or Credentials(insecure=True)
+    async with tls.channel(address, CHANNEL_OPTIONS) as channel:
         try:
             reply = await pb_grpc.GossipStub(channel).Status(
                 pb.StatusRequest(checksum=checksum), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as err:
+            hint = (
+                "is a gossipd node listening there? With TLS, pass --config SITE.toml (or "
+                "--ca/--cert/--key) of a site of that mesh"
+            )
             raise GossipdError(
-                f"no status from {address}: {err.code().name}: {err.details()}; "
-                "is a gossipd node listening there?"
+                f"no status from {address}: {err.code().name}: {err.details()}; {hint}"
             ) from None
     return status_dict(reply)

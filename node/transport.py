@@ -32,6 +32,7 @@ from gossipd.node.errors import (
 )
 from gossipd.node.replica import OutboundPush
 from gossipd.node.segments import SegmentPlan
+from gossipd.node.tls import Credentials
 from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,
@@ -123,13 +124,18 @@ class PeerClient:
         codec: Codec = Codec.RAW,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams: int = 4,
+        tls: Credentials,
+        expected: str | None = None,
     ) -> None:
+        """``expected``: the node id the server's certificate must name (with TLS);
+        None accepts any site of the mesh, whose claimed id the caller then proves."""
         self.address = address
         self.identity = identity
         self.codec = codec
         self.chunk_bytes = chunk_bytes
         self.streams = max(1, streams)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.expected = expected
+        self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
         self.stub = pb_grpc.GossipStub(self.channel)
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from gossipd.node.errors import GossipdError
 from gossipd.node.mesh import free_ports, spawn_node, stop_process
 from gossipd.node.status import query_status
+from gossipd.node.tls import Credentials
 
 torch.set_num_threads(1)
 START_TIMEOUT_S = 120.0
@@ -30,9 +31,10 @@ class DaemonHandle:
     data_dir: Path
     config_path: Path
     proc: subprocess.Popen[bytes]
+    tls: Credentials | None = None  # what this test presents to it (None: plaintext)
 
     def status(self, *, checksum: bool = False) -> dict[str, Any]:
-        return asyncio.run(query_status(self.address, 10.0, checksum=checksum))
+        return asyncio.run(query_status(self.address, 10.0, checksum=checksum, tls=self.tls))
 
     def log(self) -> str:
         path = self.data_dir / "node.log"
@@ -100,6 +102,9 @@ def write_node_config(
         "job": {"name": "synthetic", "learning_rate": 0.0, "eval_every_steps": 0},
         "gossip": {"push_probability": 0.0},
         "checkpoint": {"every_steps": 0},
+        # Plaintext unless a test gives certificates: TLS has its own tests, and a
+        # user's paths (demo, mesh up) default to it.
+        "tls": {"insecure": True},
     }
     for key, value in config.items():
         if isinstance(value, dict) and isinstance(full.get(key), dict):
@@ -111,12 +116,15 @@ def write_node_config(
     return config_path
 
 
-def start_daemon(tmp_path: Path, node_id: str, port: int, **config: Any) -> DaemonHandle:
+def start_daemon(
+    tmp_path: Path, node_id: str, port: int, *, client_tls: Credentials | None = None, **config: Any
+) -> DaemonHandle:
+    """``client_tls``: the certificate the test presents to this daemon (None: plaintext)."""
     data_dir = tmp_path / node_id
     data_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_node_config(tmp_path, node_id, port, data_dir, **config)
     proc = spawn_node(config_path, data_dir / "node.log")
-    handle = DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc)
+    handle = DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc, client_tls)
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
@@ -160,14 +168,14 @@ def status_of(handle: DaemonHandle, *, checksum: bool = False) -> dict[str, Any]
     Keys that ``status_dict`` may not know yet are filled from the reply, so a
     test reads a counter the node does not report as 0 and fails on its assertion.
     """
-    import grpc
 
     from gossipd.node.status import status_dict
     from gossipd.proto import gossip_pb2 as pb
     from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
     async def call() -> pb.StatusReply:
-        async with grpc.aio.insecure_channel(handle.address) as channel:
+        tls = handle.tls or Credentials(insecure=True)
+        async with tls.channel(handle.address, []) as channel:
             return await pb_grpc.GossipStub(channel).Status(
                 pb.StatusRequest(checksum=checksum), timeout=20.0
             )

@@ -37,6 +37,7 @@ config = {{
     "seeds": seeds,
     "gossip": {{"push_probability": 0.5}},
     "metrics": {{"listen": None}},
+    "tls": {{"insecure": True}},
     "shutdown_timeout_s": 5.0,
 }}
 with GossipNode(config, job.model, job.optimizer) as node:

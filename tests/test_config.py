@@ -14,7 +14,7 @@ import pytest
 from gossipd.node.config import NodeConfig, load_config, parse_config
 from gossipd.node.errors import ConfigError, GossipdError
 
-MINIMAL = {"mesh_id": "test-mesh", "node_id": "site-a"}
+MINIMAL = {"mesh_id": "test-mesh", "node_id": "site-a", "tls": {"insecure": True}}
 
 
 def _error(data: dict[str, Any], source: str = "site.toml") -> str:
@@ -44,6 +44,9 @@ def test_minimal_toml_loads_with_defaults(tmp_path: Path) -> None:
         """
         mesh_id = "test-mesh"
         node_id = "site-a"
+
+        [tls]
+        insecure = true
         """,
     )
     config = load_config(path)
@@ -90,6 +93,9 @@ def test_load_config_accepts_str_path_and_equals_parse_config(tmp_path: Path) ->
 
         [metrics]
         listen = "127.0.0.1:9100"
+
+        [tls]
+        insecure = true
         """,
     )
     config = load_config(str(path))
@@ -108,6 +114,7 @@ def test_load_config_accepts_str_path_and_equals_parse_config(tmp_path: Path) ->
             "seeds": ["10.0.0.1:50051", "example.org:65535"],
             "job": {"name": "synthetic", "shard_index": 2, "num_shards": 3, "learning_rate": 0.0},
             "gossip": {"push_probability": 1.0, "codec": "bf16"},
+            "tls": {"insecure": True},
             "metrics": {"listen": "127.0.0.1:9100"},
         }
     )
@@ -252,9 +259,9 @@ def test_every_error_is_reported_at_once() -> None:
         }
     )
     assert message.startswith("invalid config site.toml:")
-    for key in ("mesh_id", "listen", "gossip.codec", "gossip.push_probability"):
+    for key in ("mesh_id", "listen", "gossip.codec", "gossip.push_probability", "tls"):
         assert f"  {key}" in message
-    assert len(message.splitlines()) == 5
+    assert len(message.splitlines()) == 6
 
 
 # ---------------------------------------------------------------------------
@@ -343,3 +350,14 @@ def test_unknown_protocol_names_the_key_and_every_registered_protocol() -> None:
 def test_every_protocol_is_a_valid_config(protocol: str) -> None:
     config = parse_config(_with(gossip={"protocol": protocol, "round_steps": 2}))
     assert config.gossip.protocol == protocol and config.gossip.round_steps == 2
+
+
+def test_a_config_without_tls_is_refused_with_both_ways_out() -> None:
+    message = _error({"mesh_id": "m", "node_id": "n"})
+    assert "tls.ca, tls.cert, tls.key not set" in message
+    assert "gossipd certs" in message and "tls.insecure = true" in message
+
+
+def test_tls_insecure_with_files_is_refused() -> None:
+    message = _error(_with(tls={"insecure": True, "ca": "ca.pem"}))
+    assert "tls.insecure = true with tls.ca set" in message

@@ -26,7 +26,11 @@ def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
 
 
 def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any) -> None:
-    node = daemons("solo")
+    # Training stops after max_steps (the daemon keeps serving), so the step is known.
+    max_steps = 7
+    node = daemons("solo", job={"max_steps": max_steps})
+    wait_until(lambda: node.status()["training_done"], "the solo node to finish training")
+    assert node.status()["step"] == max_steps
     out = subprocess.run(
         [sys.executable, "-m", "gossipd.node.cli", "status", "--address", node.address, "--json"],
         capture_output=True,
@@ -39,8 +43,9 @@ def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any
     assert status["fingerprint"] == node.node_json()["fingerprint"]
     assert status["sum_weights"] == [1.0]
     assert status["live_peers"] == []
+    assert status["params_checksum"] == node.status(checksum=True)["params_checksum"]
     assert len(status["params_checksum"]) == 32
-    assert status["step"] >= 0
+    assert status["step"] == max_steps
 
 
 def test_status_cli_names_the_address_when_nothing_listens() -> None:
@@ -153,6 +158,7 @@ def test_training_failure_shuts_the_daemon_down_with_exit_code_1(tmp_path: Path)
             "listen": f"127.0.0.1:{free_ports(1)[0]}",
             "data_dir": str(data_dir),
             "job": {"name": "tests.plugin_jobs:failing_job", "options": {"fail_at": 50}},
+            "tls": {"insecure": True},
         },
     )
     proc = spawn_node(config, data_dir / "node.log")
@@ -182,6 +188,7 @@ def _node_cli(tmp_path: Path, node_id: str, **config: Any) -> subprocess.Complet
         "listen": f"127.0.0.1:{free_ports(1)[0]}",
         "data_dir": str(tmp_path / node_id),
         "job": {"name": "synthetic", "eval_every_steps": 0},
+        "tls": {"insecure": True},
         **config,
     }
     path = tmp_path / f"{node_id}.toml"
