@@ -30,6 +30,8 @@ def _run_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # A renewed certificate needs no restart: `kill -HUP` reads the [tls] files again.
+        loop.add_signal_handler(signal.SIGHUP, site.network.reload_tls)
         await site.run(stop)
 
     # A start-up failure raised inside the loop (port taken, join timeout) leaves

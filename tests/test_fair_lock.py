@@ -1,17 +1,20 @@
-"""Tests for gossipd.node.replica.FairLock: re-entrant, owner-checked, handed over in arrival order.
+"""gossipd.node.fairlock.FairLock: re-entrant, owner-checked, handed over in arrival order.
 
 No sleep is used as synchronisation: threads meet on Events (every wait bounded), and where a
-test must know a thread is queued it polls ``len(lock._waiters)`` in a bounded loop.
+test must know a thread is queued it polls ``len(lock._waiters)`` in a bounded loop. The
+free-running fairness test watches hand-overs through a counting stand-in for the lock's
+internal guard instead of relying on where the scheduler happens to run the waiter.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from gossipd.node.replica import FairLock
+from gossipd.node.fairlock import FairLock
 
 WAIT_S = 30.0
 pytestmark = pytest.mark.timeout(120)
@@ -209,43 +212,110 @@ def test_waiter_gets_in_before_a_looping_owner_retakes(arrival: int) -> None:
     assert not lock._waiters
 
 
-def test_waiter_arriving_while_owner_loops_freely_is_not_starved() -> None:
-    """Same as above without a rendezvous inside the loop: the waiter arrives whenever the
-    scheduler runs it. If the looper, holding the lock at its count ``c``, sees it queued,
-    its release hands over, so the waiter gets in while the count is still ``c``.
+class _HoldCountingGuard:
+    """Stands in for ``lock._guard`` (a real ``threading.Lock`` inside) to watch hand-overs.
+
+    Every change of ``lock._owner`` happens inside the guard, so on leaving it this counts
+    each time the looper became the owner (``holds``), and on the waiter's first entry (its
+    arrival: where ``acquire`` takes the lock or queues) it notes ``holds`` and whether the
+    lock was held then. A fair lock lets the waiter in before the looper's next hold.
     """
-    iterations = 10_000
+
+    def __init__(self, lock: FairLock, looper: str, waiter: str) -> None:
+        self._inner = lock._guard
+        self._lock = lock
+        self._names = (looper, waiter)
+        self._looper_ident: int | None = None
+        self._owner_on_entry: int | None = None
+        self.holds = 0
+        self.arrival: int | None = None
+        self.arrived_while_held: bool | None = None
+
+    def __enter__(self) -> _HoldCountingGuard:
+        self._inner.acquire()
+        name = threading.current_thread().name
+        if name == self._names[0]:
+            self._looper_ident = threading.get_ident()
+        if name == self._names[1] and self.arrival is None:
+            self.arrival = self.holds
+            self.arrived_while_held = self._lock._owner is not None
+        self._owner_on_entry = self._lock._owner
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        owner = self._lock._owner
+        if owner is not None and owner == self._looper_ident and owner != self._owner_on_entry:
+            self.holds += 1
+        self._inner.release()
+
+
+def _free_running_trial() -> tuple[bool, int, int]:
+    """A looper re-takes the lock as fast as it can until a waiter has been in once.
+
+    The looper does a little work under the lock (a training step's stand-in), never waits
+    for the waiter, and stops only once the waiter has entered, so the waiter always
+    arrives while the looper is looping. Returns (arrived while the lock was held, the
+    looper's hold count at the waiter's arrival, and at its entry).
+    """
     lock = FairLock()
-    count = 0
-    first_seen_queued: list[int] = []
+    guard = _HoldCountingGuard(lock, "looper", "waiter")
+    lock._guard = guard  # type: ignore[assignment]
+    ready, done = threading.Event(), threading.Event()
     entered_at: list[int] = []
-    ready = threading.Event()
 
     def looper() -> None:
-        nonlocal count
-        for _ in range(iterations):
-            lock.acquire()
-            count += 1
-            ready.set()  # no waiting: the waiter arrives whenever it is scheduled
-            if lock._waiters and not first_seen_queued:
-                first_seen_queued.append(count)
-            lock.release()
+        deadline = time.monotonic() + WAIT_S
+        sink = 0
+        while not done.is_set():
+            assert time.monotonic() < deadline, "the waiter never got in: starved"
+            with lock:
+                ready.set()  # no rendezvous: the waiter arrives whenever it is scheduled
+                for k in range(200):
+                    sink += k
+        assert sink > 0
 
     def waiter() -> None:
         assert ready.wait(WAIT_S)
         with lock:
-            entered_at.append(count)
+            entered_at.append(guard.holds)  # fixed while we hold it: only we can hand over
+            done.set()
 
-    w = _Worker(waiter, "waiter")
-    loop = _Worker(looper, "looper")
-    w.start()
-    loop.start()
-    loop.finish()
-    w.finish()
-    assert count == iterations
+    workers = [_Worker(looper, "looper"), _Worker(waiter, "waiter")]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.finish()
+    assert guard.arrival is not None and guard.arrived_while_held is not None
+    assert guard.arrival >= 1  # it came after the looper's first hold, while it looped
     assert len(entered_at) == 1
-    if first_seen_queued:
-        assert entered_at == first_seen_queued
+    assert lock._owner is None and not lock._waiters
+    return guard.arrived_while_held, guard.arrival, entered_at[0]
+
+
+def test_waiter_arriving_while_owner_loops_freely_is_not_starved() -> None:
+    """Same as above without a rendezvous inside the loop. Whenever the waiter arrives, the
+    looper may not take the lock again before the waiter has had it: if the lock was held
+    at its arrival, it gets in on that hold's release; if it was free, at once.
+
+    Which case happens is up to the scheduler, so trials repeat (each a fresh lock) until
+    ``contended_wanted`` of them had the waiter arrive while the looper held the lock, the case
+    an unfair lock gets wrong; every trial, contended or not, must hold the property.
+    """
+    contended_wanted, max_trials = 5, 500
+    contended = 0
+    for trial in range(max_trials):
+        held, arrival, entered = _free_running_trial()
+        assert entered == arrival, (
+            f"trial {trial}: the looper took the lock {entered - arrival} more time(s) "
+            f"after the waiter arrived ({'held' if held else 'free'} at its arrival)"
+        )
+        contended += held
+        if contended == contended_wanted:
+            return
+    pytest.fail(
+        f"only {contended} of {max_trials} trials had the waiter arrive while the lock was "
+        "held: the contended case was not exercised"
+    )
 
 
 def test_waiters_are_served_in_arrival_order_and_owner_requeues_last() -> None:

@@ -27,6 +27,7 @@ from gossipd.node import codec as wirecodec
 from gossipd.node.codec import Codec
 from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.segments import FlatModel
+from gossipd.node.transport import CHANNEL_OPTIONS
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import wait_until
 from tests.fakepeer import FakePeer
@@ -37,6 +38,10 @@ INCARNATION = 7
 MAX_CHUNK = 64 << 10
 MAX_SUM_WEIGHT = 1e6  # limits.max_sum_weight, default
 ABOVE_CAP = math.nextafter(MAX_SUM_WEIGHT, math.inf)
+# The daemon's own cap on one gRPC message; grpc's default (4 MiB) would also refuse the
+# oversize frame, so the expected message names the daemon's number, not just "too large".
+MAX_MESSAGE = dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
+OVERSIZE = 2 * MAX_MESSAGE  # the oversize frame's chunk field
 
 
 def _identity(data: bytes) -> bytes:
@@ -213,7 +218,7 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
         ),
         "oversize frame": (
             "PushSegments",
-            lambda: [wire.open_frame(), b"\x1a" + _varint(32 << 20) + b"\0" * (32 << 20)],
+            lambda: [wire.open_frame(), _oversize_frame()],
         ),
         "segment count lies": (
             "PushSegments",
@@ -230,6 +235,11 @@ def _varint(n: int) -> bytes:
             out += struct.pack("B", byte | 0x80)
         else:
             return out + struct.pack("B", byte)
+
+
+def _oversize_frame() -> bytes:
+    """A PushFrame whose chunk field (3, bytes) is OVERSIZE zero bytes long."""
+    return b"\x1a" + _varint(OVERSIZE) + b"\0" * OVERSIZE
 
 
 EXPECTED = {
@@ -257,7 +267,10 @@ EXPECTED = {
         "(limits.max_sum_weight)",
     ),
     "oversize chunk": (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
-    "oversize frame": (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    "oversize frame": (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"larger than max ({1 + len(_varint(OVERSIZE)) + OVERSIZE} vs. {MAX_MESSAGE})",
+    ),
     "segment count lies": (grpc.StatusCode.INVALID_ARGUMENT, "announced 2 segments"),
 }
 

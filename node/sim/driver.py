@@ -25,16 +25,13 @@ What is modelled and what is not:
   never retries one that succeeded);
 * a joiner copies a live node's model (the bootstrap pull) and starts at weight 0.
 
-Mass accounting: what a crash destroys (the node's available weight, and its
-payloads not merged yet) is booked as lost, and a push folded back after its
-receiver merged it (the ledger's one remaining error) as duplicated, so
-:meth:`Simulation.totals` plus lost minus duplicated must equal the start exactly.
+What a crash destroys and what a fold-back after a merge creates is booked in
+a :class:`~gossipd.node.sim.accounting.MassBook`, so the totals must always add up.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import random
 import time
 from collections.abc import Callable
@@ -64,6 +61,7 @@ from gossipd.node.protocols.base import (
     TimerFired,
     ViewChanged,
 )
+from gossipd.node.sim.accounting import MassBook
 from gossipd.node.sim.payloads import DigitsPayload, Payload, VectorPayload
 from gossipd.node.sim.spec import Flight, SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
@@ -114,13 +112,10 @@ class Simulation:
         self.stopped = False
         self.messages = self.acks = self.retries = self.refused = 0
         self.bytes_sent = 0
-        self.lost = np.zeros(self.segments)
-        self.duplicated = np.zeros(self.segments)
-        zeros = [np.zeros_like(self.payload.values(0, s)) for s in range(self.segments)]
-        self.lost_values = [z.copy() for z in zeros]
-        self.duplicated_values = [z.copy() for z in zeros]
+        self.book = MassBook(self.payload)
+        if spec.check_invariants:
+            self.book.start = self.book.totals(self.nodes)
         self.result = SimResult.start(spec, self.segments)
-        self._start_totals = self.totals() if spec.check_invariants else None
 
     # -- scheduling --------------------------------------------------------------------
     @property
@@ -322,9 +317,7 @@ class Simulation:
         sender, push = flight.sender, flight.push
         del sender.flights[push.key]
         if flight.merged and not acked:
-            for s, w in push.weights.items():
-                self.duplicated[s] += w
-                self.duplicated_values[s] += w * np.asarray(flight.values[s], dtype=float)
+            self.book.folded_back_after_merge(push.weights, flight.values)
         for action in sender.core.handle(PushSettled(push.peer, push.sequence, acked)):
             if isinstance(action, FoldBack):
                 seg = action.segment
@@ -400,16 +393,7 @@ class Simulation:
 
     def _crash(self, node: SimNode) -> None:
         """Its state is gone: book its available weight and unmerged payloads as lost."""
-        status = node.core.status()
-        for s in range(self.segments):
-            available = status.weights[s] - status.reserved[s]
-            self.lost[s] += available
-            self.lost_values[s] += available * self.payload.values(node.index, s)
-        for flight in node.flights.values():
-            if not flight.merged:
-                for s, w in flight.push.weights.items():
-                    self.lost[s] += w
-                    self.lost_values[s] += w * np.asarray(flight.values[s], dtype=float)
+        self.book.gone(node)
         node.flights.clear()
         node.alive = False
         self._at(self.now + self.scenario.detect_s, self._declare_gone, node)
@@ -427,16 +411,12 @@ class Simulation:
             self._finish_leaving(node)
 
     def _finish_leaving(self, node: SimNode) -> None:
-        status = node.core.status()
-        left = [w - r for w, r in zip(status.weights, status.reserved, strict=True)]
-        if any(w > 0 for w in left) and node.handoffs < 3 and self.members:
+        if any(w > 0 for w in self.book.available(node)) and node.handoffs < 3 and self.members:
             node.handoffs += 1  # merged something while leaving, or a hand-off came back
             self._act(node, node.core.handle(HandOff()))
             if node.flights:
                 return
-        for s, w in enumerate(left):  # nobody took it: gone with the node
-            self.lost[s] += w
-            self.lost_values[s] += w * self.payload.values(node.index, s)
+        self.book.gone(node)  # nobody took what is left: it goes with the node
         node.alive = False
 
     def _join(self) -> None:
@@ -451,39 +431,6 @@ class Simulation:
         self._set_members(self.members | {node.id})
         self._at(self.now + delay + self._step_time(node), self._step, node)
 
-    # -- accounting -----------------------------------------------------------------------
-    def totals(self) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(Σ w, Σ w·x) per segment over what exists now, plus lost, minus duplicated.
-
-        Live nodes count their available weight; a push counts with its sender until
-        the receiver merges it. Without faults this equals the start exactly.
-        """
-        mass = self.lost - self.duplicated
-        values = [a - b for a, b in zip(self.lost_values, self.duplicated_values, strict=True)]
-        for node in self.nodes:
-            if not node.alive:
-                continue
-            status = node.core.status()
-            for s in range(self.segments):
-                available = status.weights[s] - status.reserved[s]
-                mass[s] += available
-                values[s] += available * self.payload.values(node.index, s)
-            for flight in node.flights.values():
-                if not flight.merged:
-                    for s, w in flight.push.weights.items():
-                        mass[s] += w
-                        values[s] += w * np.asarray(flight.values[s], dtype=float)
-        return mass, values
-
     def invariant_errors(self) -> tuple[float, float]:
-        """Relative drift of (Σ w, Σ w·x) from the start, worst segment; needs check_invariants."""
-        if self._start_totals is None:
-            return math.nan, math.nan
-        mass0, values0 = self._start_totals
-        mass, values = self.totals()
-        d_mass = float(np.max(np.abs(mass - mass0) / np.abs(mass0)))
-        d_values = max(
-            float(np.linalg.norm(v - v0) / np.linalg.norm(v0))
-            for v, v0 in zip(values, values0, strict=True)
-        )
-        return d_mass, d_values
+        """Relative drift of (Σ w, Σ w·x) from the start; needs ``check_invariants``."""
+        return self.book.drift(self.nodes)

@@ -190,8 +190,8 @@ class SimResult:
         self.steps = sum(n.steps for n in sim.nodes)
         self.live_nodes = len(sim.members)
         self.bytes_per_node_per_round = self.bytes / max(1, self.nodes * max(1, self.rounds))
-        self.mass_lost = float(sim.lost.sum())
-        self.mass_duplicated = float(sim.duplicated.sum())
+        self.mass_lost = float(sim.book.lost.sum())
+        self.mass_duplicated = float(sim.book.duplicated.sum())
         if sim.spec.check_invariants:
             self._note_invariants(sim)
 
