@@ -15,6 +15,19 @@ from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from gossipd.node.sim.command import add_arguments as add_sim_arguments
 
 
+def _reload_tls(path: Path, site: object) -> None:
+    from gossipd.node.config import load_config
+
+    try:
+        tls = load_config(path).tls
+    except GossipdError as err:
+        logging.getLogger("gossipd.node.network").warning(
+            "SIGHUP: kept the current certificate: %s", err
+        )
+        return
+    site.network.reload_tls(tls)  # type: ignore[attr-defined]
+
+
 def _run_node(args: argparse.Namespace) -> int:
     import torch
 
@@ -30,8 +43,9 @@ def _run_node(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # A renewed certificate needs no restart: `kill -HUP` reads the [tls] files again.
-        loop.add_signal_handler(signal.SIGHUP, site.network.reload_tls)
+        # A renewed certificate or a new allow-list needs no restart: `kill -HUP` reads
+        # the config's [tls] section and its files again.
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload_tls(args.config, site))
         await site.run(stop)
 
     # A start-up failure raised inside the loop (port taken, join timeout) leaves

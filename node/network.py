@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gossipd.node.codec import Codec
-from gossipd.node.config import NodeConfig
+from gossipd.node.config import NodeConfig, TlsConfig
 from gossipd.node.errors import Busy, ConfigError, GossipdError, Leaving, UnknownPeer
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
@@ -245,8 +245,8 @@ class Network:
             )
         return client
 
-    def reload_tls(self) -> None:
-        """SIGHUP: read the certificate files again; new connections use them.
+    def reload_tls(self, tls: TlsConfig | None = None) -> None:
+        """SIGHUP: read the certificate files (and ``tls``: paths, allow-list) again.
 
         The server hands the new certificate to each new connection. Channels to
         peers are replaced, so this node presents it when dialling too; pushes in
@@ -256,7 +256,7 @@ class Network:
             log.warning("SIGHUP: tls.insecure is set, there is no certificate to reload")
             return
         try:
-            material = self.tls.reload()
+            material = self.tls.reload(tls)
         except GossipdError as err:
             log.warning("SIGHUP: kept the current certificate: %s", err)
             return

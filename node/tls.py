@@ -97,11 +97,21 @@ class Credentials:
             ca.read_bytes(), cert.read_bytes(), key.read_bytes(), node_id, info["not_after"]
         )
 
-    def reload(self) -> Material:
-        """Read the files again; on any problem keep the current ones and raise why."""
+    def reload(self, tls: Any = None) -> Material:
+        """Read the files again (and, given a new ``[tls]`` section, its paths and
+        allow-list); on any problem keep everything as it was and raise why."""
         if self.insecure:
             raise GossipdError("tls.insecure is set: there is no certificate to reload")
-        material = self._read()
+        old_files = self.files
+        if tls is not None:
+            if tls.insecure:
+                raise GossipdError("tls.insecure cannot be switched on while running; restart")
+            self.files = (tls.ca, tls.cert, tls.key)
+        try:
+            material = self._read()
+        except BaseException:
+            self.files = old_files
+            raise
         if self.material is not None and material.node_id != self.material.node_id:
             raise certs.CertificateError(
                 f"the new certificate names {material.node_id!r}, this node is "
@@ -109,6 +119,8 @@ class Credentials:
             )
         with self._lock:
             self.material = material
+            if tls is not None:
+                self.allow = frozenset(tls.allow) if tls.allow is not None else None
         return material
 
     # -- server -------------------------------------------------------------------------
