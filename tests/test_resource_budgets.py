@@ -386,7 +386,7 @@ def test_budget_below_the_largest_segment_is_refused_when_the_servicer_is_built(
     """Nothing could ever be received, so the node refuses to start and names the key."""
     limits = {"max_pending_bytes": SEGMENT_BYTES - 1}
     node = SimpleNamespace(
-        config=NodeConfig(mesh_id=MESH, node_id="tight", limits=limits),
+        config=NodeConfig(mesh_id=MESH, node_id="tight", limits=limits, tls={"insecure": True}),
         new_assembler=lambda: SegmentAssembler(PLAN, Limits()),
     )
     with pytest.raises(ConfigError, match=r"limits\.max_pending_bytes = \d+ is below the largest"):
