@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from gossipd.node.errors import GossipdError
 from gossipd.node.protocols.base import shared_seed
+
+if TYPE_CHECKING:
+    from gossipd.node.sim.spec import SimSpec
 
 
 class Payload(Protocol):
@@ -48,8 +52,8 @@ class VectorPayload:
     def __init__(
         self, nodes: int, capacity: int, dim: int, segments: int, seed: int, wire_bytes: int = 0
     ) -> None:
-        if dim < segments:
-            raise ValueError(f"dim {dim} must be at least the number of segments {segments}")
+        if not 1 <= segments <= dim:
+            raise GossipdError(f"--segments {segments} must be between 1 and --dim {dim}")
         bounds = np.linspace(0, dim, segments + 1).round().astype(int)
         self.slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
         self.num_segments = segments
@@ -177,3 +181,14 @@ class DigitsPayload:
             self.jobs[int(i)].evaluate().get("test_accuracy", float("nan")) for i in members
         ]
         return {"accuracy": float(np.mean(accuracy))}
+
+
+def make_payload(spec: SimSpec, capacity: int) -> Payload:
+    """The payload ``spec`` names, with room for ``capacity`` nodes (joiners included)."""
+    if spec.payload == "vector":
+        return VectorPayload(
+            spec.nodes, capacity, spec.dim, spec.segments, spec.seed, spec.model_bytes
+        )
+    if spec.payload == "digits":
+        return DigitsPayload(spec.nodes, capacity, spec.segments, spec.seed, spec.learning_rate)
+    raise GossipdError(f"payload must be 'vector' or 'digits', got {spec.payload!r}")
