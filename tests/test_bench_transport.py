@@ -25,6 +25,7 @@ from gossipd.bench import transport
 from gossipd.node.codec import Codec
 from gossipd.node.protocols.sumweight import Push
 from gossipd.node.replica import OutboundPush
+from gossipd.node.tls import Credentials
 from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import segment_frames
 from gossipd.proto import gossip_pb2 as pb
@@ -94,21 +95,24 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     nbytes = MODEL_MB << 20
     rows = result["rows"]
 
-    # What ran: every baseline (none fell over into a note), two push settings, one pull.
+    # What ran: every baseline (none fell over into a note), then plaintext and mutual
+    # TLS, each with two push settings and one pull.
+    gossipd_methods = ["gossipd push", "gossipd pull", "gossipd push"]
     assert [r["method"] for r in rows] == [
         "raw TCP",
         "gloo",
         "grpc.aio bare",
-        "gossipd push",
-        "gossipd pull",
-        "gossipd push",
+        *gossipd_methods,
+        *(f"{m} (mTLS)" for m in gossipd_methods),
     ]
     assert result["notes"] == ["hivemind: skipped (--skip-hivemind)"]
-    pushes = [r for r in rows if r["method"] == "gossipd push"]
-    assert [r["settings"] for r in pushes] == [
+    settings = [
         "segment 16 MiB, chunk 1024 KiB, streams 1 (1 segments)",
         "segment 16 MiB, chunk 1024 KiB, streams 4 (1 segments)",
     ]
+    pushes = [r for r in rows if r["method"] == "gossipd push"]
+    tls_pushes = [r for r in rows if r["method"] == "gossipd push (mTLS)"]
+    assert [r["settings"] for r in pushes] == [r["settings"] for r in tls_pushes] == settings
     assert (result["model_bytes"], result["tensor_bytes"], result["reps"]) == (
         nbytes,
         4 << 20,
@@ -119,9 +123,10 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     # whole snapshot and had every segment merged, the pull returned the receiver's model.
     for name in ("bench_raw_tcp", "bench_gloo", "bench_grpc_bare", "bench_gossipd"):
         assert [size for _, size in recorder.calls[name]] == [nbytes], name
-    assert len(recorder.pushes) == 2 * (REPS + 1)  # a warm-up push per setting, then REPS
+    # Per TLS mode and setting, a warm-up push, then REPS; per mode, a warm-up pull and REPS.
+    assert len(recorder.pushes) == 4 * (REPS + 1)
     assert all(size == nbytes and merged == [0] for _, size, merged in recorder.pushes)
-    assert len(recorder.pulls) == REPS + 1
+    assert len(recorder.pulls) == 2 * (REPS + 1)
     receiver = transport.FlatModel(
         transport.bench_job(transport._job_spec(nbytes // 4, (4 << 20) // 4, seed=1)).model,
         16 << 20,
@@ -145,8 +150,8 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     gossipd_times = [t for r in rows if r["method"].startswith("gossipd") for t in r["times_s"]]
     assert sum(gossipd_times) <= recorder.calls["bench_gossipd"][0][0]
     walls = [wall for wall, _, _ in recorder.pushes]
-    timed_walls = walls[1 : REPS + 1] + walls[REPS + 2 :]  # without each setting's warm-up
-    for r, own in zip(pushes, [timed_walls[:REPS], timed_walls[REPS:]], strict=True):
+    per_setting = [walls[i + 1 : i + REPS + 1] for i in range(0, len(walls), REPS + 1)]
+    for r, own in zip(pushes + tls_pushes, per_setting, strict=True):  # warm-ups left out
         assert all(t >= w for t, w in zip(r["times_s"], own, strict=True)), (r, own)
 
     # Derived columns, from the row's own times and the raw TCP row.
@@ -171,6 +176,12 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         for m in {r["method"] for r in rows}
     }
     assert result["machine"]["cpu_count"] == os.cpu_count()
+    mtls_lines = [x for x in captured.err.splitlines() if x.startswith("mTLS push: ")]
+    assert mtls_lines == [
+        f"mTLS push: {tls['gbps_best'] / plain['gbps_best']:.2f} x plaintext push "
+        f"({plain['settings']})"
+        for plain, tls in zip(pushes, tls_pushes, strict=True)
+    ]
 
     # The table a person reads (stderr under --json) shows the same rows, in order.
     lines = captured.err.splitlines()
@@ -227,7 +238,9 @@ def test_push_frames_encoded_by_hand_equal_protobuf_serialization(chunk_bytes: i
     out = OutboundPush(Push("peer", 3, {0: 0.5, 1: 0.25, 2: 0.0, 3: 1.0}), snapshot)
 
     async def frames() -> list[bytes]:
-        client = PeerClient("127.0.0.1:1", identity, chunk_bytes=chunk_bytes)
+        client = PeerClient(
+            "127.0.0.1:1", identity, chunk_bytes=chunk_bytes, tls=Credentials(insecure=True)
+        )
         try:
             return [f async for f in client._frames(out, sorted(out.push.weights), lambda: None)]
         finally:
