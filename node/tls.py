@@ -109,14 +109,14 @@ class Credentials:
             self.files = (tls.ca, tls.cert, tls.key)
         try:
             material = self._read()
+            if self.material is not None and material.node_id != self.material.node_id:
+                raise certs.CertificateError(
+                    f"the new certificate names {material.node_id!r}, this node is "
+                    f"{self.material.node_id!r}; issue it for the same node id"
+                )
         except BaseException:
             self.files = old_files
             raise
-        if self.material is not None and material.node_id != self.material.node_id:
-            raise certs.CertificateError(
-                f"the new certificate names {material.node_id!r}, this node is "
-                f"{self.material.node_id!r}; issue it for the same node id"
-            )
         with self._lock:
             self.material = material
             if tls is not None:

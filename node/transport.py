@@ -203,6 +203,10 @@ class PeerClient:
             return remote_error(err, self.address)
         if isinstance(err, GossipdError):
             return err
+        if isinstance(err, asyncio.CancelledError):
+            # grpc.aio ends a call whose channel was closed under it (a certificate
+            # reload, a forgotten peer) this way: the receiver may have merged it.
+            return OutcomeUnknown(f"{self.address}: the channel was closed mid-push")
         raise err
 
     async def _push_once(

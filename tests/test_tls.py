@@ -581,14 +581,6 @@ def test_certificates_rotated_by_sighup_are_served_and_gossip_goes_on(tmp_path: 
         stop_all(handles)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect: reload_tls closes the old channels under pushes in flight; grpc.aio "
-    "ends those calls with asyncio.CancelledError, which PeerClient._outcome re-raises "
-    "instead of reporting OutcomeUnknown, so the push is folded back although the receiver "
-    "may have merged it (mass created: totals 3.38, 4.73, 4.11, 4.19 in 4 of 4 runs on "
-    "2026-11-22; 3.0 in 3 of 3 with CancelledError mapped to OutcomeUnknown)",
-)
 @pytest.mark.timeout(300)
 def test_sum_of_weights_is_exactly_n_after_a_certificate_rotation_by_sighup(
     tmp_path: Path,
