@@ -119,12 +119,12 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> Path:
     fig, (ax_rounds, ax_bytes) = plt.subplots(1, 2, figsize=(13, 4.5))
     for i, protocol in enumerate(sorted({r["protocol"] for r in rows})):
         mine = [r for r in rows if r["protocol"] == protocol]
-        color = f"C{i}"
+        color, marker = f"C{i}", "osD^v<>"[i % 7]  # markers tell overlapping lines apart
         ns = [r["nodes"] for r in mine if r["rounds_to_target"] is not None]
         ax_rounds.plot(
             ns,
             [r["rounds_to_target"] for r in mine if r["rounds_to_target"] is not None],
-            "o-",
+            marker + "-",
             color=color,
             label=f"{protocol} measured",
         )
@@ -141,9 +141,10 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> Path:
         ax_bytes.plot(
             [r["nodes"] for r in mine],
             [r["models_per_node_per_round"] for r in mine],
-            "o-",
+            marker + "-",
             color=color,
             label=protocol,
+            markersize=9 - i,
         )
     ax_rounds.set(
         title=f"rounds (1 s each) to consensus error {target:g}",

@@ -270,7 +270,8 @@ def plot_result(result: SimResult, path: Path) -> Path:
             "r--",
             label="predicted: error₀·σ₁(P_k − J)",
         )
-    ax.set(title="consensus error max‖xᵢ − x̄‖/‖x̄‖", xlabel="virtual time (s)")
+    what = "x̄ the initial mean" if result.accuracy is None else "x̄ the current mean"
+    ax.set(title=f"consensus error max‖xᵢ − x̄‖/‖x̄‖, {what}", xlabel="virtual time (s)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     if result.accuracy is not None:
