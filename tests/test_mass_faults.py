@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 import torch
 
 from tests.conftest import (
