@@ -32,7 +32,7 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
             "--protocol",
             protocol,
             "--duration-s",
-            "20",
+            "15",
             "--workdir",
             str(tmp_path / "mesh"),
             "--plot",
