@@ -279,15 +279,17 @@ class LocalMesh:
     async def pull_all(self) -> list[torch.Tensor]:
         """Every node's model as one flat float64 vector, pulled over gRPC."""
         identity = Identity(self.mesh_id, LAUNCHER_ID, "", 0, self.plan.fingerprint, "")
-        models = []
-        for i in sorted(self.procs):
+
+        async def pull(i: int) -> torch.Tensor:
             client = PeerClient(self.addresses[i], identity, tls=self.tls, expected=f"node-{i}")
             try:
                 segs = await client.pull(self.plan, Limits(), 60.0)
             finally:
                 await client.close()
-            models.append(as_vector([segs[k] for k in sorted(segs)]))
-        return models
+            return as_vector([segs[k] for k in sorted(segs)])
+
+        # All at once, so the models are as close to one moment as the network allows.
+        return list(await asyncio.gather(*(pull(i) for i in sorted(self.procs))))
 
     def initial(self) -> list[checkpoint.Checkpoint]:
         """Each node's ``initial.pt``: the model and weights before its first step."""

@@ -145,7 +145,8 @@ class Simulation:
     # -- nodes and views ----------------------------------------------------------------
     def _new_node(self, initial_weight: float) -> SimNode:
         index = len(self.nodes)
-        node_id = f"n{index:0{self._id_width}d}"
+        ids = self.spec.node_ids
+        node_id = ids[index] if index < len(ids) else f"n{index:0{self._id_width}d}"
         core = build(
             self.spec.protocol, core_settings(self.spec, node_id, self.segments, initial_weight)
         )

@@ -67,6 +67,16 @@ class VectorPayload:
         self.norm0 = float(np.linalg.norm(self.mean0))
         self.initial = self.x[:nodes].copy()
 
+    def start_from(self, initial: np.ndarray) -> None:
+        """Given initial vectors (one row per node) instead of seeded ones."""
+        nodes, dim = len(self.initial), self.x.shape[1]
+        if initial.shape != (nodes, dim):
+            raise GossipdError(f"initial vectors have shape {initial.shape}, need {(nodes, dim)}")
+        self.x[:nodes] = initial
+        self.mean0 = initial.mean(axis=0)
+        self.norm0 = float(np.linalg.norm(self.mean0))
+        self.initial = initial.copy()
+
     def add_node(self, index: int, bootstrap_from: int | None) -> None:
         """A joiner pulls a live node's model before it trains (it holds weight 0)."""
         if bootstrap_from is not None:
@@ -186,9 +196,12 @@ class DigitsPayload:
 def make_payload(spec: SimSpec, capacity: int) -> Payload:
     """The payload ``spec`` names, with room for ``capacity`` nodes (joiners included)."""
     if spec.payload == "vector":
-        return VectorPayload(
+        payload = VectorPayload(
             spec.nodes, capacity, spec.dim, spec.segments, spec.seed, spec.model_bytes
         )
+        if spec.initial:
+            payload.start_from(np.array(spec.initial, dtype=np.float64))
+        return payload
     if spec.payload == "digits":
         return DigitsPayload(spec.nodes, capacity, spec.segments, spec.seed, spec.learning_rate)
     raise GossipdError(f"payload must be 'vector' or 'digits', got {spec.payload!r}")

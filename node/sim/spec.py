@@ -43,6 +43,11 @@ class SimSpec:
     target_error: float = 0.0  # > 0: stop once both the error and its prediction are at most this
     predict: bool | None = None  # None: N ≤ 256; True: N ≤ 1024 (vectors, no membership changes)
     check_invariants: bool = False  # Σw and Σw·x at every probe (O(N) status calls each)
+    # Replaying a real mesh: its node ids and mesh id (the daemon seeds every shared
+    # topology with shared_seed(mesh_id)) and its nodes' initial vectors.
+    node_ids: tuple[str, ...] = ()
+    mesh_id: str = ""
+    initial: tuple[tuple[float, ...], ...] = ()
 
     @property
     def tracks_mixing(self) -> bool:
@@ -70,7 +75,7 @@ def core_settings(
         node_id=node_id,
         num_segments=segments,
         seed=shared_seed("sim-core", spec.seed, node_id),
-        mesh_seed=shared_seed("sim-mesh", spec.seed),
+        mesh_seed=shared_seed(spec.mesh_id) if spec.mesh_id else shared_seed("sim-mesh", spec.seed),
         initial_weight=initial_weight,
         max_in_flight=spec.max_in_flight
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
