@@ -56,6 +56,7 @@ class Peering:
         self._leave_checks: set[str] = set()
         self._round = asyncio.Lock()
         self._lonely_logged_at = -math.inf
+        self._last_error: dict[str, str] = {}  # per seed: the last handshake failure
 
     # -- changes ----------------------------------------------------------------------
     def apply(self, change: Change | None) -> None:
@@ -122,6 +123,8 @@ class Peering:
             return False
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
+            if address in self.network.config.seeds:  # kept for seeds only: bounded
+                self._last_error[address] = str(err)
             return False
         known = self.membership.peers.get(reply.node.node_id)
         verdict = self.membership.verified(address, reply.node, claim)
@@ -262,10 +265,15 @@ class Peering:
         if now - self._lonely_logged_at < LONELY_LOG_INTERVAL_S:
             return
         self._lonely_logged_at = now
-        tried = ", ".join(seeds) if seeds else "none configured"
+        tried = (
+            ", ".join(f"{s} ({self._last_error.get(s, 'not reached yet')})" for s in seeds)
+            if seeds
+            else "none configured"
+        )
         log.info(
             "no live peer; seeds tried: %s. Check that they run, that `seeds` names "
-            "their advertised addresses, and that firewalls let this node reach them",
+            "their advertised addresses, that firewalls let this node reach them, and "
+            "that their certificates come from this mesh's CA (tls.ca)",
             tried,
         )
 

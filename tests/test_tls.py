@@ -600,3 +600,29 @@ def test_sum_of_weights_is_exactly_n_after_a_certificate_rotation_by_sighup(
         stop_all(handles)
     totals = [sum(w[s] for w in weights) for s in range(len(weights[0]))]
     assert all(abs(t - len(IDS)) <= TOLERANCE for t in totals), (totals, weights)
+
+
+def test_a_site_whose_seed_has_another_ca_logs_the_tls_failure_at_info(
+    tmp_path: Path, mesh: list[DaemonHandle]
+) -> None:
+    """An operator reads INFO: the no-live-peer line names each seed with its last failure."""
+    other = Pki.create(tmp_path / "other-ca", ["stray", CLIENT])
+    stray = start_daemon(
+        tmp_path,
+        "stray",
+        free_ports(1)[0],
+        client_tls=other.creds(CLIENT),
+        seeds=[mesh[0].address],
+        tls=other.tls_config("stray"),
+    )
+    try:
+        wait_until(
+            lambda: (
+                f"seeds tried: {mesh[0].address} (" in stray.log() and "UNAVAILABLE" in stray.log()
+            ),
+            "the stray site to log why its seed did not answer",
+            60.0,
+        )
+        assert stray.status()["live_peers"] == []
+    finally:
+        stop_all([stray])
