@@ -49,7 +49,8 @@ def _user_node(
         "seeds": [peer.address],
         "membership": membership or {},
         "gossip": {"push_probability": 1.0, **gossip},
-        "metrics": {"listen": None}, "tls": {"insecure": True},
+        "metrics": {"listen": None},
+        "tls": {"insecure": True},
         "shutdown_timeout_s": 5.0,
     }
     node = GossipNode(config, job.model, job.optimizer)
@@ -124,7 +125,10 @@ def test_bad_config_and_use_after_close_raise_clear_errors(tmp_path: Path) -> No
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ConfigError, match=r"gossip\.push_probability"):
         GossipNode({"mesh_id": "m", "node_id": "n", "gossip": {"push_probability": 2}}, model)
-    node = GossipNode({"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}, "tls": {"insecure": True}}, model)
+    node = GossipNode(
+        {"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}, "tls": {"insecure": True}},
+        model,
+    )
     node.close()
     with pytest.raises(GossipdError, match="after close"):
         node.step()
@@ -132,7 +136,10 @@ def test_bad_config_and_use_after_close_raise_clear_errors(tmp_path: Path) -> No
 
 def test_replacing_a_parameter_tensor_is_caught(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 1)
-    with GossipNode({"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}, "tls": {"insecure": True}}, model) as node:
+    with GossipNode(
+        {"mesh_id": "m", "node_id": "n", "metrics": {"listen": None}, "tls": {"insecure": True}},
+        model,
+    ) as node:
         node.step()
         model.weight.data = torch.zeros(1, 2)  # silently detaches it from gossip
         with pytest.raises(GossipdError, match="weight"):

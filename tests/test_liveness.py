@@ -95,7 +95,8 @@ def test_a_push_cancelled_while_its_receiver_hangs_settles_once_and_returns_its_
             "node_id": "user",
             "seeds": [hung.address],
             "gossip": {"push_probability": 1.0, "progress_timeout_s": 120.0},
-            "metrics": {"listen": None}, "tls": {"insecure": True},
+            "metrics": {"listen": None},
+            "tls": {"insecure": True},
             "shutdown_timeout_s": 3.0,
         }
         node = GossipNode(config, job.model, job.optimizer)

@@ -32,7 +32,8 @@ def _node(node_id: str, port: int, seeds: list[str], protocol: str) -> GossipNod
         "seeds": seeds,
         "gossip": {"protocol": protocol},
         "membership": {"anti_entropy_interval_s": 0.2},
-        "metrics": {"listen": None}, "tls": {"insecure": True},
+        "metrics": {"listen": None},
+        "tls": {"insecure": True},
         "shutdown_timeout_s": 3.0,
     }
     return GossipNode(config, job.model, job.optimizer)
