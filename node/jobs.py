@@ -197,6 +197,11 @@ class _SupervisedJob:
         self.batches = _Batches(num_samples, spec.batch_size or self.DEFAULT_BATCH, spec.seed)
 
     @property
+    def batch_size(self) -> int:
+        """Samples per step, for ``gossipd_samples_total`` (a plugin job may define it too)."""
+        return self.batches.batch_size
+
+    @property
     def frozen(self) -> bool:
         """True when no parameter group can move; read each step so a live lr change counts."""
         return all(group["lr"] == 0.0 for group in self.optimizer.param_groups)

@@ -1,11 +1,17 @@
-"""Prometheus metrics of one node, on a registry of its own so several nodes fit in a process."""
+"""Prometheus metrics of one node, on a registry of its own so several nodes fit in a process.
+
+Label values come from small fixed sets (direction, kind, result, reason, metric,
+segment index), never from peers: a mesh of any size, or an outsider making up
+node ids, cannot grow the number of series. ``gossipd_sum_weight`` has one series
+per model segment, which the model fixes.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.replica import StepReport
+from gossipd.node.replica import StepReport, Summary
 
 
 class NodeMetrics:
@@ -14,11 +20,18 @@ class NodeMetrics:
         r = self.registry
         self.info = Gauge(
             "gossipd_node_info",
-            "Constant 1, labelled with identity",
-            ["node_id", "mesh_id", "fingerprint"],
+            "Constant 1, labelled with identity and protocol",
+            ["node_id", "mesh_id", "fingerprint", "protocol"],
             registry=r,
         )
-        self.steps = Counter("gossipd_steps_total", "Local optimizer steps", registry=r)
+        self.steps = Counter(
+            "gossipd_steps_total",
+            "Local optimizer steps over the node's life (a restart continues from the checkpoint)",
+            registry=r,
+        )
+        self.samples = Counter(
+            "gossipd_samples_total", "Training samples processed (steps x batch size)", registry=r
+        )
         self.loss = Gauge("gossipd_loss", "Training loss of the last step", registry=r)
         self.step_seconds = Histogram(
             "gossipd_step_seconds",
@@ -28,15 +41,26 @@ class NodeMetrics:
         )
         self.bytes = Counter(
             "gossipd_gossip_bytes_total",
-            "Payload bytes by direction and result",
-            ["direction", "result"],
+            "Payload bytes by direction (sent, received), kind (push, pull, handoff) and result",
+            ["direction", "kind", "result"],
             registry=r,
         )
         self.messages = Counter(
             "gossipd_gossip_messages_total",
-            "Push and pull messages by direction and result",
-            ["direction", "result"],
+            "Messages by direction, kind (push, pull, handoff) and result (ok, failed, retry, "
+            "rejected)",
+            ["direction", "kind", "result"],
             registry=r,
+        )
+        self.push_seconds = Histogram(
+            "gossipd_push_seconds",
+            "One outbound push from its first attempt until it settled (acknowledged or folded "
+            "back), retries included",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self.pushes_in_flight = Gauge(
+            "gossipd_pushes_in_flight", "Outbound pushes not yet settled", registry=r
         )
         self.rejected = Counter(
             "gossipd_rejected_payloads_total",
@@ -51,6 +75,25 @@ class NodeMetrics:
             "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
         )
         self.live_peers = Gauge("gossipd_live_peers", "Peers currently considered live", registry=r)
+        self.suspected_peers = Gauge(
+            "gossipd_suspected_peers",
+            "Verified peers that failed recently (not pushed to; declared dead after "
+            "membership.drop_after_s)",
+            registry=r,
+        )
+        self.membership_epoch = Gauge(
+            "gossipd_membership_epoch",
+            "Digest of this node's view of the live members: equal on nodes whose views agree",
+            registry=r,
+        )
+        self.round = Gauge("gossipd_round", "The protocol core's current round", registry=r)
+        self.dial_failures = Counter(
+            "gossipd_dial_failures_total",
+            "Handshakes this node made that failed, by reason (tls: certificate refused or "
+            "wrong CA; unreachable; mismatch: other mesh, model or protocol; other)",
+            ["reason"],
+            registry=r,
+        )
         self.eval_metric = Gauge(
             "gossipd_eval", "Latest evaluation metrics of the job", ["metric"], registry=r
         )
@@ -92,8 +135,11 @@ class NodeMetrics:
             self._server.server_close()
             self._server = None
 
-    def record_step(self, report: StepReport, step_time_s: float, loss: float | None) -> None:
+    def record_step(
+        self, report: StepReport, step_time_s: float, loss: float | None, samples: int = 0
+    ) -> None:
         self.steps.inc()
+        self.samples.inc(samples)
         self.step_seconds.observe(step_time_s)
         if loss is not None:
             self.loss.set(loss)
@@ -104,6 +150,10 @@ class NodeMetrics:
         self.checkpoint_seconds.observe(write_s)
         self.checkpoint_last_success.set(unix_s)
 
-    def record_weights(self, weights: list[float]) -> None:
-        for i, w in enumerate(weights):
+    def record_summary(self, summary: Summary) -> None:
+        """What the replica published at its last step boundary."""
+        for i, w in enumerate(summary.weights):
             self.sum_weight.labels(str(i)).set(w)
+        self.round.set(summary.round)
+        self.membership_epoch.set(summary.epoch)
+        self.pushes_in_flight.set(summary.in_flight)

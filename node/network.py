@@ -177,7 +177,7 @@ class Network:
             await server.stop(None)
             raise
         self.server = server
-        self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint).set(1)
+        self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
         self.replica.send = lambda out: loop.call_soon_threadsafe(
             self.spawn, self.outbound.push(out), f"push:{out.push.peer}"
         )
@@ -355,8 +355,9 @@ class Network:
                     "(limits.merge_wait_s); the push was not merged, retry later"
                 ) from None
             acks = await future
-        self.metrics.messages.labels("received", "ok").inc()
-        self.metrics.bytes.labels("received", "ok").inc(nbytes)
+        result = "ok" if item.merge_new else "leaving"  # leaving: acknowledged, not merged
+        self.metrics.messages.labels("received", "push", result).inc()
+        self.metrics.bytes.labels("received", "push", result).inc(nbytes)
         self.peering.succeeded(open_.sender)
         return pb.PushReply(acks=acks)
 
@@ -378,7 +379,7 @@ class Network:
                 copy=False,
             ):
                 yield frame
-        self.metrics.messages.labels("sent", "pull").inc()
+        self.metrics.messages.labels("sent", "pull", "ok").inc()
 
     def _snapshot(self) -> tuple[dict[int, object], list[float]]:
         with self.replica.lock:
@@ -445,7 +446,7 @@ class Network:
         """Count every refusal; log and report it once per peer and reason per interval."""
         reason = type(err).__name__
         self.metrics.rejected.labels(reason).inc()
-        self.metrics.messages.labels("received", "rejected").inc()
+        self.metrics.messages.labels("received", "request", "rejected").inc()
         if isinstance(err, Leaving):
             self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
             return

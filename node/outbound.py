@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from gossipd.node.errors import GossipdError, InvalidFrame
@@ -36,12 +37,16 @@ class Outbound:
         """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
         acks: list[pb.SegmentAck] = []
         error: str | None = "the node stopped before the push was acknowledged"
+        started = time.monotonic()
         try:
             acks, error = await self.deliver(out)
         finally:
             self.network.replica.post_push_result(out, acks, error)
+            self.network.metrics.push_seconds.observe(time.monotonic() - started)
 
-    async def deliver(self, out: OutboundPush) -> tuple[list[pb.SegmentAck], str | None]:
+    async def deliver(
+        self, out: OutboundPush, kind: str = "push"
+    ) -> tuple[list[pb.SegmentAck], str | None]:
         """Retry with the same sequence until the receiver answers or is declared dead.
 
         The receiver de-duplicates, so a retry after a lost acknowledgement is
@@ -74,8 +79,8 @@ class Outbound:
                 acks = await self.network.client(state.address, peer).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
-                self.network.metrics.messages.labels("sent", "ok").inc()
-                self.network.metrics.bytes.labels("sent", "ok").inc(nbytes)
+                self.network.metrics.messages.labels("sent", kind, "ok").inc()
+                self.network.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
                 self.network.peering.succeeded(peer)
                 return acked + acks, None
             except OutcomeUnknown as err:
@@ -87,17 +92,17 @@ class Outbound:
                 if any(isinstance(e, OutcomeUnknown) for e in err.errors):
                     uncertain = True
                 elif not uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
-                    return self._refused(acked, nbytes, err)  # commit what merged
+                    return self._refused(acked, nbytes, err, kind)  # commit what merged
             except InvalidFrame as err:  # refused by validation, as any attempt would be
-                return self._refused(acked, nbytes, err)
+                return self._refused(acked, nbytes, err, kind)
             except GossipdError as err:
                 # Busy, not (yet) a verified peer, leaving: this attempt merged nothing.
                 # That settles the push only if no earlier attempt is still unaccounted
                 # for: one may sit in the receiver's inbox and be merged after all.
                 if not uncertain:
-                    return self._refused(acked, nbytes, err)
+                    return self._refused(acked, nbytes, err, kind)
                 last_error = str(err)
-            self.network.metrics.messages.labels("sent", "retry").inc()
+            self.network.metrics.messages.labels("sent", kind, "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
             # DUPLICATE for what it merged, and only an answer settles exactly.
             wake = self._retry_now
@@ -108,10 +113,10 @@ class Outbound:
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
     def _refused(
-        self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError
+        self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError, kind: str
     ) -> tuple[list[pb.SegmentAck], str]:
-        self.network.metrics.messages.labels("sent", "failed").inc()
-        self.network.metrics.bytes.labels("sent", "failed").inc(nbytes)
+        self.network.metrics.messages.labels("sent", kind, "failed").inc()
+        self.network.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
         return acked, str(err)
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
@@ -180,7 +185,7 @@ class Outbound:
             acks: list[pb.SegmentAck] = []
             error: str | None = "leaving took too long"
             try:
-                acks, error = await self.deliver(out)
+                acks, error = await self.deliver(out, "handoff")
             finally:
                 settled = replica.call(lambda: replica.settle_push(out, acks, error))
             await asyncio.wrap_future(settled)

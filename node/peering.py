@@ -67,6 +67,7 @@ class Peering:
             if change.live:
                 self.network.retry_now()  # pushes waiting for it need not wait out a backoff
         self.network.metrics.live_peers.set(len(self.membership.live()))
+        self.network.metrics.suspected_peers.set(len(self.membership.suspected()))
 
     def failed(self, node_id: str, why: object) -> None:
         change = self.membership.failed(node_id, time.monotonic())
@@ -119,10 +120,12 @@ class Peering:
             check_fingerprint(self.network.fingerprint, reply.fingerprint, address)
             check_protocol(self.network.config.gossip.protocol, reply.protocol, address)
         except MeshMismatch as err:  # a configuration to fix, not a passing failure
+            self.network.metrics.dial_failures.labels("mismatch").inc()
             self.network.rejections.record(address, "MeshMismatch", str(err))
             return False
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
+            self.network.metrics.dial_failures.labels(_dial_failure_reason(err)).inc()
             if address in self.network.config.seeds:  # kept for seeds only: bounded
                 self._last_error[address] = str(err)
             return False
@@ -286,3 +289,15 @@ class Peering:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.network.stopping.wait(), 0.1)
         return True
+
+
+def _dial_failure_reason(err: GossipdError) -> str:
+    """A bounded label for a failed handshake: what an operator would fix."""
+    text = str(err)
+    if "ssl" in text.lower() or "handshake" in text.lower() or "certificate" in text.lower():
+        return "tls"
+    if isinstance(err, IdentityMismatch):
+        return "tls"
+    if "UNAVAILABLE" in text or "DEADLINE_EXCEEDED" in text:
+        return "unreachable"
+    return "other"

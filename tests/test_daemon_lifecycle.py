@@ -82,6 +82,9 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     assert resumed["step"] >= ckpt["step"]
     assert "resumed a from step" in again.log()
     wait_until(lambda: "b" in again.status()["live_peers"], "the restarted node to rejoin")
+    # The step counter an operator graphs goes on from where the node left off.
+    steps = scrape_metrics(again.node_json()["metrics_port"])["gossipd_steps_total"]
+    assert steps >= ckpt["step"] > 0
 
 
 def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
@@ -102,7 +105,7 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
     wait_until(
         lambda: (
             scrape_metrics(port).get(
-                'gossipd_gossip_messages_total{direction="sent",result="ok"}', 0
+                'gossipd_gossip_messages_total{direction="sent",kind="push",result="ok"}', 0
             )
             > 0
         ),
@@ -110,12 +113,18 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
     )
     m = scrape_metrics(port)
     assert m["gossipd_steps_total"] > 0
-    assert m['gossipd_gossip_bytes_total{direction="sent",result="ok"}'] > 0
+    assert m['gossipd_gossip_bytes_total{direction="sent",kind="push",result="ok"}'] > 0
     assert m["gossipd_live_peers"] == 1.0
     assert 'gossipd_sum_weight{segment="0"}' in m
     assert "gossipd_loss" in m
     assert m['gossipd_step_seconds_bucket{le="+Inf"}'] == m["gossipd_step_seconds_count"] > 0
-    assert any(k.startswith("gossipd_node_info{") for k in m)
+    assert any(k.startswith("gossipd_node_info{") and 'protocol="sumweight"' in k for k in m)
+    # 32 samples a step (the synthetic job's batch); the two counters are read one after
+    # the other while the node steps, so allow a step between them.
+    assert abs(m["gossipd_samples_total"] - 32 * m["gossipd_steps_total"]) <= 32
+    assert m["gossipd_round"] > 0 and m["gossipd_membership_epoch"] > 0
+    assert m["gossipd_push_seconds_count"] > 0
+    assert m["gossipd_suspected_peers"] == 0.0
 
 
 def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> None:

@@ -278,7 +278,7 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
     wait_until(target.exists, "the first periodic checkpoint", TIMEOUT_S, full.alive)
     # Written before training starts, so present once a periodic checkpoint is.
     metrics_port = json.loads((full_dir / "node.json").read_text())["metrics_port"]
-    sent_ok = 'gossipd_gossip_messages_total{direction="sent",result="ok"}'
+    sent_ok = 'gossipd_gossip_messages_total{direction="sent",kind="push",result="ok"}'
     wait_until(
         lambda: scrape_metrics(metrics_port).get(sent_ok, 0) > 0,
         "a first push",
