@@ -331,18 +331,27 @@ def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
 
 
 async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+    from gossipd.node.progress import MeshProgress
+
     timeline: list[dict[str, float]] = []
-    with LocalMesh(spec, root) as mesh:
-        t0 = time.monotonic()
+    display = MeshProgress(progress, spec, root)
+    display.starting()  # before the CA and the processes: a person sees at once what runs
+    with display, LocalMesh(spec, root) as mesh:
+        t0 = display.t0 = time.monotonic()
         start_unix_s = time.time()
         for i in range(spec.nodes):
             mesh.start(i)
-        mesh.load_plan()
-        await mesh.wait_ready()
+        watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
+        try:
+            mesh.load_plan()
+            await mesh.wait_ready()
+        finally:
+            watcher.cancel()
         initial = mesh.initial()
         distance_start = consensus_distance([as_vector(c.segments) for c in initial])
         sum_weight_start = sum(sum(c.weights) / len(c.weights) for c in initial)
         timeline.append({"t": 0.0, "consensus_distance": distance_start})
+        display.ready(distance_start)
         while True:
             mesh.check_alive()
             states = await mesh.statuses()
@@ -351,17 +360,11 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
             dist = consensus_distance(await mesh.pull_all())
             t = time.monotonic() - t0
             timeline.append({"t": t, "consensus_distance": dist})
-            if not spec.quiet:
-                steps = " ".join(f"{s['step']:>5}" for s in states)
-                loss = sum(s["loss"] for s in states) / len(states)
-                print(
-                    f"[{t:6.1f}s] steps {steps}  mean loss {loss:.4f}  consensus {dist:.2e}",
-                    file=progress,
-                    flush=True,
-                )
+            display.sample(t, states, dist)
             if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
                 raise GossipdError("nodes did not finish training in time; see node logs")
             await asyncio.sleep(spec.sample_interval_s)
+        display.training_done()
         states = await mesh.wait_settled()
         end_models = await mesh.pull_all()
         distance_end = consensus_distance(end_models)
@@ -390,6 +393,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         "sum_weight_end": sum_weight_end,
         "wall_s": time.monotonic() - t0,
         "start_unix_s": start_unix_s,
+        "ready_s": display.ready_s,
         "exit_codes": exit_codes,
         "ok": all(c == 0 for c in exit_codes),
         "workdir": str(root),

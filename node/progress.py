@@ -1,0 +1,205 @@
+"""What `gossipd mesh up` and `gossipd demo` show while they run.
+
+A line at once saying what starts and where, a line as each node listens, then
+one sample per interval: a live table on a terminal (rich), plain lines under a
+header otherwise (pipes, CI, ``--json``, which sends all of it to stderr).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+# A node's start-up (import torch, build the job, listen) costs about this much
+# CPU on the 2-core VM the README's numbers come from; nodes start in parallel.
+NODE_START_CPU_S = 12.0
+WAITING_NOTE_S = 5.0  # plain output: a line at least this often while nodes start
+STEP_COLUMNS_MAX = 8  # more nodes than this: steps as min / median / max
+
+
+def _startup_estimate_s(nodes: int) -> float:
+    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return NODE_START_CPU_S * max(1.0, nodes / cores)
+
+
+class MeshProgress:
+    """Progress of one local mesh run on ``stream``; use as a context manager."""
+
+    def __init__(self, stream: TextIO, spec: Any, root: Path) -> None:
+        self.stream = stream
+        self.spec = spec
+        self.root = root
+        self.t0 = time.monotonic()
+        self.start_unix_s = time.time() - 1.0  # file times are coarse on some file systems
+        self.console = Console(file=stream, highlight=False, soft_wrap=True)
+        self.live: Live | None = None
+        if self.console.is_terminal and not self.console.is_dumb_terminal:
+            self.live = Live(console=self.console, refresh_per_second=4, transient=True)
+        self.distance_start: float | None = None
+        self.ready_s: float | None = None
+        self.listening: set[str] = set()
+        self.last: tuple[float, list[dict[str, Any]]] | None = None
+
+    def __enter__(self) -> MeshProgress:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.live is not None and self.live.is_started:
+            self.live.stop()
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _line(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def starting(self) -> None:
+        """The first words of a run, before any node process exists."""
+        spec = self.spec
+        security = (
+            "plaintext gRPC (--insecure)"
+            if spec.insecure
+            else f"mutual TLS, throwaway CA in {self.root / 'tls'}"
+        )
+        if spec.duration_s:
+            length = f"{spec.duration_s:g} s of training"
+        else:
+            length = f"{spec.max_steps} steps"
+        self._line(
+            f"gossipd: starting {spec.nodes} nodes on loopback: job {spec.job}, protocol "
+            f"{spec.protocol}, {length} each ({security}; node state in {self.root})"
+        )
+        self._line(
+            f"gossipd: each node loads torch and its job, then waits for the others; training "
+            f"starts when all {spec.nodes} are in touch (about "
+            f"{_startup_estimate_s(spec.nodes):.0f} s here), then progress every "
+            f"{spec.sample_interval_s:g} s"
+        )
+        if self.live is not None:
+            self.live.start()
+            self.live.update(self._startup_table())
+
+    async def watch_start(self, node_dirs: list[Path]) -> None:
+        """Say when each node listens (its ``node.json`` appears); cancelled once all are ready.
+
+        Plain output also says every ``WAITING_NOTE_S`` that it is still waiting.
+        """
+        noted = self.elapsed_s()
+        while True:
+            if self.live is None and self.elapsed_s() - noted >= WAITING_NOTE_S:
+                noted = self.elapsed_s()
+                self._line(
+                    f"[{noted:6.1f}s] waiting: {len(self.listening)}/{len(node_dirs)} nodes "
+                    "listening"
+                )
+            for node_dir in node_dirs:
+                if node_dir.name not in self.listening and self._listens(node_dir):
+                    self.listening.add(node_dir.name)
+                    if self.live is None:
+                        noted = self.elapsed_s()
+                        self._line(
+                            f"[{noted:6.1f}s] {node_dir.name} listening "
+                            f"({len(self.listening)}/{len(node_dirs)})"
+                        )
+            if self.live is not None:
+                self.live.update(self._startup_table())  # its caption counts the seconds
+            await asyncio.sleep(0.5)
+
+    def _listens(self, node_dir: Path) -> bool:
+        """A node writes ``node.json`` once its server listens (an older one may be left over)."""
+        try:
+            return (node_dir / "node.json").stat().st_mtime >= self.start_unix_s
+        except OSError:
+            return False
+
+    def ready(self, distance_start: float) -> None:
+        """All nodes in touch: training starts; plain output prints its column header here."""
+        self.ready_s = self.elapsed_s()
+        self.distance_start = distance_start
+        self._line(
+            f"[{self.ready_s:6.1f}s] all {self.spec.nodes} nodes up and in touch: training starts; "
+            f"consensus distance at start {distance_start:.2e}"
+        )
+        if self.live is not None:
+            return
+        self._line(
+            "columns: seconds since start, steps done by each node, their mean training loss, "
+            "consensus distance max‖xᵢ−x̄‖/‖x̄‖"
+        )
+        nodes = (
+            f"{'steps_min':>10}{'steps_med':>10}{'steps_max':>10}"
+            if self.spec.nodes > STEP_COLUMNS_MAX
+            else "".join(f"{f'node-{i}':>10}" for i in range(self.spec.nodes))
+        )
+        self._line(f"{'time_s':>8}{nodes}{'mean_loss':>12}{'consensus':>12}")
+
+    def sample(self, t: float, states: list[dict[str, Any]], distance: float) -> None:
+        if self.live is not None:
+            self.live.update(self._table(t, states, distance))
+            self.last = (t, states)
+            return
+        steps = sorted(s["step"] for s in states)
+        cells = (
+            [steps[0], steps[len(steps) // 2], steps[-1]]
+            if len(states) > STEP_COLUMNS_MAX
+            else [s["step"] for s in states]
+        )
+        loss = sum(s["loss"] for s in states) / len(states)
+        row = "".join(f"{c:>10}" for c in cells)
+        self._line(f"{t:>8.1f}{row}{loss:>12.4f}{distance:>12.2e}")
+
+    def training_done(self) -> None:
+        if self.live is not None and self.live.is_started:
+            self.live.stop()
+        self._line(
+            f"[{self.elapsed_s():6.1f}s] all nodes stopped training; settling pushes in flight "
+            "and pulling the final models"
+        )
+
+    def _startup_table(self) -> Table:
+        table = Table(title=f"gossipd · starting {self.spec.nodes} nodes", title_justify="left")
+        table.add_column("node")
+        table.add_column("state")
+        for i in range(self.spec.nodes):
+            name = f"node-{i}"
+            table.add_row(name, "listening" if name in self.listening else "starting…")
+        table.caption = f"{self.elapsed_s():.0f} s since start"
+        return table
+
+    def _table(self, t: float, states: list[dict[str, Any]], distance: float) -> Table:
+        spec = self.spec
+        table = Table(
+            title=f"gossipd · {spec.protocol} · {spec.nodes} nodes · {spec.job}",
+            title_justify="left",
+        )
+        for name in ("node", "step", "steps/s", "loss", "round", "live peers"):
+            table.add_column(name, justify="left" if name == "node" else "right")
+        previous = {s["node_id"]: s["step"] for s in self.last[1]} if self.last else {}
+        interval = max(1e-9, t - self.last[0]) if self.last else 0.0
+        for s in states:
+            rate = (s["step"] - previous.get(s["node_id"], s["step"])) / interval if interval else 0
+            table.add_row(
+                s["node_id"],
+                str(s["step"]),
+                f"{rate:.0f}",
+                f"{s['loss']:.4f}",
+                str(s.get("round", "")),
+                f"{len(s['live_peers'])}/{len(states) - 1}",
+            )
+        trained = t - (self.ready_s or 0.0)
+        goal = f" of {spec.duration_s:g} s" if spec.duration_s else ""
+        table.caption = (
+            f"training {trained:.0f} s{goal} · consensus distance {distance:.2e}"
+            f" (start {self.distance_start or 0:.2e})"
+        )
+        return table
