@@ -1,4 +1,4 @@
-"""``gossipd``: run a site daemon, a local mesh, the demo, status queries and benchmarks."""
+"""gossipd: run a site daemon, a local mesh, the demo, status queries and benchmarks."""
 
 from __future__ import annotations
 
@@ -212,61 +212,160 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
-    p.add_argument("--nodes", type=int, default=nodes)
-    p.add_argument("--job", default=job, help="digits, synthetic or module:factory")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=nodes,
+        help="daemons to start, at least 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--job",
+        default=job,
+        help="training job of every node: digits, synthetic or module:factory "
+        "(default: %(default)s)",
+    )
     p.add_argument(
         "--protocol",
         default=DEFAULT_PROTOCOL,
         choices=sorted(PROTOCOLS),
         help="gossip protocol of every node (default: %(default)s)",
     )
-    p.add_argument("--round-steps", type=int, default=1, help="local steps per round (default: 1)")
-    p.add_argument("--duration-s", type=float, default=duration_s)
-    p.add_argument("--max-steps", type=int, default=0, help="stop each node after N steps")
-    p.add_argument("--push-probability", type=float, default=None)
-    p.add_argument("--codec", default="raw", choices=["raw", "fp16", "bf16"])
-    p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--workdir", default=None, help="keep node state here (default: temporary)")
-    p.add_argument("--plot", default=None, help="write a PNG of loss, accuracy, consensus")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
+    )
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=duration_s,
+        help="seconds each node trains once all are in touch; 0: until --max-steps "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop each node after this many steps; 0: no limit (default: %(default)s)",
+    )
+    p.add_argument(
+        "--push-probability",
+        type=float,
+        default=None,
+        help="sumweight: chance of a push per step (default: the config's, 0.5)",
+    )
+    p.add_argument(
+        "--codec",
+        default="raw",
+        choices=["raw", "fp16", "bf16"],
+        help="how segments travel: raw float32, or halved to fp16 or bf16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="SGD learning rate of every node (default: the job's own)",
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="keep configs, node state, logs and certificates here "
+        "(default: a temporary directory, removed at the end)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of loss, test accuracy and consensus distance over time "
+        "(default: none for mesh up, gossipd-demo.png for demo)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of node 0's job; node i uses seed + i (default: %(default)s)",
+    )
     p.add_argument(
         "--insecure",
         action="store_true",
-        help="plaintext gRPC; by default the mesh gets a throwaway CA and mutual TLS",
+        help="plaintext gRPC (default: a throwaway CA in the work dir and mutual TLS)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last stdout line; progress and table go to stderr "
+        "(default: progress and table on stdout)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        help="log level of this process: DEBUG, INFO, WARNING or ERROR (default: %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("node", help="run one site daemon")
-    p.add_argument("--config", required=True, type=Path)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p = sub.add_parser(
+        "node",
+        help="run one site daemon",
+        description="Run one site daemon: train, gossip with the seeds in the config, "
+        "stop gracefully on SIGTERM or Ctrl-C.",
+    )
+    p.add_argument(
+        "--config", required=True, type=Path, help="the site's TOML config file (required)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)"
+    )
     p.set_defaults(func=_run_node)
 
     mesh = sub.add_parser("mesh", help="local multi-process meshes")
     mesh_sub = mesh.add_subparsers(dest="mesh_command", required=True)
-    p = mesh_sub.add_parser("up", help="spawn N daemons on loopback, train, report, stop")
+    p = mesh_sub.add_parser(
+        "up",
+        help="spawn N daemons on loopback, train, report, stop",
+        description="Spawn N gossipd daemons on loopback, train, print progress and a "
+        "per-node table, stop them.",
+    )
     _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
     p.set_defaults(func=_run_mesh)
 
-    p = sub.add_parser("demo", help="4-node digits mesh, about two minutes, table and plot")
+    p = sub.add_parser(
+        "demo",
+        help="4-node digits mesh, about two minutes, table and plot",
+        description="Four daemons on loopback train an MLP on scikit-learn's bundled digits "
+        "(nothing is downloaded) and gossip for 90 s; prints progress, a per-node table, "
+        "and writes gossipd-demo.png.",
+    )
     _add_mesh_args(p, nodes=4, duration_s=90.0, job="digits")
     p.set_defaults(func=_run_mesh, plot_default="gossipd-demo.png")
 
-    p = sub.add_parser("status", help="ask a running node what it is doing")
-    p.add_argument("--address", required=True, help="HOST:PORT of the node's gRPC server")
-    p.add_argument("--timeout-s", type=float, default=5.0, help="default: %(default)s")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--config", type=Path, default=None, help="present this site config's [tls] certificate"
+    p = sub.add_parser(
+        "status",
+        help="ask a running node what it is doing",
+        description="Ask a running node for its step, loss, weights, peers and push counters.",
     )
-    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate")
-    p.add_argument("--cert", type=Path, default=None, help="a certificate of that mesh")
-    p.add_argument("--key", type=Path, default=None, help="its key")
+    p.add_argument(
+        "--address", required=True, help="HOST:PORT of the node's gRPC server (required)"
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=5.0,
+        help="seconds to wait for the reply (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="present this site config's [tls] certificate (default: --ca/--cert/--key, "
+        "or plaintext when none is given)",
+    )
+    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (default: none)")
+    p.add_argument(
+        "--cert", type=Path, default=None, help="a certificate of that mesh (default: none)"
+    )
+    p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
     p.set_defaults(func=_status)
 
     p = sub.add_parser("sim", help="simulate N nodes of a protocol on a virtual clock")
@@ -275,7 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, write a plot)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    p = bench_sub.add_parser("transport", help="gossipd vs raw TCP vs gloo goodput", add_help=False)
+    p = bench_sub.add_parser(
+        "transport",
+        help="gossipd vs raw TCP vs gloo goodput; see gossipd bench transport --help",
+        add_help=False,
+    )
     p.set_defaults(func=_bench, takes_extra=True)
 
     _add_certs_commands(sub)
