@@ -212,8 +212,8 @@ GOSSIP = Row(
         ),
         Panel(
             "Messages per second by direction and kind",
-            "Messages (all results) by direction and kind; refused inbound requests count as "
-            "received with result 'rejected'.",
+            "Messages (all results) by direction and kind; a refused inbound request counts as "
+            "received, kind 'request', result 'rejected'.",
             [
                 Query(
                     per_node(f"rate(gossipd_gossip_messages_total[{RATE}])", "direction, kind"),
@@ -357,10 +357,14 @@ ROWS = [MESH_OVERVIEW, TRAINING, GOSSIP, OVERLAP, HEALTH]
 def _panel(spec: Panel, panel_id: int) -> db.Panel:
     """One SDK panel builder from ``spec`` (refIds A, B, ... in query order)."""
     if spec.kind == "table":
-        builder = table.Panel().with_transformation(
-            DataTransformerConfig(
-                id_val="organize",
-                options={"excludeByName": {"Time": True, "Value": True, "__name__": True}},
+        builder = (
+            table.Panel()
+            .show_header(True)
+            .with_transformation(
+                DataTransformerConfig(
+                    id_val="organize",
+                    options={"excludeByName": {"Time": True, "Value": True, "__name__": True}},
+                )
             )
         )
     elif spec.kind == "stat":
