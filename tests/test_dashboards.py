@@ -10,6 +10,7 @@ has (a rejected request, a failed dial, a checkpoint) are made to happen first.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import shutil
@@ -112,6 +113,16 @@ def test_template_substitution_covers_every_variable_the_dashboard_uses() -> Non
     assert len(queries) > 20
     for _, expr in queries:
         assert "$" not in substitute(expr)
+
+
+def test_render_py_draws_panels_the_dashboard_has() -> None:
+    """render.py picks panels by title: a renamed panel must fail here, not at render time."""
+    loaded = importlib.util.spec_from_file_location("render", DASHBOARDS / "render.py")
+    assert loaded is not None and loaded.loader is not None
+    render = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(render)
+    titles = {title for title, _ in dashboard_queries(json.loads(DASHBOARD_JSON.read_text()))}
+    assert set(render.PANELS) <= titles, set(render.PANELS) - titles
 
 
 # -- the live mesh --------------------------------------------------------------------------
