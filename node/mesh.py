@@ -343,8 +343,8 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
             mesh.start(i)
         watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
         try:
-            mesh.load_plan()
-            await mesh.wait_ready()
+            # Building the job takes seconds of CPU: off the loop, so progress keeps coming.
+            await asyncio.gather(asyncio.to_thread(mesh.load_plan), mesh.wait_ready())
         finally:
             watcher.cancel()
         initial = mesh.initial()

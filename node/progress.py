@@ -20,14 +20,22 @@ from rich.table import Table
 
 # A node's start-up (import torch, build the job, listen) costs about this much
 # CPU on the 2-core VM the README's numbers come from; nodes start in parallel.
+# Only for the estimate in the first lines: a loaded machine takes longer.
 NODE_START_CPU_S = 12.0
 WAITING_NOTE_S = 5.0  # plain output: a line at least this often while nodes start
 STEP_COLUMNS_MAX = 8  # more nodes than this: steps as min / median / max
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _all(nodes: int) -> str:
+    return "both" if nodes == 2 else f"all {nodes}"
+
+
 def _startup_estimate_s(nodes: int) -> float:
-    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    return NODE_START_CPU_S * max(1.0, nodes / cores)
+    return NODE_START_CPU_S * max(1.0, nodes / _cores())
 
 
 class MeshProgress:
@@ -42,7 +50,7 @@ class MeshProgress:
         self.console = Console(file=stream, highlight=False, soft_wrap=True)
         self.live: Live | None = None
         if self.console.is_terminal and not self.console.is_dumb_terminal:
-            self.live = Live(console=self.console, refresh_per_second=4, transient=True)
+            self.live = Live(console=self.console, refresh_per_second=4)
         self.distance_start: float | None = None
         self.ready_s: float | None = None
         self.listening: set[str] = set()
@@ -66,24 +74,21 @@ class MeshProgress:
     def starting(self) -> None:
         """The first words of a run, before any node process exists."""
         spec = self.spec
-        security = (
-            "plaintext gRPC (--insecure)"
-            if spec.insecure
-            else f"mutual TLS, throwaway CA in {self.root / 'tls'}"
-        )
-        if spec.duration_s:
-            length = f"{spec.duration_s:g} s of training"
-        else:
-            length = f"{spec.max_steps} steps"
-        self._line(
-            f"gossipd: starting {spec.nodes} nodes on loopback: job {spec.job}, protocol "
-            f"{spec.protocol}, {length} each ({security}; node state in {self.root})"
+        length = (
+            f"{spec.duration_s:g} s of training" if spec.duration_s else f"{spec.max_steps} steps"
         )
         self._line(
-            f"gossipd: each node loads torch and its job, then waits for the others; training "
-            f"starts when all {spec.nodes} are in touch (about "
-            f"{_startup_estimate_s(spec.nodes):.0f} s here), then progress every "
-            f"{spec.sample_interval_s:g} s"
+            f"gossipd: starting {spec.nodes} nodes on loopback (job {spec.job}, protocol "
+            f"{spec.protocol}, {length})"
+        )
+        security = "plaintext gRPC (--insecure)" if spec.insecure else "mutual TLS, throwaway CA"
+        kept = "kept" if spec.workdir is not None else "removed at the end"
+        self._line(f"gossipd: {security}; configs, logs and node state in {self.root} ({kept})")
+        cores = _cores()
+        self._line(
+            f"gossipd: training starts once {_all(spec.nodes)} have loaded torch and found each "
+            f"other (about {_startup_estimate_s(spec.nodes):.0f} s on {cores} idle "
+            f"core{'s' if cores > 1 else ''}); progress every {spec.sample_interval_s:g} s"
         )
         if self.live is not None:
             self.live.start()
@@ -127,8 +132,8 @@ class MeshProgress:
         self.ready_s = self.elapsed_s()
         self.distance_start = distance_start
         self._line(
-            f"[{self.ready_s:6.1f}s] all {self.spec.nodes} nodes up and in touch: training starts; "
-            f"consensus distance at start {distance_start:.2e}"
+            f"[{self.ready_s:6.1f}s] {_all(self.spec.nodes)} nodes up and in touch: training "
+            f"starts; consensus distance at start {distance_start:.2e}"
         )
         if self.live is not None:
             return
@@ -154,7 +159,8 @@ class MeshProgress:
             if len(states) > STEP_COLUMNS_MAX
             else [s["step"] for s in states]
         )
-        loss = sum(s["loss"] for s in states) / len(states)
+        losses = [s["loss"] for s in states if s["step"] > 0]  # no loss before a first step
+        loss = sum(losses) / len(losses) if losses else float("nan")
         row = "".join(f"{c:>10}" for c in cells)
         self._line(f"{t:>8.1f}{row}{loss:>12.4f}{distance:>12.2e}")
 
@@ -192,7 +198,7 @@ class MeshProgress:
                 s["node_id"],
                 str(s["step"]),
                 f"{rate:.0f}",
-                f"{s['loss']:.4f}",
+                f"{s['loss']:.4f}" if s["step"] else "–",
                 str(s.get("round", "")),
                 f"{len(s['live_peers'])}/{len(states) - 1}",
             )
