@@ -1,0 +1,249 @@
+"""What a new user meets first: the demo's output, --help, the plot, the install lines."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gossipd.bench import protocols as bench_protocols
+from gossipd.bench import transport as bench_transport
+from gossipd.node.cli import build_parser
+from gossipd.node.plot import STOP_LABEL, mesh_figure, plot_mesh
+from gossipd.node.progress import MeshProgress
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TIMEOUT_S = 240.0
+SPHINX = re.compile(r"``|:(func|class|meth|mod|attr|exc|data|obj):`")
+
+
+def _watch_lines(proc: subprocess.Popen[str], workdir: Path) -> queue.Queue:
+    """Each line of stdout and stderr as it arrives, with whether any node had stepped by then.
+
+    A node writes ``initial.pt`` just before its first step, so a line read while no
+    ``node-*/initial.pt`` exists came before any node finished a step.
+    """
+    lines: queue.Queue = queue.Queue()
+
+    def read(stream: io.TextIOBase, name: str) -> None:
+        for line in stream:
+            stepped = any(workdir.glob("node-*/initial.pt"))
+            lines.put((name, line.rstrip("\n"), stepped))
+        lines.put((name, None, None))
+
+    for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+        threading.Thread(target=read, args=(stream, name), daemon=True).start()
+    return lines
+
+
+def test_demo_says_what_starts_before_any_node_steps_then_a_header_then_json_last(
+    tmp_path: Path,
+) -> None:
+    workdir = tmp_path / "mesh"
+    plot = tmp_path / "demo.png"
+    cmd = [sys.executable, "-m", "gossipd.node.cli", "demo", "--nodes", "2", "--duration-s", "6"]
+    cmd += ["--json", "--workdir", str(workdir), "--plot", str(plot)]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = _watch_lines(proc, workdir)
+    seen: list[tuple[str, str, bool]] = []
+    open_streams = 2
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    try:
+        while open_streams:
+            name, line, stepped = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                open_streams -= 1
+            else:
+                seen.append((name, line, stepped))
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "\n".join(f"{n}: {line}" for n, line, _ in seen)
+    assert proc.returncode == 0, text
+
+    first_name, first_line, stepped = seen[0]
+    assert first_name == "stderr" and "starting 2 nodes" in first_line, text
+    assert not stepped, f"the first line came after a node stepped:\n{text}"
+
+    stderr = [line for n, line, _ in seen if n == "stderr"]
+    header = next(i for i, line in enumerate(stderr) if line.split()[:1] == ["time_s"])
+    assert stderr[header].split() == ["time_s", "node-0", "node-1", "mean_loss", "consensus"]
+    row = stderr[header + 1].split()
+    assert len(row) == 5 and float(row[0]) > 0, text
+
+    stdout = [line for n, line, _ in seen if n == "stdout"]
+    assert len(stdout) == 1, f"--json: exactly one JSON object on stdout:\n{text}"
+    result = json.loads(stdout[-1])
+    assert result["ok"] and all(n["steps"] > 0 for n in result["nodes"])
+    assert 0 < result["ready_s"] < result["wall_s"]
+    assert plot.stat().st_size > 0
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def _all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    return [
+        *_parsers(build_parser(), "gossipd"),
+        ("gossipd bench transport (its own parser)", bench_transport.build_parser()),
+        ("python -m gossipd.bench.protocols", bench_protocols.build_parser()),
+    ]
+
+
+def test_every_flag_of_every_subcommand_has_help_and_shows_its_default() -> None:
+    missing = []
+    for name, parser in _all_parsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{flag}: no help text")
+                continue
+            switch = isinstance(action.default, bool)  # store_true: off unless given
+            if action.default not in (None, []) and not switch and "default" not in action.help:
+                missing.append(f"{flag}: help does not show its default {action.default!r}")
+    assert not missing, "\n".join(missing)
+
+
+def test_no_help_output_contains_sphinx_markup() -> None:
+    bad = [name for name, parser in _all_parsers() if SPHINX.search(parser.format_help())]
+    assert not bad, f"raw Sphinx markup in the --help of: {bad}"
+    # And as a user types it: `gossipd bench transport --help` is handed to the bench's parser.
+    shown = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", "bench", "transport", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "goodput" in shown.lower() and not SPHINX.search(shown), shown
+
+
+def _history(start: float, stop_s: float, final: float) -> list[dict[str, float]]:
+    times = [1.0, 3.0, 5.0, stop_s]
+    accs = [0.91, 0.95, final - 0.01, final]
+    return [
+        {"unix_s": start + t, "step": 100 * (i + 1), "loss": 0.5 / (i + 1), "test_accuracy": a}
+        for i, (t, a) in enumerate(zip(times, accs, strict=True))
+    ]
+
+
+def test_plot_zooms_accuracy_to_the_data_and_marks_where_training_stopped(tmp_path: Path) -> None:
+    start, ready_s = 1_000.0, 10.0
+    result = {
+        "protocol": "crossover",
+        "job": "digits",
+        "nodes": [{"node_id": f"node-{i}"} for i in range(4)],
+        "start_unix_s": start,
+        "ready_s": ready_s,
+        "timeline": [{"t": 0.0, "consensus_distance": 1.5}]
+        + [{"t": ready_s + t, "consensus_distance": 10.0**-t} for t in (1, 3, 5, 7)],
+    }
+    stops = [6.5, 7.0, 6.8, 6.9]  # seconds of training, as each node's last evaluation says
+    histories = {
+        f"node-{i}": _history(start + ready_s, stop, 0.97 - 0.002 * i)
+        for i, stop in enumerate(stops)
+    }
+    fig = mesh_figure(result, histories)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    acc = next(ax for title, ax in axes.items() if "accuracy" in title)
+    low, high = acc.get_ylim()
+    assert 0.5 < low < 0.964 and high >= 1.0, (low, high)
+    cons = next(ax for title, ax in axes.items() if "consensus" in title)
+    assert cons.get_yscale() == "log"
+    for ax in fig.axes:
+        marks = [line for line in ax.get_lines() if line.get_label().startswith(STOP_LABEL)]
+        assert len(marks) == 1, ax.get_title()
+        assert set(marks[0].get_xdata()) == {max(stops)}
+        assert ax.get_legend() is not None
+    title = fig._suptitle.get_text()
+    assert "crossover" in title and "4 nodes" in title
+
+    # The same picture from node directories, as `gossipd demo` writes it.
+    for name, rows in histories.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = plot_mesh(result, sorted(tmp_path.glob("node-*")), tmp_path / "out" / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_live_table_with_named_columns(tmp_path: Path) -> None:
+    spec = SimpleNamespace(
+        nodes=2,
+        job="digits",
+        protocol="sumweight",
+        insecure=False,
+        duration_s=6.0,
+        max_steps=0,
+        sample_interval_s=2.0,
+        workdir=None,
+    )
+    out = _Terminal()
+    states = [
+        {"node_id": f"node-{i}", "step": 50 + i, "loss": 0.25, "round": 50, "live_peers": ["x"]}
+        for i in range(2)
+    ]
+    with MeshProgress(out, spec, tmp_path) as progress:
+        progress.starting()
+        assert progress.live is not None and progress.live.is_started
+        progress.ready(1.5)
+        progress.sample(3.0, states, 0.01)
+        progress.live.refresh()
+        progress.training_done()
+    shown = out.getvalue()
+    assert "starting 2 nodes" in shown
+    for column in ("node", "step", "steps/s", "loss", "round", "live peers"):
+        assert column in shown
+    assert "all nodes stopped training" in shown
+
+
+def test_readme_install_is_one_pip_command_that_ci_runs_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert "venv" in block[0], "the virtual environment comes before the install"
+    pips = [line for line in block if "pip install" in line]
+    assert len(pips) == 1, block
+    pip = pips[0]
+    assert "torch==2.13.0" in pip.split() and "-e" in pip.split() and "'.[dev]'" in pip.split()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert pip in ci
+    installs = [line for line in ci if "pip install" in line and not line.startswith("#")]
+    assert installs == ["python -m pip install --quiet --upgrade pip", pip], installs
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["mesh", "up", "--help"]])
+def test_help_runs_as_a_user_types_it(argv: list[str]) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "usage: gossipd" in shown and not SPHINX.search(shown)
