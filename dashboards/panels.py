@@ -129,17 +129,16 @@ TRAINING = Row(
     [
         Panel(
             "Steps per second",
-            "Local optimizer steps per second, from the step-time histogram's count: it starts "
-            "at 0 with each process, so a restart is an ordinary counter reset. "
-            "gossipd_steps_total continues from the checkpoint's step after a restart, which a "
-            "rate() would read as a reset and show as a spike; it is plotted as progress instead.",
-            [Query(per_node(f"rate(gossipd_step_seconds_count[{RATE}])"))],
+            "Local optimizer steps per second (gossipd_steps_total counts this process's "
+            "steps, so a restart is an ordinary counter reset).",
+            [Query(per_node(f"rate(gossipd_steps_total[{RATE}])"))],
             unit="ops",
         ),
         Panel(
             "Step (progress)",
-            "gossipd_steps_total: the node's step count, kept across restarts from checkpoints.",
-            [Query(per_node("gossipd_steps_total"))],
+            "gossipd_step: the node's step over its whole life, continuing from its "
+            "checkpoint after a restart.",
+            [Query(per_node("gossipd_step"))],
         ),
         Panel(
             "Samples per second",

@@ -98,6 +98,12 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
 
 
 def _run_mesh(args: argparse.Namespace) -> int:
+    # Said before the heavy imports (torch takes seconds to load on a busy machine).
+    print(
+        f"gossipd: loading PyTorch to start {args.nodes} nodes...",
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
     from gossipd.node.mesh import print_table, run_mesh
 
     result = run_mesh(_mesh_spec(args))  # type: ignore[arg-type]
@@ -136,6 +142,14 @@ def _status(args: argparse.Namespace) -> int:
         for key, value in reply.items():
             print(f"{key:>18}: {value}")
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from gossipd.node.status import check_health
+
+    status = asyncio.run(check_health(args.address, args.timeout_s, tls=_client_tls(args)))
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -367,6 +381,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
     p.set_defaults(func=_status)
+
+    p = sub.add_parser(
+        "health",
+        help="the node's gRPC health check: prints SERVING and exits 0, or exits non-zero",
+        description="The standard gRPC health check (what a container HEALTHCHECK runs); "
+        "copies nothing, unlike status.",
+    )
+    p.add_argument(
+        "--address", required=True, help="HOST:PORT of the node's gRPC server (required)"
+    )
+    p.add_argument(
+        "--timeout-s", type=float, default=3.0, help="seconds to wait (default: %(default)s)"
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="present this site config's [tls] certificate (default: --ca/--cert/--key, "
+        "or plaintext when none is given)",
+    )
+    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (default: none)")
+    p.add_argument(
+        "--cert", type=Path, default=None, help="a certificate of that mesh (default: none)"
+    )
+    p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("sim", help="simulate N nodes of a protocol on a virtual clock")
     add_sim_arguments(p)

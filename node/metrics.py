@@ -8,6 +8,8 @@ per model segment, which the model fixes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gossipd.node.errors import ConfigError
@@ -26,7 +28,12 @@ class NodeMetrics:
         )
         self.steps = Counter(
             "gossipd_steps_total",
-            "Local optimizer steps over the node's life (a restart continues from the checkpoint)",
+            "Local optimizer steps taken by this process (use rate(); see gossipd_step)",
+            registry=r,
+        )
+        self.step = Gauge(
+            "gossipd_step",
+            "The node's step over its whole life: a restart continues from the checkpoint's",
             registry=r,
         )
         self.samples = Counter(
@@ -47,8 +54,9 @@ class NodeMetrics:
         )
         self.messages = Counter(
             "gossipd_gossip_messages_total",
-            "Messages by direction, kind (push, pull, handoff) and result (ok, failed, retry, "
-            "rejected)",
+            "Messages by direction, kind (push, pull, handoff; request: a refused inbound "
+            "request of any RPC) and result (ok, failed, retry, rejected, leaving: answered by "
+            "a leaving node without merging)",
             ["direction", "kind", "result"],
             registry=r,
         )
@@ -150,10 +158,12 @@ class NodeMetrics:
         self.checkpoint_seconds.observe(write_s)
         self.checkpoint_last_success.set(unix_s)
 
-    def record_summary(self, summary: Summary) -> None:
-        """What the replica published at its last step boundary."""
-        for i, w in enumerate(summary.weights):
-            self.sum_weight.labels(str(i)).set(w)
-        self.round.set(summary.round)
-        self.membership_epoch.set(summary.epoch)
-        self.pushes_in_flight.set(summary.in_flight)
+    def follow(self, summary: Callable[[], Summary]) -> None:
+        """Read the replica's published summary at each scrape, not at step boundaries:
+        a node that stopped training still merges, settles and hands off weight."""
+        self.step.set_function(lambda: summary().steps)
+        self.round.set_function(lambda: summary().round)
+        self.membership_epoch.set_function(lambda: summary().epoch)
+        self.pushes_in_flight.set_function(lambda: summary().in_flight)
+        for i in range(len(summary().weights)):
+            self.sum_weight.labels(str(i)).set_function(lambda i=i: summary().weights[i])

@@ -107,6 +107,7 @@ class Network:
             config.limits.max_sum_weight,
         )
         self.metrics = metrics or NodeMetrics()
+        self.metrics.follow(lambda: self.replica.summary)
         self.rng = random.Random(config.gossip.seed ^ 0x5EED)
         self.address = config.advertise or config.listen
         self.identity: Identity | None = None
@@ -380,6 +381,8 @@ class Network:
             ):
                 yield frame
         self.metrics.messages.labels("sent", "pull", "ok").inc()
+        nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]
+        self.metrics.bytes.labels("sent", "pull", "ok").inc(nbytes)
 
     def _snapshot(self) -> tuple[dict[int, object], list[float]]:
         with self.replica.lock:

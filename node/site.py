@@ -175,7 +175,6 @@ class Site:
     # -- trainer-thread helpers -------------------------------------------------------
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
         self.metrics.record_step(report, step_time_s, loss, getattr(self.job, "batch_size", 0))
-        self.metrics.record_summary(self.replica.summary)
         for failure in report.failed:
             log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
 
@@ -274,8 +273,6 @@ class Site:
                 self.job.optimizer.load_state_dict(ckpt.optimizer)
             self.replica.publish()
         self.resumed_from = self.saved_step = ckpt.step
-        self.metrics.steps.inc(ckpt.step)  # an operator's step count survives the restart
-        self.metrics.record_summary(self.replica.summary)
         self.restored_weights = list(ckpt.weights)
         self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
         log.info(

@@ -376,7 +376,7 @@ def test_dockerfile_ports_command_and_health_check_match_the_site_configs(
     probe = json.loads(check)
     assert probe[0] == "gossipd"
     args = build_parser().parse_args(probe[1:])
-    assert args.command == "status"
+    assert args.command == "health"
     assert _host(args.address) == "127.0.0.1" and {_port(args.address)} == listen
     assert str(args.config) == _site_config_path(), "it presents the site's own certificate"
     assert args.timeout_s < _seconds(flags["timeout"])

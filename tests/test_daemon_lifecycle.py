@@ -25,6 +25,27 @@ def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
     return a, b
 
 
+def test_health_cli_says_serving_for_a_live_node_and_fails_for_a_closed_port(
+    daemons: Any,
+) -> None:
+    from gossipd.node.mesh import free_ports
+
+    node = daemons("a")
+
+    def health(address: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gossipd.node.cli", "health", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    live = health(node.address)
+    assert live.returncode == 0 and live.stdout.strip() == "SERVING", live.stderr
+    closed = health(f"127.0.0.1:{free_ports(1)[0]}")
+    assert closed.returncode == 2 and "no health answer" in closed.stderr
+
+
 def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any) -> None:
     # Training stops after max_steps (the daemon keeps serving), so the step is known.
     max_steps = 7
@@ -83,8 +104,7 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     assert "resumed a from step" in again.log()
     wait_until(lambda: "b" in again.status()["live_peers"], "the restarted node to rejoin")
     # The step counter an operator graphs goes on from where the node left off.
-    steps = scrape_metrics(again.node_json()["metrics_port"])["gossipd_steps_total"]
-    assert steps >= ckpt["step"] > 0
+    assert scrape_metrics(again.node_json()["metrics_port"])["gossipd_step"] >= ckpt["step"] > 0
 
 
 def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
