@@ -326,12 +326,13 @@ def _finish(rows: list[dict[str, Any]], nbytes: int) -> None:
 
 def print_table(rows: list[dict[str, Any]], file: Any = sys.stdout) -> None:
     width = max(len(r["settings"]) for r in rows)
-    head = f"{'method':<16} {'settings':<{width}} {'GB/s best':>9} {'median':>7} {'vs TCP':>6}"
+    mw = max(16, *(len(r["method"]) for r in rows))
+    head = f"{'method':<{mw}} {'settings':<{width}} {'GB/s best':>9} {'median':>7} {'vs TCP':>6}"
     print(head, file=file)
     print("-" * len(head), file=file)
     for r in rows:
         print(
-            f"{r['method']:<16} {r['settings']:<{width}} {r['gbps_best']:>9.2f} "
+            f"{r['method']:<{mw}} {r['settings']:<{width}} {r['gbps_best']:>9.2f} "
             f"{r['gbps_median']:>7.2f} {r['ratio_vs_raw_tcp']:>6.2f}",
             file=file,
         )
