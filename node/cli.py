@@ -113,6 +113,22 @@ def _run_mesh(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    """The certificate a client command presents (status, health)."""
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="present this site config's [tls] certificate (default: --ca/--cert/--key, "
+        "or plaintext when none is given)",
+    )
+    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (default: none)")
+    p.add_argument(
+        "--cert", type=Path, default=None, help="a certificate of that mesh (default: none)"
+    )
+    p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
+
+
 def _client_tls(args: argparse.Namespace) -> object:
     """The certificate a command presents: a site config's [tls], or --ca/--cert/--key."""
     from gossipd.node.tls import Credentials
@@ -368,18 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the reply (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
-    p.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="present this site config's [tls] certificate (default: --ca/--cert/--key, "
-        "or plaintext when none is given)",
-    )
-    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (default: none)")
-    p.add_argument(
-        "--cert", type=Path, default=None, help="a certificate of that mesh (default: none)"
-    )
-    p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
+    _add_client_tls_args(p)
     p.set_defaults(func=_status)
 
     p = sub.add_parser(
@@ -394,18 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s", type=float, default=3.0, help="seconds to wait (default: %(default)s)"
     )
-    p.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="present this site config's [tls] certificate (default: --ca/--cert/--key, "
-        "or plaintext when none is given)",
-    )
-    p.add_argument("--ca", type=Path, default=None, help="the mesh CA certificate (default: none)")
-    p.add_argument(
-        "--cert", type=Path, default=None, help="a certificate of that mesh (default: none)"
-    )
-    p.add_argument("--key", type=Path, default=None, help="its private key (default: none)")
+    _add_client_tls_args(p)
     p.set_defaults(func=_health)
 
     p = sub.add_parser("sim", help="simulate N nodes of a protocol on a virtual clock")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gossipd.node.protocols.base import GossipProtocol
 from gossipd.node.protocols.crossover import CrossoverGossip
@@ -35,66 +36,36 @@ class CoreSettings:
     average_every_steps: int = 50
 
 
+def _ledger(s: CoreSettings) -> dict[str, Any]:
+    """What every core's ledger takes, whatever the protocol."""
+    return {
+        "node_id": s.node_id,
+        "num_segments": s.num_segments,
+        "rng": random.Random(s.seed),
+        "initial_weight": s.initial_weight,
+        "max_in_flight": s.max_in_flight,
+        "max_weight": s.max_weight,
+    }
+
+
 def _sumweight(s: CoreSettings) -> GossipProtocol:
-    return SumWeightGossip(
-        s.node_id,
-        s.num_segments,
-        push_probability=s.push_probability,
-        rng=random.Random(s.seed),
-        initial_weight=s.initial_weight,
-        max_in_flight=s.max_in_flight,
-        max_weight=s.max_weight,
-    )
+    return SumWeightGossip(**_ledger(s), push_probability=s.push_probability)
 
 
 def _crossover(s: CoreSettings) -> GossipProtocol:
-    return CrossoverGossip(
-        s.node_id,
-        s.num_segments,
-        mesh_seed=s.mesh_seed,
-        round_steps=s.round_steps,
-        rng=random.Random(s.seed),
-        initial_weight=s.initial_weight,
-        max_in_flight=s.max_in_flight,
-        max_weight=s.max_weight,
-    )
+    return CrossoverGossip(**_ledger(s), mesh_seed=s.mesh_seed, round_steps=s.round_steps)
 
 
 def _pushsum_expgraph(s: CoreSettings) -> GossipProtocol:
-    return PushSumExpGraph(
-        s.node_id,
-        s.num_segments,
-        round_steps=s.round_steps,
-        rng=random.Random(s.seed),
-        initial_weight=s.initial_weight,
-        max_in_flight=s.max_in_flight,
-        max_weight=s.max_weight,
-    )
+    return PushSumExpGraph(**_ledger(s), round_steps=s.round_steps)
 
 
 def _shuffle_exchange(s: CoreSettings) -> GossipProtocol:
-    return ShuffleExchange(
-        s.node_id,
-        s.num_segments,
-        mesh_seed=s.mesh_seed,
-        round_steps=s.round_steps,
-        rng=random.Random(s.seed),
-        initial_weight=s.initial_weight,
-        max_in_flight=s.max_in_flight,
-        max_weight=s.max_weight,
-    )
+    return ShuffleExchange(**_ledger(s), mesh_seed=s.mesh_seed, round_steps=s.round_steps)
 
 
 def _persyn(s: CoreSettings) -> GossipProtocol:
-    return PerSyn(
-        s.node_id,
-        s.num_segments,
-        average_every_steps=s.average_every_steps,
-        rng=random.Random(s.seed),
-        initial_weight=s.initial_weight,
-        max_in_flight=s.max_in_flight,
-        max_weight=s.max_weight,
-    )
+    return PerSyn(**_ledger(s), average_every_steps=s.average_every_steps)
 
 
 DEFAULT_PROTOCOL = "sumweight"
