@@ -28,8 +28,6 @@ estimated from ``StepEnded.time_s``), so models leave training averaged.
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -60,21 +58,12 @@ class PerSyn(SumWeightLedger):
         num_segments: int,
         *,
         average_every_steps: int,
-        rng: random.Random,
-        initial_weight: float = 1.0,
-        max_in_flight: int = 2,
-        max_weight: float = math.inf,
+        **ledger: Any,
     ) -> None:
+        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
         if average_every_steps < 1:
             raise ValueError(f"average_every_steps must be at least 1, got {average_every_steps}")
-        super().__init__(
-            node_id,
-            num_segments,
-            rng=rng,
-            initial_weight=initial_weight,
-            max_in_flight=max_in_flight,
-            max_weight=max_weight,
-        )
+        super().__init__(node_id, num_segments, **ledger)
         self.average_every_steps = average_every_steps
         self.step_time_s = DEFAULT_STEP_TIME_S  # until two steps have been seen
         self._step_times_seen = 0

@@ -21,9 +21,8 @@ weights, never the total.
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Iterable
+from typing import Any
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
@@ -39,21 +38,12 @@ class PushSumExpGraph(SumWeightLedger):
         num_segments: int,
         *,
         round_steps: int,
-        rng: random.Random,
-        initial_weight: float = 1.0,
-        max_in_flight: int = 2,
-        max_weight: float = math.inf,
+        **ledger: Any,
     ) -> None:
+        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
         if round_steps < 1:
             raise ValueError(f"round_steps must be at least 1, got {round_steps}")
-        super().__init__(
-            node_id,
-            num_segments,
-            rng=rng,
-            initial_weight=initial_weight,
-            max_in_flight=max_in_flight,
-            max_weight=max_weight,
-        )
+        super().__init__(node_id, num_segments, **ledger)
         self.round_steps = round_steps
 
     def destination(self) -> str | None:

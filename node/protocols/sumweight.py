@@ -15,9 +15,8 @@ starts at weight 0 and only gains weight through ordinary pushes.
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Iterable
+from typing import Any
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
@@ -32,21 +31,12 @@ class SumWeightGossip(SumWeightLedger):
         num_segments: int,
         *,
         push_probability: float,
-        rng: random.Random,
-        initial_weight: float = 1.0,
-        max_in_flight: int = 2,
-        max_weight: float = math.inf,
+        **ledger: Any,
     ) -> None:
+        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
         if not 0.0 <= push_probability <= 1.0:
             raise ValueError(f"push_probability must be in [0, 1], got {push_probability}")
-        super().__init__(
-            node_id,
-            num_segments,
-            rng=rng,
-            initial_weight=initial_weight,
-            max_in_flight=max_in_flight,
-            max_weight=max_weight,
-        )
+        super().__init__(node_id, num_segments, **ledger)
         self.push_probability = push_probability
 
     def on_step(self, event: StepEnded) -> Iterable[Push]:
