@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from gossipd.node import certs
+from gossipd.node.config import TlsConfig
 from gossipd.node.errors import GossipdError
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Credentials:
         self.material: Material | None = None if insecure else self._read()
 
     @classmethod
-    def from_config(cls, tls: Any) -> Credentials:
+    def from_config(cls, tls: TlsConfig) -> Credentials:
         return cls(
             ca=tls.ca,
             cert=tls.cert,
@@ -97,7 +98,7 @@ class Credentials:
             ca.read_bytes(), cert.read_bytes(), key.read_bytes(), node_id, info["not_after"]
         )
 
-    def reload(self, tls: Any = None) -> Material:
+    def reload(self, tls: TlsConfig | None = None) -> Material:
         """Read the files again (and, given a new ``[tls]`` section, its paths and
         allow-list); on any problem keep everything as it was and raise why."""
         if self.insecure:
