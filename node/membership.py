@@ -176,6 +176,12 @@ class Membership:
             return Change(node_id, False)
         return None
 
+    def drop(self, node_id: str) -> Change | None:
+        """Forget a peer this node no longer admits (``tls.allow``); unlike a departed
+        one, it is verified again if it is admitted later."""
+        state = self.peers.pop(node_id, None)
+        return Change(node_id, False) if state is not None and state.live else None
+
     def departed_now(self, node_id: str) -> Change | None:
         """The node left (checked with the node itself) or was declared dead."""
         state = self.peers.pop(node_id, None)

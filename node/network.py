@@ -264,6 +264,7 @@ class Network:
         old, self.clients = self.clients, {}
         for client in old.values():
             self.spawn(client.close())
+        self.spawn(self.peering.drop_disallowed())
         log.info(
             "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
             material.node_id,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.peering import RPC_TIMEOUT_S
 from gossipd.node.replica import OutboundPush
+from gossipd.node.tls import NotAllowed
 from gossipd.node.transport import OutcomeUnknown, PartialPush
 from gossipd.proto import gossip_pb2 as pb
 
@@ -96,6 +97,8 @@ class Outbound:
             except InvalidFrame as err:  # refused by validation, as any attempt would be
                 return self._refused(acked, nbytes, err, kind)
             except GossipdError as err:
+                if isinstance(err, NotAllowed):  # not transient: stop choosing this peer
+                    self.network.peering.failed(peer, err)
                 # Busy, not (yet) a verified peer, leaving: this attempt merged nothing.
                 # That settles the push only if no earlier attempt is still unaccounted
                 # for: one may sit in the receiver's inbox and be merged after all.

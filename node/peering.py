@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.membership import Change, Membership, PeerState
 from gossipd.node.segments import check_fingerprint, check_protocol
-from gossipd.node.tls import IdentityMismatch
+from gossipd.node.tls import IdentityMismatch, NotAllowed
 from gossipd.node.transport import PeerClient
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -119,9 +119,14 @@ class Peering:
                 )
             check_fingerprint(self.network.fingerprint, reply.fingerprint, address)
             check_protocol(self.network.config.gossip.protocol, reply.protocol, address)
-        except MeshMismatch as err:  # a configuration to fix, not a passing failure
+            if not self.network.tls.allows(reply.node.node_id):
+                raise NotAllowed(
+                    f"{address} is {reply.node.node_id!r}, which tls.allow of this node does "
+                    "not list; it is not made a peer"
+                )
+        except (MeshMismatch, NotAllowed) as err:  # configuration to fix, not a passing failure
             self.network.metrics.dial_failures.labels("mismatch").inc()
-            self.network.rejections.record(address, "MeshMismatch", str(err))
+            self.network.rejections.record(address, type(err).__name__, str(err))
             return False
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
@@ -213,6 +218,17 @@ class Peering:
                 self.network.forget_client(state.address)
         finally:
             self._leave_checks.discard(state.node_id)
+
+    async def drop_disallowed(self) -> None:
+        """After tls.allow changed: settle what is in flight to peers it no longer lists,
+        then stop gossiping with them (they may be admitted again later)."""
+        for state in list(self.membership.peers.values()):
+            if self.network.tls.allows(state.node_id):
+                continue
+            await self.network.outbound.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
+            log.info("peer %s is not in tls.allow any more; dropped", state.node_id)
+            self.apply(self.membership.drop(state.node_id))
+            self.network.forget_client(state.address)
 
     # -- anti-entropy -----------------------------------------------------------------
     async def run(self) -> None:

@@ -155,6 +155,10 @@ class Credentials:
             self._fetched = material
         return self._server_config(material)
 
+    def allows(self, node_id: str) -> bool:
+        """Whether ``tls.allow`` admits ``node_id`` (every site of the mesh when unset)."""
+        return self.allow is None or node_id in self.allow
+
     def peer_id(self, context: grpc.aio.ServicerContext) -> str | None:
         """The node id the caller's certificate names (None in plaintext); checks the allow-list."""
         if self.insecure:
@@ -163,7 +167,7 @@ class Credentials:
         node_id = certs.node_id_of(pem[0]) if pem else None
         if node_id is None:
             raise IdentityMismatch("the client certificate names no node id")
-        if self.allow is not None and node_id not in self.allow:
+        if not self.allows(node_id):
             raise NotAllowed(
                 f"certificate for {node_id!r} is valid but not in tls.allow of this node; "
                 "add it there (and send SIGHUP) to admit that site"

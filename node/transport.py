@@ -32,7 +32,7 @@ from gossipd.node.errors import (
 )
 from gossipd.node.replica import OutboundPush
 from gossipd.node.segments import SegmentPlan
-from gossipd.node.tls import Credentials
+from gossipd.node.tls import Credentials, NotAllowed
 from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,
@@ -75,6 +75,7 @@ _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
     grpc.StatusCode.UNAVAILABLE: PeerUnreachable,
     grpc.StatusCode.DEADLINE_EXCEEDED: PeerUnreachable,
     grpc.StatusCode.CANCELLED: PeerUnreachable,
+    grpc.StatusCode.PERMISSION_DENIED: NotAllowed,
 }
 
 

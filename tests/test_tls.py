@@ -626,3 +626,41 @@ def test_a_site_whose_seed_has_another_ca_logs_the_tls_failure_at_info(
         assert stray.status()["live_peers"] == []
     finally:
         stop_all([stray])
+
+
+@pytest.mark.timeout(300)
+def test_removing_a_site_from_tls_allow_by_sighup_revokes_it_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The README's revocation: edit tls.allow, SIGHUP; the site is dropped and refused."""
+    import tomllib
+
+    from tests.conftest import write_config
+
+    pki = Pki.create(tmp_path / "ca", ["a", "b", CLIENT])
+    handles = start_tls_mesh(tmp_path, pki, ["a", "b"], gossip={"push_probability": 1.0})
+    a, b = handles
+    try:
+        config = tomllib.loads(b.config_path.read_text())
+        config["tls"]["allow"] = ["b", CLIENT]
+        write_config(b.config_path, config)
+        b.proc.send_signal(signal.SIGHUP)
+        wait_until(
+            lambda: "peer a is not in tls.allow any more; dropped" in b.log(),
+            "b to drop a after the reload",
+            60.0,
+        )
+        code, _, details = status_tls(pki.creds("a"), b.address)
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "'a'" in details, details
+        # a keeps dialling b; each time b refuses to make it a peer again.
+        wait_until(
+            lambda: (
+                status_of(b)["rejected"].get("NotAllowed", 0) > 0
+                and b.status()["live_peers"] == []
+                and "b" not in a.status()["live_peers"]
+            ),
+            "a to be refused by b and stop counting b as live",
+            120.0,
+        )
+    finally:
+        stop_all(handles)
