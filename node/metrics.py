@@ -79,6 +79,13 @@ class NodeMetrics:
         self.merges = Counter(
             "gossipd_merges_total", "Segments merged into the local model", registry=r
         )
+        self.mass_inconsistencies = Counter(
+            "gossipd_mass_inconsistencies_total",
+            "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"
+            " a DUPLICATE for a segment never sent before); the weight is kept, not committed",
+            ["kind"],
+            registry=r,
+        )
         self.sum_weight = Gauge(
             "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
         )

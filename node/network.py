@@ -9,6 +9,7 @@ worker thread so a long step never stalls the loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import math
@@ -334,6 +335,7 @@ class Network:
             segments,
             open_.round,
             merge_new=not self.leaving,
+            sequence_base=open_.sequence_base,
         )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)
@@ -426,6 +428,11 @@ class Network:
             round=s.round,
             membership_epoch=s.epoch,
             transport_security="insecure" if self.tls.insecure else "mtls",
+            exchanged=[
+                pb.PeerMass(node_id=peer, **dataclasses.asdict(mass))
+                for peer, mass in sorted(s.exchanged.items())
+            ],
+            mass_inconsistencies=self.outbound.mass_inconsistencies,
         )
 
     async def _checksum(self) -> str:

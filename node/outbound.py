@@ -5,7 +5,13 @@ before merging anything) and unknown when the connection breaks, a deadline
 passes or nothing moves for ``gossip.progress_timeout_s``. Unknown outcomes are
 retried with the same sequence, so the receiver's de-duplication turns a lost
 acknowledgement into a DUPLICATE that commits. Only a refusal, or a receiver
-declared dead, folds the weight back.
+declared dead, folds the weight back. A receiver that restarted is retried too:
+the windows it restored from its checkpoint say whether its model holds the push.
+
+A DUPLICATE answer for a segment this node had never sent before cannot be true:
+the receiver's record of our pushes disagrees with ours. It is counted
+(``gossipd_mass_inconsistencies_total``), logged at INFO, and treated as not
+acknowledged, so the weight folds back instead of vanishing.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ if TYPE_CHECKING:
     from gossipd.node.network import Network
 
 log = logging.getLogger(__name__)
+INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
 
 
 class Outbound:
     def __init__(self, network: Network) -> None:
         self.network = network
         self._retry_now = asyncio.Event()  # replaced each time it fires
+        self.mass_inconsistencies = 0
+        self._inconsistency_logged: dict[str, tuple[float, int]] = {}  # peer -> (at, count)
 
     async def push(self, out: OutboundPush) -> None:
         """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
@@ -59,23 +68,24 @@ class Outbound:
         does.
         """
         peer, gossip = out.push.peer, self.network.config.gossip
-        state = self.network.membership.peers.get(peer)
-        if state is None:
+        if peer not in self.network.membership.peers:
             return [], f"peer {peer} left the view"
-        incarnation = state.incarnation
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
         last_error = "no attempt made"
         uncertain = False  # some earlier attempt may yet be merged
         acked: list[pb.SegmentAck] = []  # acknowledgements are final: never sent again
+        sent: set[int] = set()  # segments some attempt carried
         while True:
             state = self.network.membership.peers.get(peer)
-            if state is None or state.incarnation != incarnation:
+            if state is None:
                 return acked, (
-                    f"{peer} was declared dead or restarted before acknowledging push "
+                    f"{peer} was declared dead before acknowledging push "
                     f"#{out.push.sequence}; last attempt: {last_error}"
                 )
             remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
+            never_sent = set(remaining) - sent
+            sent |= never_sent
             try:
                 acks = await self.network.client(state.address, peer).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
@@ -83,12 +93,12 @@ class Outbound:
                 self.network.metrics.messages.labels("sent", kind, "ok").inc()
                 self.network.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
                 self.network.peering.succeeded(peer)
-                return acked + acks, None
+                return acked + self._credible(out, acks, never_sent), None
             except OutcomeUnknown as err:
                 last_error, uncertain = str(err), True
                 self.network.peering.failed(peer, err)
             except PartialPush as err:
-                acked += err.acks
+                acked += self._credible(out, err.acks, never_sent)
                 last_error = str(err)
                 if any(isinstance(e, OutcomeUnknown) for e in err.errors):
                     uncertain = True
@@ -114,6 +124,40 @@ class Outbound:
             if self.network.stopping.is_set():
                 return acked, last_error
             delay_s = min(delay_s * 2, gossip.retry_max_s)
+
+    def _credible(
+        self, out: OutboundPush, acks: list[pb.SegmentAck], never_sent: set[int]
+    ) -> list[pb.SegmentAck]:
+        """``acks`` less DUPLICATE answers for segments no earlier attempt carried."""
+        false = sorted(
+            a.segment
+            for a in acks
+            if a.result == pb.SEGMENT_RESULT_DUPLICATE and a.segment in never_sent
+        )
+        if not false:
+            return acks
+        self.mass_inconsistencies += 1
+        self.network.metrics.mass_inconsistencies.labels("duplicate_never_sent").inc()
+        peer, now = out.push.peer, time.monotonic()
+        at, count = self._inconsistency_logged.get(peer, (-INCONSISTENCY_LOG_EVERY_S, 0))
+        if now - at < INCONSISTENCY_LOG_EVERY_S:
+            self._inconsistency_logged[peer] = (at, count + 1)
+        else:
+            if len(self._inconsistency_logged) >= 1024:  # verified peers only; still capped
+                self._inconsistency_logged.clear()
+            self._inconsistency_logged[peer] = (now, 0)
+            log.info(
+                "%s answered DUPLICATE for segments %s of push #%d, which this node had never "
+                "sent it (%d more such answers since the last line): its record of our pushes "
+                "disagrees with ours, after a restore from a checkpoint or from a lying peer. "
+                "Kept as not acknowledged, so the weight folds back here instead of vanishing; "
+                "if it repeats, check that every site runs the same gossipd release",
+                peer,
+                false,
+                out.push.sequence,
+                count,
+            )
+        return [a for a in acks if a.segment not in false]
 
     def _refused(
         self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError, kind: str

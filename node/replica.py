@@ -36,6 +36,7 @@ from gossipd.node.protocols.base import (
     Merge,
     PayloadArrived,
     PayloadMerged,
+    PeerMass,
     PeerRestarted,
     Push,
     PushSettled,
@@ -103,6 +104,7 @@ class InboundPush:
     segments: list[ReceivedSegment]
     round: int = 0
     merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
+    sequence_base: int = 1  # the sender's numbering (protocols.ledger)
     reply: concurrent.futures.Future[list[pb.SegmentAck]] = field(
         default_factory=concurrent.futures.Future
     )
@@ -385,6 +387,7 @@ class Replica:
                 item.sequence,
                 item.round,
                 {seg.segment: seg.sum_weight for seg in item.segments},
+                item.sequence_base,
             )
             values = {seg.segment: seg.values for seg in item.segments}
             try:
@@ -458,6 +461,7 @@ class Summary:
     pushes_failed: int
     pushes_merged: int
     peers: frozenset[str]
+    exchanged: Mapping[str, PeerMass]
 
     @classmethod
     def of(cls, replica: Replica) -> Summary:
@@ -475,4 +479,5 @@ class Summary:
             pushes_failed=replica.pushes_failed,
             pushes_merged=replica.pushes_merged,
             peers=core.peers,
+            exchanged=core.exchanged,
         )

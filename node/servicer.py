@@ -187,6 +187,11 @@ class GossipServicer:
                 self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
                 check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
                 self.node.check_sender(opened.sender, opened.incarnation)
+                if not 1 <= opened.sequence_base <= opened.sequence:
+                    raise InvalidFrame(
+                        f"push {opened.sender!r}#{opened.sequence} names sequence_base "
+                        f"{opened.sequence_base}; it must be in 1..{opened.sequence}"
+                    )
                 assembler = self.node.new_assembler()
                 assembler.reserve = held.reserve
                 segments = await self._receive(opened, frames, assembler)

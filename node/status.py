@@ -40,6 +40,16 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "round": reply.round,
         "membership_epoch": reply.membership_epoch,
         "transport_security": reply.transport_security,
+        "exchanged": {
+            m.node_id: {
+                "sent": m.sent,
+                "received": m.received,
+                "sent_before": m.sent_before,
+                "received_before": m.received_before,
+            }
+            for m in reply.exchanged
+        },
+        "mass_inconsistencies": reply.mass_inconsistencies,
     }
 
 

@@ -255,6 +255,7 @@ class PeerClient:
                 segment_count=len(segments),
                 incarnation=self.identity.incarnation,
                 round=out.push.round,
+                sequence_base=out.push.sequence_base,
             )
         ).SerializeToString()
         for index in segments:

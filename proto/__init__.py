@@ -1,3 +1,3 @@
 """gossipd's wire schema (``gossip.proto``) and its generated, committed stubs."""
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4

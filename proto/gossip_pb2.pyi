@@ -81,7 +81,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class PushOpen(_message.Message):
-    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round")
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class PushOpen(_message.Message):
     SEGMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_BASE_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     sender: str
     fingerprint: str
@@ -96,7 +97,8 @@ class PushOpen(_message.Message):
     segment_count: int
     incarnation: int
     round: int
-    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    sequence_base: int
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ...) -> None: ...
 
 class SegmentHeader(_message.Message):
     __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum")
@@ -203,7 +205,7 @@ class StatusRequest(_message.Message):
     def __init__(self, checksum: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +234,8 @@ class StatusReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_SECURITY_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGED_FIELD_NUMBER: _ClassVar[int]
+    MASS_INCONSISTENCIES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -253,4 +257,20 @@ class StatusReply(_message.Message):
     round: int
     membership_epoch: int
     transport_security: str
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ...) -> None: ...
+    exchanged: _containers.RepeatedCompositeFieldContainer[PeerMass]
+    mass_inconsistencies: int
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ...) -> None: ...
+
+class PeerMass(_message.Message):
+    __slots__ = ("node_id", "sent", "received", "sent_before", "received_before")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SENT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    sent: float
+    received: float
+    sent_before: float
+    received_before: float
+    def __init__(self, node_id: _Optional[str] = ..., sent: _Optional[float] = ..., received: _Optional[float] = ..., sent_before: _Optional[float] = ..., received_before: _Optional[float] = ...) -> None: ...

@@ -358,6 +358,7 @@ def push_frames(
         sequence=sequence,
         segment_count=1,
         incarnation=incarnation,
+        sequence_base=1,
     )
     header = pb.SegmentHeader(
         sender=sender,

@@ -210,6 +210,7 @@ def _protobuf_frames(out: OutboundPush, identity: Identity, chunk_bytes: int) ->
                 sequence=out.push.sequence,
                 segment_count=len(out.push.weights),
                 incarnation=identity.incarnation,
+                sequence_base=out.push.sequence_base,
             )
         )
     ]

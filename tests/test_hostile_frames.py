@@ -82,6 +82,7 @@ class Wire:
             sequence=1,
             segment_count=1,
             incarnation=INCARNATION,
+            sequence_base=1,
         )
         fields.update(overrides)
         return pb.PushFrame(open=pb.PushOpen(**fields)).SerializeToString()
@@ -224,6 +225,14 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
             "PushSegments",
             lambda: [wire.open_frame(segment_count=2), *wire.segment(good)],
         ),
+        "no sequence base": (
+            "PushSegments",
+            lambda: [wire.open_frame(sequence_base=0), *wire.segment(good)],
+        ),
+        "sequence base above the sequence": (
+            "PushSegments",
+            lambda: [wire.open_frame(sequence_base=2), *wire.segment(good)],
+        ),
     }
 
 
@@ -272,6 +281,11 @@ EXPECTED = {
         f"larger than max ({1 + len(_varint(OVERSIZE)) + OVERSIZE} vs. {MAX_MESSAGE})",
     ),
     "segment count lies": (grpc.StatusCode.INVALID_ARGUMENT, "announced 2 segments"),
+    "no sequence base": (grpc.StatusCode.INVALID_ARGUMENT, "sequence_base 0; it must be in 1..1"),
+    "sequence base above the sequence": (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sequence_base 2; it must be in 1..1",
+    ),
 }
 
 

@@ -113,6 +113,7 @@ def _open(sequence: int, segment_count: int = 1) -> bytes:
         sequence=sequence,
         segment_count=segment_count,
         incarnation=INCARNATION,
+        sequence_base=1,
     )
     return pb.PushFrame(open=opened).SerializeToString()
 

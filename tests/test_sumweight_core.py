@@ -958,7 +958,7 @@ def test_dedup_memory_per_sender_is_bounded_by_the_window_times_segments():
     for sequence in range(1, 3 * DEDUP_WINDOW):
         for segment in range(2):
             node.on_message("b", 0, sequence, segment, 0.0)
-    window = node._seen[("b", 0)]
+    window = node._seen[("b", 0, 1)]
     assert len(window.seen) == len(window.order) == 2 * DEDUP_WINDOW
     assert node.on_message("b", 0, 3 * DEDUP_WINDOW - 1, 1, 0.5) == Duplicate(1)
 

@@ -64,7 +64,8 @@ class ViewChanged:
 
 @dataclass(frozen=True)
 class PeerRestarted:
-    """``peer`` came back as ``incarnation``: it remembers nothing of earlier pushes."""
+    """``peer`` came back as ``incarnation``, from a checkpoint or from nothing: what it
+    remembers of earlier pushes is whatever its checkpoint held, no more."""
 
     peer: str
     incarnation: int
@@ -79,6 +80,7 @@ class PayloadArrived:
     sequence: int
     round: int
     weights: Mapping[int, float]
+    sequence_base: int = 1  # the sender's numbering this sequence belongs to (Push)
 
 
 @dataclass(frozen=True)
@@ -158,10 +160,15 @@ class Push:
     sequence: int
     weights: Mapping[int, float]
     round: int = 0
+    # The first sequence of the numbering this push belongs to. A sender starts a new
+    # numbering (base = its next sequence) when the receiver restarts or leaves its view;
+    # the receiver keeps one de-duplication window per numbering, so the windows it
+    # restored from a checkpoint answer only for the pushes they saw.
+    sequence_base: int = 1
 
     @property
     def key(self) -> tuple[str, int]:
-        """Sequences are per receiver, so a push in flight is known by (peer, sequence)."""
+        """Sequences to one receiver never repeat, so a push is known by (peer, sequence)."""
         return (self.peer, self.sequence)
 
 
@@ -222,6 +229,20 @@ class CoreStatus:
     in_flight: int
     peers: frozenset[str]
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Weight exchanged with each peer (summed over segments), for operators and audits.
+    exchanged: Mapping[str, PeerMass] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PeerMass:
+    """Sum-weight this node committed to ``peer`` (``sent``: acknowledged) and merged from it
+    (``received``), since ``peer``'s current incarnation was first seen; the ``*_before``
+    pair is what went to and came from its previous incarnation (it restarted)."""
+
+    sent: float = 0.0
+    received: float = 0.0
+    sent_before: float = 0.0
+    received_before: float = 0.0
 
 
 class GossipProtocol(ABC):

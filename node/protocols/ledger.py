@@ -16,28 +16,42 @@ is the part they share, and it keeps the total weight exact over a real network:
 * a message for an earlier or later round, or from a sender this node did not
   expect, is merged by the same rule: never waited for, never dropped.
 
-Sequences are per edge: a sender numbers its pushes to each receiver 1, 2, 3…
-(starting again when the receiver restarts) and a retry reuses its number. The
-receiver admits a sequence at most ``SEQUENCE_AHEAD`` beyond the highest it
-admitted from that sender incarnation (beyond 0 before the first) and refuses
-anything further: it is never allowed to move the window. Only a segment this
-node remembers merging is answered DUPLICATE; a sequence older than what it
-remembers is refused, so the sender folds it back rather than losing it. An
-honest sender never sees either refusal (it has one push in flight per edge);
-a forger who can pass as a sender can at worst get that sender's pushes
-refused, never answered DUPLICATE unmerged.
+Sequences are per edge and never repeat: a sender numbers its pushes to each
+receiver 1, 2, 3… for its whole incarnation, and a retry reuses its number. When
+the receiver restarts (or leaves the view and comes back) the sender starts a new
+*numbering*: the next sequence becomes its ``sequence_base``, carried by every push.
+The receiver keeps one de-duplication window per (sender, incarnation, base). A
+restarted receiver restores the windows of its checkpoint, which are a faithful
+record of what its restored model holds: a retry of a push it merged before that
+checkpoint is answered DUPLICATE, one it merged after (lost with the crash) is
+merged again, and new pushes open a fresh window. A sender that restarted numbering
+at 1 into the receiver's restored window would be answered DUPLICATE for pushes
+never merged, and drop their weight: that was the defect this design removes.
+
+Within a window the receiver admits a sequence at most ``SEQUENCE_AHEAD`` beyond
+the highest it admitted (beyond ``base - 1`` before the first) and refuses anything
+further: it is never allowed to move the window. Only a segment this node remembers
+merging is answered DUPLICATE; a sequence older than what it remembers is refused,
+so the sender folds it back rather than losing it. An honest sender never sees
+either refusal (it has one push in flight per edge); a forger who can pass as a
+sender can at worst get that sender's pushes refused, never answered DUPLICATE
+unmerged.
 
 Mass bound: without faults Σw is exact. A push is folded back into its sender
-only when the receiver refused it (it merged nothing) or was declared dead; the
-one remaining error is a receiver that merged a push and was then declared
-dead before its acknowledgement arrived (it comes back after ``drop_after_s``,
-or restarts from a checkpoint taken after the merge): that push's weight then
-exists twice. Everything else (lost acknowledgements, retries, duplicates,
-reordering) keeps the total exact.
+only when the receiver refused it (it merged nothing) or was declared dead; a
+receiver that merged a push and was then declared dead before its acknowledgement
+arrived (it comes back after ``drop_after_s``) leaves that push's weight twice.
+A crash and restart of one node from its checkpoint changes Σw by exactly what
+the checkpoint does not hold: minus the weight it merged after the checkpoint,
+plus the weight of its pushes that were in flight at the checkpoint or sent after
+it and merged by their receivers. Pushes in flight *to* it are retried to the new
+incarnation and cost nothing. Everything else (lost acknowledgements, retries,
+duplicates, reordering) keeps the total exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from abc import abstractmethod
@@ -56,6 +70,7 @@ from gossipd.node.protocols.base import (
     Merge,
     PayloadArrived,
     PayloadMerged,
+    PeerMass,
     PeerRestarted,
     PullArrived,
     PullFailed,
@@ -78,12 +93,19 @@ DEDUP_WINDOW = 4096
 # How far beyond the highest admitted sequence a push may be. Sequences to one
 # receiver grow by one per push, so a gap only comes from pushes given up on.
 SEQUENCE_AHEAD = 1024
+# Windows kept per sender incarnation. A sender starts a numbering only when this
+# node restarts or drops out of its view, and has one push in flight to it, so
+# only the newest two ever matter; the rest bounds what a lying sender can open.
+NUMBERINGS_KEPT = 4
+# Peers whose exchanged weight is kept (operators' audit; verified peers only).
+EXCHANGED_KEPT = 1024
 
 
 class _Window:
     """Recently merged (sequence, segment) pairs of one sender incarnation, bounded in size."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: int = 1) -> None:
+        self.base = base
         self.seen: set[tuple[int, int]] = set()
         self.order: deque[tuple[int, int]] = deque()
         self.forgotten_up_to = -1
@@ -91,7 +113,11 @@ class _Window:
 
     def check(self, sequence: int) -> None:
         """Refuse a sequence too far ahead (it must not move the window) or forgotten."""
-        highest = self.highest or 0
+        if sequence < self.base:
+            raise Refused(
+                f"sequence {sequence} is below the base {self.base} of its own numbering; refused"
+            )
+        highest = self.base - 1 if self.highest is None else self.highest
         if sequence > highest + SEQUENCE_AHEAD:
             raise Refused(
                 f"sequence {sequence} is more than {SEQUENCE_AHEAD} beyond the highest "
@@ -125,7 +151,7 @@ class _Window:
 
     @classmethod
     def restore(cls, state: Mapping[str, Any]) -> _Window:
-        window = cls()
+        window = cls(int(state.get("base", 1)))
         window.order = deque(tuple(pair) for pair in state["order"])
         window.seen = set(window.order)
         window.forgotten_up_to = state["forgotten"]
@@ -168,7 +194,9 @@ class SumWeightLedger(GossipProtocol):
         self.round = 0
         self.view: View = ranked(frozenset({node_id}))
         self._sequences: dict[str, int] = {}  # last sequence used towards each receiver
-        self._seen: dict[tuple[str, int], _Window] = {}
+        self._bases: dict[str, int] = {}  # first sequence of the current numbering to each
+        self._seen: dict[tuple[str, int, int], _Window] = {}  # (sender, incarnation, base)
+        self._exchanged: dict[str, PeerMass] = {}
 
     # -- the interface ------------------------------------------------------------------
     def handle(self, event: Event) -> list[Action]:
@@ -176,9 +204,12 @@ class SumWeightLedger(GossipProtocol):
             case StepEnded():
                 return list(self.on_step(event))
             case PayloadArrived():
-                return list(self.plan_receive(*_payload_key(event), event.weights))
+                return list(
+                    self.plan_receive(*_payload_key(event), event.weights, event.sequence_base)
+                )
             case PayloadMerged(payload=p):
-                self.apply_receive(*_payload_key(p), self.plan_receive(*_payload_key(p), p.weights))
+                plan = self.plan_receive(*_payload_key(p), p.weights, p.sequence_base)
+                self.apply_receive(*_payload_key(p), plan, p.sequence_base)
                 return []
             case PushSettled():
                 return list(self.settle((event.peer, event.sequence), event.acked))
@@ -208,6 +239,7 @@ class SumWeightLedger(GossipProtocol):
             reserved=tuple(self.reserved),
             in_flight=len(self.in_flight),
             peers=self.peers,
+            exchanged=dict(self._exchanged),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -230,8 +262,10 @@ class SumWeightLedger(GossipProtocol):
             ],
             "sequences": dict(self._sequences),
             "windows": [
-                {"sender": s, "incarnation": i, **w.state()} for (s, i), w in self._seen.items()
+                {"sender": s, "incarnation": i, "base": b, **w.state()}
+                for (s, i, b), w in self._seen.items()
             ],
+            "exchanged": {peer: dataclasses.asdict(m) for peer, m in self._exchanged.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -241,6 +275,8 @@ class SumWeightLedger(GossipProtocol):
         their reservations are not restored; the weights already count them as
         held, which is the crash bound above. Sequences towards receivers restart
         at 1, because receivers key their windows by this node's new incarnation.
+        The windows stay keyed by the senders' numberings: a sender retrying a push
+        it made before this restart is answered from the window that saw it.
         """
         if state.get("protocol", self.name) != self.name:
             raise ValueError(
@@ -256,10 +292,13 @@ class SumWeightLedger(GossipProtocol):
         self.reserved = [0.0] * len(weights)
         self.in_flight.clear()
         self._sequences.clear()
+        self._bases.clear()
         self.round = int(state.get("round", 0))
         self._seen = {
-            (w["sender"], w["incarnation"]): _Window.restore(w) for w in state.get("windows", ())
+            (w["sender"], w["incarnation"], int(w.get("base", 1))): _Window.restore(w)
+            for w in state.get("windows", ())
         }
+        self._exchanged = {peer: PeerMass(**m) for peer, m in state.get("exchanged", {}).items()}
 
     # -- what subclasses decide ----------------------------------------------------------
     @abstractmethod
@@ -274,6 +313,8 @@ class SumWeightLedger(GossipProtocol):
 
     # -- membership -------------------------------------------------------------------
     def set_members(self, members: frozenset[str]) -> None:
+        for gone in frozenset(self.view.members) - members:
+            self.new_numbering(gone)  # it may come back from a checkpoint
         self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
 
     @property
@@ -288,15 +329,34 @@ class SumWeightLedger(GossipProtocol):
             self.set_members(frozenset(self.view.members) - {peer})
 
     def on_peer_restarted(self, peer: str, incarnation: int) -> None:
-        """``peer`` restarted: its old de-duplication state goes, and our numbering to it
-        starts again at 1, since the new incarnation remembers nothing of ours."""
+        """``peer`` restarted: its old de-duplication state goes, our pushes to it start a
+        new numbering (its restored windows know only the old one), and what we exchanged
+        with its previous incarnation is kept apart from what follows."""
         self.forget_sender(peer, incarnation)
-        self._sequences.pop(peer, None)
+        self.new_numbering(peer)
+        before = self._exchanged.get(peer, PeerMass())
+        self._exchanged[peer] = PeerMass(sent_before=before.sent, received_before=before.received)
+
+    def new_numbering(self, peer: str) -> None:
+        """Number the next pushes to ``peer`` in a numbering of their own (see module doc)."""
+        if peer in self._sequences:
+            self._bases[peer] = self._sequences[peer] + 1
 
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Drop de-duplication state of a sender's older incarnations (it restarted)."""
         for key in [k for k in self._seen if k[0] == sender and k[1] < keep_incarnation]:
             del self._seen[key]
+
+    def _account(self, peer: str, *, sent: float = 0.0, received: float = 0.0) -> None:
+        mass = self._exchanged.get(peer)
+        if mass is None:
+            if len(self._exchanged) >= EXCHANGED_KEPT:
+                stale = next((p for p in self._exchanged if p not in self.view.rank_of), None)
+                self._exchanged.pop(stale if stale is not None else next(iter(self._exchanged)))
+            mass = PeerMass()
+        self._exchanged[peer] = dataclasses.replace(
+            mass, sent=mass.sent + sent, received=mass.received + received
+        )
 
     # -- sending ----------------------------------------------------------------------
     def available(self, segment: int) -> float:
@@ -331,7 +391,7 @@ class SumWeightLedger(GossipProtocol):
         self._sequences[peer] = sequence
         for s, w in weights.items():
             self.reserved[s] = self.weights[s] if everything else self.reserved[s] + w
-        push = Push(peer, sequence, weights, self.round)
+        push = Push(peer, sequence, weights, self.round, self._bases.get(peer, 1))
         self.in_flight[push.key] = push
         return push
 
@@ -374,6 +434,7 @@ class SumWeightLedger(GossipProtocol):
                 self.reserved[s] = 0.0  # no rounding remainder may outlive the pushes
             if s in acked:
                 self.weights[s] = max(self.weights[s] - w, 0.0)
+                self._account(push.peer, sent=w)
             elif w > 0:
                 available = self.available(s)
                 folds.append(
@@ -383,10 +444,15 @@ class SumWeightLedger(GossipProtocol):
 
     # -- receiving ----------------------------------------------------------------------
     def plan_receive(
-        self, sender: str, incarnation: int, sequence: int, weights: Mapping[int, float]
+        self,
+        sender: str,
+        incarnation: int,
+        sequence: int,
+        weights: Mapping[int, float],
+        base: int = 1,
     ) -> list[Merge | Duplicate]:
         """What merging this push would do, without doing it; raises ``Refused``."""
-        window = self._seen.get((sender, incarnation)) or _Window()
+        window = self._seen.get((sender, incarnation, base)) or _Window(base)
         window.check(sequence)
         actions: list[Merge | Duplicate] = []
         for segment, weight in weights.items():
@@ -407,13 +473,24 @@ class SumWeightLedger(GossipProtocol):
         return actions
 
     def apply_receive(
-        self, sender: str, incarnation: int, sequence: int, plan: Sequence[Merge | Duplicate]
+        self,
+        sender: str,
+        incarnation: int,
+        sequence: int,
+        plan: Sequence[Merge | Duplicate],
+        base: int = 1,
     ) -> None:
         """Commit a plan from :meth:`plan_receive`, with no other call in between."""
-        window = self._seen.setdefault((sender, incarnation), _Window())
+        window = self._seen.get((sender, incarnation, base))
+        if window is None:
+            numberings = sorted(b for s, i, b in self._seen if (s, i) == (sender, incarnation))
+            for old in numberings[: max(0, len(numberings) + 1 - NUMBERINGS_KEPT)]:
+                del self._seen[(sender, incarnation, old)]
+            window = self._seen[(sender, incarnation, base)] = _Window(base)
         capacity = DEDUP_WINDOW * len(self.weights)
         for action in plan:
             if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
+                self._account(sender, received=action.weight_after - self.weights[action.segment])
                 self.weights[action.segment] = action.weight_after
 
     def on_message(

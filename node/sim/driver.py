@@ -269,7 +269,9 @@ class Simulation:
         if not receiver.alive:
             self._at(self.now + self.scenario.timeout_s, self._retry, flight)
             return
-        arrival = PayloadArrived(sender.id, INCARNATION, push.sequence, push.round, push.weights)
+        arrival = PayloadArrived(
+            sender.id, INCARNATION, push.sequence, push.round, push.weights, push.sequence_base
+        )
         acked: tuple[int, ...] = ()
         try:
             plan = receiver.core.handle(arrival)
