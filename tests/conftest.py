@@ -142,6 +142,37 @@ def start_daemon(
             raise
 
 
+def restart_daemon(handle: DaemonHandle) -> DaemonHandle:
+    """Start ``handle``'s daemon again from its config and data dir (it resumes from its
+    checkpoint); the old process must have exited. Returns the new handle."""
+    assert handle.proc.poll() is not None, f"{handle.node_id} is still running"
+    proc = spawn_node(handle.config_path, handle.data_dir / "node.log")
+    new = DaemonHandle(
+        handle.node_id, handle.address, handle.data_dir, handle.config_path, proc, handle.tls
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{new.node_id} exited with {proc.returncode}:\n{new.log()}")
+        try:
+            new.status()
+            return new
+        except GossipdError:
+            if time.monotonic() > deadline:
+                new.stop()
+                raise RuntimeError(f"{new.node_id} did not answer Status:\n{new.log()}") from None
+            time.sleep(0.2)
+        except BaseException:
+            new.stop()
+            raise
+
+
+def kill_hard(handle: DaemonHandle) -> None:
+    """``kill -9``: no hand-off, no final checkpoint, whatever was in flight is cut."""
+    handle.proc.kill()
+    handle.proc.wait(timeout=30)
+
+
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[Any]:
     """Factory: ``daemons(node_id, **config)`` starts a daemon; all are stopped at teardown."""
