@@ -527,8 +527,9 @@ def snapshot(node: SumWeightGossip) -> dict:
 
 def deliver(receiver: SumWeightGossip, sender: str, push: Push, incarnation: int = 0) -> list:
     """The receiver's side of one attempt of ``push``: plan, then apply (what the trainer does)."""
-    plan = receiver.plan_receive(sender, incarnation, push.sequence, push.weights)
-    receiver.apply_receive(sender, incarnation, push.sequence, plan)
+    base = push.sequence_base
+    plan = receiver.plan_receive(sender, incarnation, push.sequence, push.weights, base)
+    receiver.apply_receive(sender, incarnation, push.sequence, plan, base)
     return plan
 
 
@@ -1307,3 +1308,59 @@ def test_same_rng_seed_gives_the_same_pushes():
 
     assert trace(11) == trace(11)
     assert trace(11) != trace(12)
+
+
+# -- a receiver restarted from a checkpoint ------------------------------------------------
+def test_a_restored_receiver_answers_each_push_by_what_its_checkpoint_holds():
+    """Before the checkpoint: DUPLICATE (its model holds it); after it: merged again (the
+    crash lost that merge); a new push after the restart: merged, in a new numbering."""
+    sender, receiver = make("a", 1, peers=("b",)), make("b", 1, peers=("a",))
+    before = sender.push_share("b", 0.5)
+    deliver(receiver, "a", before)
+    sender.settle(before.key, (0,))
+    saved = receiver.state_dict()
+    after = sender.push_share("b", 0.5)
+    deliver(receiver, "a", after)  # merged, then the receiver crashes before acknowledging
+    restored = make("b", 1, peers=("a",))
+    restored.load_state_dict(saved)
+    sender.on_peer_restarted("b", 1)
+    assert deliver(restored, "a", before) == [Duplicate(0)]
+    assert isinstance(deliver(restored, "a", after)[0], Merge)  # the retry lands again
+    sender.settle(after.key, (0,))
+    new = sender.push_share("b", 0.5)
+    assert new.sequence == after.sequence + 1 and new.sequence_base == new.sequence
+    assert isinstance(deliver(restored, "a", new)[0], Merge)
+    sender.settle(new.key, (0,))
+    assert sender.weights[0] + restored.weights[0] == pytest.approx(2.0, abs=1e-15)
+
+
+def test_a_new_numbering_starts_when_the_receiver_leaves_the_view_and_windows_stay_capped():
+    from gossipd.node.protocols.ledger import NUMBERINGS_KEPT
+
+    sender, receiver = make("a", 1, peers=("b",)), make("b", 1, peers=("a",))
+    bases = []
+    for _ in range(NUMBERINGS_KEPT + 3):
+        push = sender.push_share("b", 0.5)
+        bases.append(push.sequence_base)
+        deliver(receiver, "a", push)
+        sender.settle(push.key, (0,))
+        sender.on_peer_down("b")
+        sender.on_peer_up("b")
+    assert bases == list(range(1, NUMBERINGS_KEPT + 4))
+    assert len(receiver._seen) == NUMBERINGS_KEPT
+    assert sender.weights[0] + receiver.weights[0] == pytest.approx(2.0, abs=1e-15)
+
+
+def test_exchanged_accounts_per_peer_and_incarnation():
+    sender, receiver = make("a", 2, peers=("b",)), make("b", 2, peers=("a",))
+    push = sender.push_share("b", 0.5)
+    deliver(receiver, "a", push)
+    sender.settle(push.key, (0, 1))
+    assert sender.status().exchanged["b"].sent == pytest.approx(1.0)
+    assert receiver.status().exchanged["a"].received == pytest.approx(1.0)
+    sender.on_peer_restarted("b", 5)
+    mass = sender.status().exchanged["b"]
+    assert (mass.sent, mass.sent_before) == (0.0, pytest.approx(1.0))
+    restored = make("b", 2, peers=("a",))
+    restored.load_state_dict(receiver.state_dict())
+    assert restored.status().exchanged == receiver.status().exchanged
