@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -35,6 +36,7 @@ from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import Limits
 
 STARTUP_TIMEOUT_S = 120.0
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 SETTLE_TIMEOUT_S = 60.0
 STATUS_PATIENCE_S = 60.0
 
@@ -62,17 +64,42 @@ class MeshSpec:
 
 
 def free_ports(count: int) -> list[int]:
-    """Ask the kernel for ``count`` distinct free loopback ports."""
-    sockets = []
+    """``count`` distinct loopback ports that are free now, below the ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the range it also uses for
+    every outgoing connection: between picking it and the node binding it, any gRPC
+    client on the machine may take it ("address already in use", seen in the suite).
+    Ports below that range are only ever taken by a process that asks for them.
+    """
+    low, high = _listen_range()
+    picker = random.SystemRandom()
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for _ in range(64 * count):
+            if len(sockets) == count:
+                break
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", picker.randrange(low, high) if high > low else 0))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
+        if len(sockets) < count:
+            raise GossipdError(f"found only {len(sockets)} of {count} free loopback ports")
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _listen_range() -> tuple[int, int]:
+    """[low, high) for listening ports: from 10000 up to the kernel's ephemeral range."""
+    try:
+        ephemeral_low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return (0, 0)  # unknown: let the kernel pick
+    return (10_000, ephemeral_low) if ephemeral_low > 11_000 else (0, 0)
 
 
 def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: Path) -> str:

@@ -8,7 +8,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,18 +124,28 @@ def start_daemon(
     data_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_node_config(tmp_path, node_id, port, data_dir, **config)
     proc = spawn_node(config_path, data_dir / "node.log")
-    handle = DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc, client_tls)
+    return answering(
+        DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc, client_tls)
+    )
+
+
+def answering(handle: DaemonHandle) -> DaemonHandle:
+    """``handle`` once its daemon answers Status; stopped and raised if it never does."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{node_id} exited with {proc.returncode}:\n{handle.log()}")
+        if handle.proc.poll() is not None:
+            raise RuntimeError(
+                f"{handle.node_id} exited with {handle.proc.returncode}:\n{handle.log()}"
+            )
         try:
             handle.status()
             return handle
         except GossipdError:
             if time.monotonic() > deadline:
                 handle.stop()
-                raise RuntimeError(f"{node_id} did not answer Status:\n{handle.log()}") from None
+                raise RuntimeError(
+                    f"{handle.node_id} did not answer Status:\n{handle.log()}"
+                ) from None
             time.sleep(0.2)
         except BaseException:
             handle.stop()  # never leave a daemon behind, whatever went wrong
@@ -147,24 +157,7 @@ def restart_daemon(handle: DaemonHandle) -> DaemonHandle:
     checkpoint); the old process must have exited. Returns the new handle."""
     assert handle.proc.poll() is not None, f"{handle.node_id} is still running"
     proc = spawn_node(handle.config_path, handle.data_dir / "node.log")
-    new = DaemonHandle(
-        handle.node_id, handle.address, handle.data_dir, handle.config_path, proc, handle.tls
-    )
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{new.node_id} exited with {proc.returncode}:\n{new.log()}")
-        try:
-            new.status()
-            return new
-        except GossipdError:
-            if time.monotonic() > deadline:
-                new.stop()
-                raise RuntimeError(f"{new.node_id} did not answer Status:\n{new.log()}") from None
-            time.sleep(0.2)
-        except BaseException:
-            new.stop()
-            raise
+    return answering(replace(handle, proc=proc))
 
 
 def kill_hard(handle: DaemonHandle) -> None:

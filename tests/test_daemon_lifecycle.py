@@ -281,3 +281,19 @@ def test_join_failure_after_the_server_started_is_one_line_and_saves_nothing(
     assert "join: no peer answered within 1.0 s" in _one_error_line(proc)
     # Not trained, weight unchanged: a checkpoint would make a restart skip the bootstrap.
     assert not (tmp_path / "joiner" / "checkpoint.pt").exists()
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    """Ports from the ephemeral range were taken by other processes' outgoing connections
+    between the pick and the bind ("address already in use" in the suite)."""
+    import socket
+
+    from gossipd.node.mesh import EPHEMERAL_RANGE, free_ports
+
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    ephemeral_low = int(Path(EPHEMERAL_RANGE).read_text().split()[0])
+    assert all(10_000 <= p < ephemeral_low for p in ports), (ports, ephemeral_low)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
