@@ -254,7 +254,7 @@ async def _push_and_pull(
             t0 = time.perf_counter()
             model = await client.pull(flat.plan, Limits(), TIMEOUT_S)
             elapsed = time.perf_counter() - t0
-            if len(model) != len(flat.plan):
+            if len(model.values) != len(flat.plan):
                 raise RuntimeError("pull returned a partial model")
             del model
             if rep:

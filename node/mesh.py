@@ -310,7 +310,7 @@ class LocalMesh:
         async def pull(i: int) -> torch.Tensor:
             client = PeerClient(self.addresses[i], identity, tls=self.tls, expected=f"node-{i}")
             try:
-                segs = await client.pull(self.plan, Limits(), 60.0)
+                segs = (await client.pull(self.plan, Limits(), 60.0)).values
             finally:
                 await client.close()
             return as_vector([segs[k] for k in sorted(segs)])

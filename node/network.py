@@ -25,10 +25,18 @@ from grpc_reflection.v1alpha import reflection
 
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
-from gossipd.node.errors import Busy, ConfigError, GossipdError, Leaving, UnknownPeer
+from gossipd.node.errors import (
+    Busy,
+    ConfigError,
+    GossipdError,
+    InvalidFrame,
+    Leaving,
+    UnknownPeer,
+)
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
+from gossipd.node.pulling import Puller
 from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.replica import InboundPush, Replica
 from gossipd.node.segments import model_checksum
@@ -127,6 +135,14 @@ class Network:
         self.peering = Peering(self)
         self.outbound = Outbound(self)
         self.membership = self.peering.membership
+        self.puller = Puller(
+            replica=replica,
+            membership=self.membership,
+            client=self.client,
+            metrics=self.metrics,
+            gossip=config.gossip,
+            limits=self.limits,
+        )
         self._checksum_lock = asyncio.Lock()
         self._checksum_at = -math.inf
 
@@ -182,6 +198,9 @@ class Network:
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
         self.replica.send = lambda out: loop.call_soon_threadsafe(
             self.spawn, self.outbound.push(out), f"push:{out.push.peer}"
+        )
+        self.replica.start_pull = lambda out: loop.call_soon_threadsafe(
+            self.spawn, self.puller.pull(out), f"pull:{out.pull.peer}"
         )
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(
@@ -368,8 +387,15 @@ class Network:
     async def on_pull(
         self, request: pb.PullRequest
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
-        """Headers and chunk views of a snapshot; closing the generator drops the snapshot."""
-        snapshot, weights = await asyncio.to_thread(self._snapshot)
+        """Headers and chunk views of a snapshot of the requested segments (all when none
+        are named); closing the generator drops the snapshot."""
+        count = len(self.replica.flat.plan)
+        wanted = list(request.segments) or list(range(count))
+        if len(set(wanted)) != len(wanted) or not all(0 <= s < count for s in wanted):
+            raise InvalidFrame(
+                f"pull asks for segments {wanted[:16]}: each must be in 0..{count - 1}, once"
+            )
+        snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
         codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
         for index, flat in snapshot.items():
             for frame in segment_frames(
@@ -387,9 +413,9 @@ class Network:
         nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]
         self.metrics.bytes.labels("sent", "pull", "ok").inc(nbytes)
 
-    def _snapshot(self) -> tuple[dict[int, object], list[float]]:
+    def _snapshot(self, segments: list[int]) -> tuple[dict[int, object], list[float]]:
         with self.replica.lock:
-            return self.replica.flat.snapshot(), list(self.replica.summary.weights)
+            return self.replica.flat.snapshot(segments), list(self.replica.summary.weights)
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         await self.peering.on_peer_left(

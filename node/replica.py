@@ -38,6 +38,10 @@ from gossipd.node.protocols.base import (
     PayloadMerged,
     PeerMass,
     PeerRestarted,
+    Pull,
+    PullArrived,
+    PullFailed,
+    PullMerged,
     Push,
     PushSettled,
     Refused,
@@ -72,6 +76,16 @@ class PushRecord:
 
 
 @dataclass(frozen=True)
+class PullRecord:
+    peer: str
+    round: int
+    merged_segments: tuple[int, ...]
+    nbytes: int = 0
+    transfer_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Rejection:
     peer: str
     reason: str
@@ -87,11 +101,12 @@ class StepReport:
     pushed: list[PushRecord] = field(default_factory=list)
     failed: list[PushRecord] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    pulled: list[PullRecord] = field(default_factory=list)
     started_push_to: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.failed and not self.rejected
+        return not self.failed and not self.rejected and all(p.error is None for p in self.pulled)
 
 
 @dataclass
@@ -114,6 +129,24 @@ class InboundPush:
 class OutboundPush:
     push: Push
     snapshot: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OutboundPull:
+    """A pull for the network to start at ``pull.at_s`` (the replica's clock), even mid-step."""
+
+    pull: Pull
+
+
+@dataclass
+class Pulled:
+    """What a pull brought: each segment's values and sum-weight, the payload bytes, and the
+    time from the pull's start to its last byte (the replica's clock)."""
+
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    nbytes: int = 0
+    transfer_s: float = 0.0
 
 
 class Inbox:
@@ -167,6 +200,10 @@ class Replica:
         self.last_loss = float("nan")
         self.training_done = False
         self.send: Callable[[OutboundPush], None] = lambda out: None
+        # With no network to carry it, a pull fails at the next step boundary.
+        self.start_pull: Callable[[OutboundPull], None] = lambda out: self.post_pull_result(
+            out, None, "no network is attached to carry out pulls"
+        )
         self._events: queue.SimpleQueue[Callable[[StepReport], None]] = queue.SimpleQueue()
         self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
         self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
@@ -176,6 +213,8 @@ class Replica:
         self.pushes_acked = 0
         self.pushes_failed = 0
         self.pushes_merged = 0
+        self.pulls_merged = 0
+        self.pulls_failed = 0
         self.summary = Summary.of(self)
 
     @classmethod
@@ -242,6 +281,10 @@ class Replica:
         self, out: OutboundPush, acks: list[pb.SegmentAck], error: str | None
     ) -> None:
         self.post(lambda report: self.settle_push(out, acks, error, report))
+
+    def post_pull_result(self, out: OutboundPull, pulled: Pulled | None, error: str | None) -> None:
+        """What a pull brought (or why it failed): merged at the next step boundary."""
+        self.post(lambda report: self._pulled(out, pulled, error, report))
 
     def post_rejection(self, peer: str, reason: str, detail: str) -> None:
         self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))
@@ -357,7 +400,9 @@ class Replica:
 
     def _handle(self, event: Event) -> list[Push]:
         """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
-        actions = self.core.handle(event)
+        return self._carry_out(self.core.handle(event))
+
+    def _carry_out(self, actions: list) -> list[Push]:
         pushes = [a for a in actions if isinstance(a, Push)]
         # One copy of each segment serves every push of this event (a group exchange
         # sends the same model to several peers); snapshots are never written.
@@ -369,6 +414,8 @@ class Replica:
                     self.send(OutboundPush(action, {s: snapshot[s] for s in action.weights}))
                 case StartTimer():
                     heapq.heappush(self._timers, (action.at_s, action.tag))
+                case Pull():
+                    self.start_pull(OutboundPull(action))
                 case _:
                     raise GossipdError(
                         f"protocol {self.core.name} asked for {action!r}, which this "
@@ -439,6 +486,58 @@ class Replica:
         except Exception as err:  # never strand the waiting servicer
             item.reply.set_exception(err)
             raise
+
+    def _pulled(
+        self, out: OutboundPull, pulled: Pulled | None, error: str | None, report: StepReport
+    ) -> None:
+        """Merge a pulled model whole or not at all, like a push; tell the core either way."""
+        pull = out.pull
+        if pulled is not None and error is None:
+            arrival = PullArrived(
+                pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
+            )
+            try:
+                blends = self._blends(arrival, pulled.values, f"pull from {pull.peer}")
+            except (InvalidFrame, NonFinitePayload) as err:
+                error = str(err)
+            else:
+                actions = self.core.handle(PullMerged(arrival))
+                for segment, blended in blends.items():
+                    self.flat.load_segment(segment, blended)
+                self.pulls_merged += 1
+                report.pulled.append(
+                    PullRecord(
+                        pull.peer, pull.round, tuple(blends), pulled.nbytes, arrival.transfer_s
+                    )
+                )
+                self._carry_out(actions)
+                return
+        self.pulls_failed += 1
+        report.pulled.append(PullRecord(pull.peer, pull.round, (), error=error))
+        self._carry_out(self.core.handle(PullFailed(pull.peer, pull.round, str(error))))
+
+    def _blends(
+        self, arrival: PullArrived, values: Mapping[int, torch.Tensor], what: str
+    ) -> dict[int, torch.Tensor]:
+        """Every blend the core proposes for ``arrival``, computed and checked, none applied."""
+        try:
+            plan = self.core.handle(arrival)
+        except Refused as err:
+            raise InvalidFrame(f"{what}: {err}") from None
+        blends: dict[int, torch.Tensor] = {}
+        for action in plan:
+            if not isinstance(action, Merge):
+                continue
+            if action.segment not in values:
+                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not pulled")
+            blended = self.flat.blend(action.segment, values[action.segment], action.alpha)
+            if blended is None:
+                raise NonFinitePayload(
+                    f"merging segment {action.segment} of the {what} would make the model "
+                    "non-finite; refused, nothing merged"
+                )
+            blends[action.segment] = blended
+        return blends
 
 
 @dataclass(frozen=True)

@@ -304,10 +304,13 @@ class Site:
             )
         peer = self.network.membership.live()[0]
         model = await self.network.client(peer.address, peer.node_id).pull(
-            self.replica.flat.plan, self.network.limits, self.config.gossip.push_timeout_s
+            self.replica.flat.plan,
+            self.network.limits,
+            self.config.gossip.push_timeout_s,
+            progress_timeout_s=self.config.gossip.progress_timeout_s,
         )
         with self.replica.lock:
-            for index, values in model.items():
+            for index, values in model.values.items():
                 self.replica.flat.load_segment(index, values)
         log.info("bootstrapped the model from %s", peer.node_id)
 

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from gossipd.node.codec import Codec
 from gossipd.node.errors import (
@@ -30,7 +29,7 @@ from gossipd.node.errors import (
     PeerUnreachable,
     UnknownPeer,
 )
-from gossipd.node.replica import OutboundPush
+from gossipd.node.replica import OutboundPush, Pulled
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.tls import Credentials, NotAllowed
 from gossipd.node.wire import (
@@ -276,36 +275,66 @@ class PeerClient:
                 progressed()  # grpc asked for the next frame: the last one was taken
 
     async def pull(
-        self, plan: SegmentPlan, limits: Limits, timeout_s: float
-    ) -> dict[int, torch.Tensor]:
-        """The peer's whole model, verified segment by segment."""
+        self,
+        plan: SegmentPlan,
+        limits: Limits,
+        timeout_s: float,
+        *,
+        segments: list[int] | None = None,
+        round: int = 0,
+        progress_timeout_s: float | None = None,
+    ) -> Pulled:
+        """``segments`` of the peer's model (all by default), verified segment by segment.
+
+        Like a push, a pull ends when nothing arrives for ``progress_timeout_s`` (a
+        hung peer), and within ``timeout_s`` in all; segments that were not asked
+        for, or missing ones, refuse the whole pull.
+        """
+        wanted = list(range(len(plan))) if segments is None else list(segments)
         request = pb.PullRequest(
             mesh_id=self.identity.mesh_id,
             requester=self.identity.node_id,
             fingerprint=self.identity.fingerprint,
             codec=int(self.codec),
+            segments=[] if segments is None else wanted,
+            round=round,
         )
         assembler = SegmentAssembler(plan, limits)
-        received: dict[int, torch.Tensor] = {}
+        pulled = Pulled()
+        progress_s = progress_timeout_s or timeout_s
         try:
-            async for frame in self.stub.PullModel(request, timeout=timeout_s):
-                kind = frame.WhichOneof("kind")
-                if kind == "header":
-                    seg = assembler.header(frame.header)
-                elif kind == "chunk":
-                    seg = assembler.chunk(frame.chunk)
-                else:
-                    raise InvalidFrame(f"{self.address} sent an empty PullFrame")
-                if seg is not None:
-                    received[seg.segment] = seg.values
+            async with asyncio.timeout(progress_s) as watchdog:
+                async for frame in self.stub.PullModel(request, timeout=timeout_s):
+                    watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
+                    kind = frame.WhichOneof("kind")
+                    if kind == "header":
+                        seg = assembler.header(frame.header)
+                    elif kind == "chunk":
+                        seg = assembler.chunk(frame.chunk)
+                    else:
+                        raise InvalidFrame(f"{self.address} sent an empty PullFrame")
+                    if seg is None:
+                        continue
+                    if seg.segment not in wanted:
+                        raise InvalidFrame(
+                            f"{self.address} sent segment {seg.segment}, which was not asked for"
+                        )
+                    pulled.values[seg.segment] = seg.values
+                    pulled.weights[seg.segment] = seg.sum_weight
+                    pulled.nbytes += seg.values.numel() * seg.values.element_size()
+        except TimeoutError:
+            raise GossipdError(
+                f"{self.address}: pull made no progress for {progress_s:.1f} s "
+                "(gossip.progress_timeout_s)"
+            ) from None
         except grpc.aio.AioRpcError as err:
             raise remote_error(err, self.address) from None
         assembler.close()
-        if len(received) != len(plan):
+        if sorted(pulled.values) != sorted(wanted):
             raise InvalidFrame(
-                f"{self.address} sent {len(received)} of {len(plan)} segments in PullModel"
+                f"{self.address} sent {len(pulled.values)} of {len(wanted)} segments in PullModel"
             )
-        return received
+        return pulled
 
     async def leave(self, timeout_s: float) -> None:
         request = pb.LeaveRequest(

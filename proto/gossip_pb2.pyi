@@ -149,16 +149,20 @@ class PushReply(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[SegmentAck, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("mesh_id", "requester", "fingerprint", "codec")
+    __slots__ = ("mesh_id", "requester", "fingerprint", "codec", "segments", "round")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     requester: str
     fingerprint: str
     codec: Codec
-    def __init__(self, mesh_id: _Optional[str] = ..., requester: _Optional[str] = ..., fingerprint: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    round: int
+    def __init__(self, mesh_id: _Optional[str] = ..., requester: _Optional[str] = ..., fingerprint: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., segments: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PullFrame(_message.Message):
     __slots__ = ("header", "chunk")

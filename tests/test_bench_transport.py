@@ -65,7 +65,7 @@ class _Recorder:
 
             async def pull(self, *args: Any, **kwargs: Any) -> Any:
                 model = await super().pull(*args, **kwargs)
-                recorder.pulls.append({i: v.clone() for i, v in model.items()})
+                recorder.pulls.append({i: v.clone() for i, v in model.values.items()})
                 return model
 
         monkeypatch.setattr(transport, "PeerClient", RecordingClient)

@@ -114,11 +114,17 @@ class TimerFired:
 
 @dataclass(frozen=True)
 class PullArrived:
-    """A pulled model from ``peer``: what would merging it do? (No state changes.)"""
+    """A pulled model from ``peer``: what would merging it do? (No state changes.)
+
+    ``nbytes`` and ``transfer_s`` (from the pull's start to its last byte, driver's
+    clock) are what a scheduling protocol learns link times from.
+    """
 
     peer: str
     round: int
     weights: Mapping[int, float]
+    nbytes: int = 0
+    transfer_s: float = 0.0
 
 
 @dataclass(frozen=True)

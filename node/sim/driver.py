@@ -351,9 +351,9 @@ class Simulation:
             failed = PullFailed(pull.peer, pull.round, "peer is not alive")
             self._at(self.now + self.scenario.timeout_s, self._pull_failed, node, failed)
             return
-        self._at(self.now + latency, self._serve_pull, node, peer, pull)
+        self._at(self.now + latency, self._serve_pull, node, peer, pull, self.now)
 
-    def _serve_pull(self, node: SimNode, peer: SimNode, pull: Pull) -> None:
+    def _serve_pull(self, node: SimNode, peer: SimNode, pull: Pull, started_s: float) -> None:
         if not peer.alive:
             failed = PullFailed(peer.id, pull.round, "peer died before serving the pull")
             self._at(self.now + self.scenario.timeout_s, self._pull_failed, node, failed)
@@ -365,8 +365,15 @@ class Simulation:
         self.messages += 1
         self.bytes_sent += nbytes
         latency, bandwidth = self._link(peer, node)
-        arrival = PullArrived(peer.id, pull.round, {s: weights[s] for s in pull.segments})
-        self._at(self.now + latency + nbytes / bandwidth, self._pulled, node, arrival, values, rows)
+        arrived_s = self.now + latency + nbytes / bandwidth
+        arrival = PullArrived(
+            peer.id,
+            pull.round,
+            {s: weights[s] for s in pull.segments},
+            nbytes,
+            arrived_s - started_s,
+        )
+        self._at(arrived_s, self._pulled, node, arrival, values, rows)
 
     def _pulled(self, node: SimNode, arrival: PullArrived, values: dict, rows: dict | None) -> None:
         if not node.alive:

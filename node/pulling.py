@@ -1,0 +1,87 @@
+"""Outbound pulls: start each at the time its core asked for, deliver the result once.
+
+A protocol that averages with a pulled model (scheduled overlap, DESIGN §5) asks
+for a pull to *start* at ``Pull.at_s`` so that it lands as its local steps end.
+The trainer thread may be in the middle of a long step then; the pull does not
+wait for it: the loop starts it on the replica's own clock, and what it brings is
+merged at the trainer's next step boundary, whole or not at all. Every pull ends
+in exactly one result posted to the replica (a model, or the reason it failed),
+whatever ends it, cancellation included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from gossipd.node.config import GossipConfig
+from gossipd.node.errors import GossipdError
+from gossipd.node.membership import Membership
+from gossipd.node.metrics import NodeMetrics
+from gossipd.node.replica import OutboundPull, Pulled, Replica
+from gossipd.node.wire import Limits
+
+log = logging.getLogger(__name__)
+
+
+class PullClient(Protocol):
+    async def pull(self, *args: object, **kwargs: object) -> Pulled: ...
+
+
+class Puller:
+    def __init__(
+        self,
+        *,
+        replica: Replica,
+        membership: Membership,
+        client: Callable[[str, str], PullClient],
+        metrics: NodeMetrics,
+        gossip: GossipConfig,
+        limits: Limits,
+    ) -> None:
+        self.replica = replica
+        self.membership = membership
+        self.client = client
+        self.metrics = metrics
+        self.gossip = gossip
+        self.limits = limits
+
+    async def pull(self, out: OutboundPull) -> None:
+        """Wait for ``at_s`` on the replica's clock, pull, post the result exactly once."""
+        pulled: Pulled | None = None
+        error: str | None = "the node stopped before the pull ended"
+        clock = self.replica.clock
+        try:
+            delay_s = out.pull.at_s - clock()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)  # the start time the core chose, not a wait-and-see
+            pulled, error = await self._pull(out)
+        finally:
+            self.replica.post_pull_result(out, pulled, error)
+
+    async def _pull(self, out: OutboundPull) -> tuple[Pulled | None, str | None]:
+        peer = out.pull.peer
+        state = self.membership.peers.get(peer)
+        if state is None or not state.live:
+            self.metrics.messages.labels("received", "pull", "failed").inc()
+            return None, f"{peer} is not a live peer; nothing pulled"
+        started = self.replica.clock()
+        try:
+            pulled = await self.client(state.address, peer).pull(
+                self.replica.flat.plan,
+                self.limits,
+                self.gossip.push_timeout_s,
+                segments=list(out.pull.segments) or None,
+                round=out.pull.round,
+                progress_timeout_s=self.gossip.progress_timeout_s,
+            )
+        except GossipdError as err:
+            self.metrics.messages.labels("received", "pull", "failed").inc()
+            log.debug("pull from %s failed: %s", peer, err)
+            return None, str(err)
+        pulled.transfer_s = self.replica.clock() - started
+        self.metrics.messages.labels("received", "pull", "ok").inc()
+        self.metrics.bytes.labels("received", "pull", "ok").inc(pulled.nbytes)
+        return pulled, None
