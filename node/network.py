@@ -142,6 +142,8 @@ class Network:
             metrics=self.metrics,
             gossip=config.gossip,
             limits=self.limits,
+            succeeded=self.peering.succeeded,
+            failed=self.peering.failed,
         )
         self._checksum_lock = asyncio.Lock()
         self._checksum_at = -math.inf

@@ -40,7 +40,13 @@ class Puller:
         metrics: NodeMetrics,
         gossip: GossipConfig,
         limits: Limits,
+        succeeded: Callable[[str], None],
+        failed: Callable[[str, GossipdError], None],
     ) -> None:
+        """``succeeded`` and ``failed`` tell membership how the peer answered (a peer that
+        fails pulls is suspected like one that fails pushes)."""
+        self.succeeded = succeeded
+        self.failed = failed
         self.replica = replica
         self.membership = membership
         self.client = client
@@ -79,8 +85,10 @@ class Puller:
             )
         except GossipdError as err:
             self.metrics.messages.labels("received", "pull", "failed").inc()
+            self.failed(peer, err)
             log.debug("pull from %s failed: %s", peer, err)
             return None, str(err)
+        self.succeeded(peer)
         pulled.transfer_s = self.replica.clock() - started
         self.metrics.messages.labels("received", "pull", "ok").inc()
         self.metrics.bytes.labels("received", "pull", "ok").inc(pulled.nbytes)

@@ -1,0 +1,179 @@
+"""Pulls in the daemon: a core that pulls every round, over real gRPC between two nodes.
+
+The daemon used to raise on the first ``Pull`` a core returned, while the simulator
+carried pulls out: a pull-based protocol would have passed its simulator tests and
+failed on its first real pull. These tests drive the test-only core in
+``tests/pullcore.py`` through the daemon's own driver (``GossipNode``: the replica
+and the network, real sockets) and through the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gossipd.node.api import GossipNode
+from gossipd.node.errors import GossipdError
+from gossipd.node.mesh import free_ports
+from gossipd.node.protocols import PROTOCOLS
+from tests.pullcore import NAME, PullEveryRound
+
+DEADLINE_S = 60.0
+NUMEL = 1000
+
+
+@pytest.fixture
+def pull_protocol(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, float]]:
+    """Registers the test-only core; its settings are what the test puts in the dict."""
+    settings: dict[str, float] = {}
+    monkeypatch.setitem(
+        PROTOCOLS,
+        NAME,
+        lambda s: PullEveryRound(s.node_id, s.num_segments, **settings),  # type: ignore[arg-type]
+    )
+    yield settings
+
+
+def _model(value: float) -> torch.nn.Module:
+    """Four tensors of 1000 bytes: four segments of ``segment_bytes = 1024``."""
+    model = torch.nn.Module()
+    model.parts = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.full((NUMEL // 4,), value)) for _ in range(4)
+    )
+    return model
+
+
+def _pair(**gossip: Any) -> tuple[GossipNode, GossipNode]:
+    ports = free_ports(2)
+    nodes = []
+    for i, (port, value) in enumerate(zip(ports, (0.0, 8.0), strict=True)):
+        config = {
+            "mesh_id": "pull-mesh",
+            "node_id": f"n{i}",
+            "listen": f"127.0.0.1:{port}",
+            "seeds": [f"127.0.0.1:{p}" for p in ports if p != port],
+            "gossip": {"protocol": NAME, "segment_bytes": 1024, **gossip},
+            "metrics": {"listen": None},
+            "tls": {"insecure": True},
+            "shutdown_timeout_s": 5.0,
+        }
+        nodes.append(GossipNode(config, _model(value)))
+    for node in nodes:
+        assert node.wait_for_peers(1, DEADLINE_S)
+    return nodes[0], nodes[1]
+
+
+def _step_both(nodes: tuple[GossipNode, ...], done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        for node in nodes:
+            node.step()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)  # stand-in for a training step's compute
+
+
+def _core(node: GossipNode) -> PullEveryRound:
+    core = node.replica.core
+    assert isinstance(core, PullEveryRound)
+    return core
+
+
+def test_a_pulling_core_averages_with_pulled_models_through_the_daemon(
+    pull_protocol: dict[str, float],
+) -> None:
+    a, b = _pair()
+    with a, b:
+        _step_both((a, b), lambda: min(len(_core(a).merged), len(_core(b).merged)) >= 6, "pulls")
+        spread = max(
+            (x - y).abs().max().item()
+            for x, y in zip(a.replica.flat.buffers, b.replica.flat.buffers, strict=True)
+        )
+        segments = len(a.replica.flat.plan)
+        arrival = _core(a).merged[0]
+    assert segments > 1, "the model must span several segments"
+    assert sorted(arrival.weights) == list(range(segments))
+    assert arrival.nbytes == NUMEL * 4 and arrival.transfer_s > 0
+    # Both started 8 apart; each merge halves the gap or better: after 6 rounds it is tiny.
+    assert spread < 8 / 2**3, spread
+    assert not _core(a).failed and not _core(b).failed
+
+
+def test_a_pull_starts_at_its_time_while_the_trainer_is_inside_a_long_step(
+    pull_protocol: dict[str, float],
+) -> None:
+    """The core asks for a pull 0.2 s after its step; the trainer then holds its lock (a long
+    step). The peer serves the pull meanwhile, and the merge waits for the step boundary."""
+    pull_protocol["delay_s"] = 0.2
+    pull_protocol["round_steps"] = 1_000_000  # only the pull of step 1_000_000
+    a, b = _pair()
+    with a, b:
+        a.replica.steps = 999_999
+        labels = {"direction": "sent", "kind": "pull", "result": "ok"}
+
+        def served() -> float:
+            value = b.network.metrics.registry.get_sample_value(
+                "gossipd_gossip_messages_total", labels
+            )
+            return value or 0.0
+
+        with a.lock:  # the trainer is inside a step from here on
+            report = a.step()  # step 1_000_000 ends: the core asks for its pull
+            assert _core(a).pulling is not None and not report.pulled
+            deadline = time.monotonic() + DEADLINE_S
+            while served() < 1:
+                assert time.monotonic() < deadline, "the pull did not start during the step"
+                time.sleep(0.01)
+            assert not _core(a).merged, "merged outside a step boundary"
+        _step_both((a,), lambda: bool(_core(a).merged), "the merge at a step boundary")
+    assert _core(a).merged
+    assert all(torch.all(x == 4.0) for x in a.replica.flat.buffers)  # (0 + 8) / 2
+
+
+def test_a_pull_from_a_peer_that_went_away_reaches_the_core_as_failed(
+    pull_protocol: dict[str, float],
+) -> None:
+    a, b = _pair()
+    with a:
+        b.closed = True
+        b._stop_loop()  # gone without a Leave: its server closed, a still thinks it is live
+        _step_both((a,), lambda: bool(_core(a).failed), "a failed pull")
+        failure = _core(a).failed[0]
+        assert all(torch.all(x == 0.0) for x in a.replica.flat.buffers), "a failed pull merged"
+    assert failure.peer == "n1" and failure.error
+
+
+def test_the_server_refuses_a_pull_of_segments_it_does_not_have(
+    pull_protocol: dict[str, float],
+) -> None:
+    import asyncio
+
+    a, b = _pair()
+    with a, b:
+        client = asyncio.run_coroutine_threadsafe(_client(a, b), a._loop).result(30)
+        with pytest.raises(GossipdError, match=r"each must be in 0\.\.\d+, once"):
+            asyncio.run_coroutine_threadsafe(
+                client.pull(a.replica.flat.plan, a.network.limits, 10.0, segments=[0, 99]),
+                a._loop,
+            ).result(30)
+
+
+async def _client(a: GossipNode, b: GossipNode) -> Any:
+    return a.network.client(b.address, "n1")
+
+
+def test_the_simulator_carries_out_the_same_core_s_pulls(pull_protocol: dict[str, float]) -> None:
+    """The same core in the simulator: every pull arrives with its bytes and a transfer
+    time of latency plus bytes over bandwidth, and averaging drives the nodes together."""
+    from gossipd.node.sim import SimSpec, Simulation
+
+    simulation = Simulation(SimSpec(protocol=NAME, nodes=4, rounds=8, predict=False))
+    result = simulation.run()
+    cores = [node.core for node in simulation.nodes]
+    assert all(isinstance(c, PullEveryRound) and len(c.merged) >= 4 for c in cores)
+    assert all(a.nbytes > 0 and a.transfer_s > 0 for c in cores for a in c.merged)  # type: ignore[union-attr]
+    assert result.consensus_error_end < result.consensus_error_start / 4
