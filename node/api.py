@@ -29,8 +29,10 @@ import torch
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig, load_config, parse_config
 from gossipd.node.errors import GossipdError
+from gossipd.node.fairlock import FairLock
 from gossipd.node.network import Network
-from gossipd.node.replica import FairLock, Replica, StepReport
+from gossipd.node.replica import Replica
+from gossipd.node.report import StepReport
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.replica import StepReport, Summary
+from gossipd.node.report import StepReport, Summary
 
 
 class NodeMetrics:

@@ -33,12 +33,21 @@ from gossipd.node.errors import (
     Leaving,
     UnknownPeer,
 )
+from gossipd.node.messages import (
+    InboundPush,
+    OutboundPull,
+    OutboundPush,
+    PeerRestart,
+    PullOutcome,
+    PushOutcome,
+    Rejected,
+)
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
 from gossipd.node.pulling import Puller
 from gossipd.node.rejections import RejectionLog, peer_host
-from gossipd.node.replica import InboundPush, Replica
+from gossipd.node.replica import Replica
 from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
 from gossipd.node.tls import Credentials
@@ -198,12 +207,7 @@ class Network:
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
-        self.replica.send = lambda out: loop.call_soon_threadsafe(
-            self.spawn, self.outbound.push(out), f"push:{out.push.peer}"
-        )
-        self.replica.start_pull = lambda out: loop.call_soon_threadsafe(
-            self.spawn, self.puller.pull(out), f"pull:{out.pull.peer}"
-        )
+        self.replica.attach(_LoopPort(loop, self))
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(
             "node %s serving on %s with %s (fingerprint %s)",
@@ -226,12 +230,9 @@ class Network:
         gRPC cancels them. The loop's owner must still cancel and await what is
         left on the loop (``asyncio.run`` does; ``GossipNode.close`` does).
         """
+        # From here a trainer thread still stepping schedules nothing onto a loop about
+        # to close: its new pushes are folded back at its next step instead (_LoopPort).
         self.stopping.set()
-        # A trainer thread still stepping must not schedule onto a loop about to
-        # close: its new pushes are folded back at its next step instead.
-        self.replica.send = lambda out: self.replica.post_push_result(
-            out, [], "the node stopped before sending this push"
-        )
         try:
             if self.server is not None:
                 await self.server.stop(grace_s)
@@ -301,9 +302,21 @@ class Network:
 
     def forget_incarnations(self, node_id: str, incarnation: int) -> None:
         """A verified restart: the old incarnation's de-duplication state can go."""
-        self.replica.post_restart(node_id, incarnation)
+        self.replica.post(PeerRestart(node_id, incarnation))
 
     # -- outbound -------------------------------------------------------------------
+    def start_push(self, out: OutboundPush) -> None:
+        """On the loop: deliver ``out``, unless this node is leaving or stopping (then it
+        folds back at the trainer's next step; only the hand-off leaves a leaving node)."""
+        if self.leaving or self.stopping.is_set():
+            why = "the node is leaving" if self.leaving else "the node stopped before sending it"
+            self.replica.post(PushOutcome(out, (), why))
+            return
+        self.outbound.start(out)
+
+    def start_pull(self, out: OutboundPull) -> None:
+        self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")
+
     def retry_now(self) -> None:
         self.outbound.retry_now()
 
@@ -384,7 +397,16 @@ class Network:
         self.metrics.messages.labels("received", "push", result).inc()
         self.metrics.bytes.labels("received", "push", result).inc(nbytes)
         self.peering.succeeded(open_.sender)
-        return pb.PushReply(acks=acks)
+        return pb.PushReply(
+            acks=[
+                pb.SegmentAck(
+                    segment=a.segment,
+                    result=pb.SEGMENT_RESULT_DUPLICATE if a.duplicate else pb.SEGMENT_RESULT_MERGED,
+                    receiver_weight=a.receiver_weight,
+                )
+                for a in acks
+            ]
+        )
 
     async def on_pull(
         self, request: pb.PullRequest
@@ -490,4 +512,33 @@ class Network:
             self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
             return
         if self.rejections.record(peer_host(peer), reason, str(err)):
-            self.replica.post_rejection(peer, reason, str(err))
+            self.replica.post(Rejected(peer, reason, str(err)))
+
+
+class _LoopPort:
+    """The replica's way to the network (``messages.LoopPort``), called on the trainer thread.
+
+    Each push or pull is handed to the loop, which starts it; once the node stops, the
+    loop may be gone, so pushes fold back and pulls fail at the trainer's next step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, network: Network) -> None:
+        self.loop = loop
+        self.network = network
+
+    def send_push(self, out: OutboundPush) -> None:
+        if not self._schedule(self.network.start_push, out):
+            self.network.replica.post(PushOutcome(out, (), "the node stopped before sending it"))
+
+    def start_pull(self, out: OutboundPull) -> None:
+        if not self._schedule(self.network.start_pull, out):
+            self.network.replica.post(PullOutcome(out, None, "the node stopped before the pull"))
+
+    def _schedule(self, fn: Any, out: object) -> bool:
+        if self.network.stopping.is_set():
+            return False
+        try:
+            self.loop.call_soon_threadsafe(fn, out)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True

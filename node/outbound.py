@@ -20,14 +20,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gossipd.node.errors import GossipdError, InvalidFrame
+from gossipd.node.messages import Ack, OutboundPush, PushOutcome
 from gossipd.node.peering import RPC_TIMEOUT_S
-from gossipd.node.replica import OutboundPush
 from gossipd.node.tls import NotAllowed
 from gossipd.node.transport import OutcomeUnknown, PartialPush
-from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
     from gossipd.node.network import Network
@@ -42,21 +41,34 @@ class Outbound:
         self._retry_now = asyncio.Event()  # replaced each time it fires
         self.mass_inconsistencies = 0
         self._inconsistency_logged: dict[str, tuple[float, int]] = {}  # peer -> (at, count)
+        self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
+
+    def start(self, out: OutboundPush) -> None:
+        """Deliver ``out`` in a task of its own, kept under its peer until it settles."""
+        peer = out.push.peer
+        task = self.network.spawn(self.push(out), f"push:{peer}")
+        self._pushes.setdefault(peer, set()).add(task)
+        task.add_done_callback(lambda t: self._forget(peer, t))
+
+    def _forget(self, peer: str, task: asyncio.Future[Any]) -> None:
+        tasks = self._pushes.get(peer)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._pushes[peer]
 
     async def push(self, out: OutboundPush) -> None:
         """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
-        acks: list[pb.SegmentAck] = []
+        acks: list[Ack] = []
         error: str | None = "the node stopped before the push was acknowledged"
         started = time.monotonic()
         try:
             acks, error = await self.deliver(out)
         finally:
-            self.network.replica.post_push_result(out, acks, error)
+            self.network.replica.post(PushOutcome(out, tuple(acks), error))
             self.network.metrics.push_seconds.observe(time.monotonic() - started)
 
-    async def deliver(
-        self, out: OutboundPush, kind: str = "push"
-    ) -> tuple[list[pb.SegmentAck], str | None]:
+    async def deliver(self, out: OutboundPush, kind: str = "push") -> tuple[list[Ack], str | None]:
         """Retry with the same sequence until the receiver answers or is declared dead.
 
         The receiver de-duplicates, so a retry after a lost acknowledgement is
@@ -74,7 +86,7 @@ class Outbound:
         delay_s = min(0.5, gossip.retry_max_s)
         last_error = "no attempt made"
         uncertain = False  # some earlier attempt may yet be merged
-        acked: list[pb.SegmentAck] = []  # acknowledgements are final: never sent again
+        acked: list[Ack] = []  # acknowledgements are final: never sent again
         sent: set[int] = set()  # segments some attempt carried
         while True:
             state = self.network.membership.peers.get(peer)
@@ -125,15 +137,9 @@ class Outbound:
                 return acked, last_error
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
-    def _credible(
-        self, out: OutboundPush, acks: list[pb.SegmentAck], never_sent: set[int]
-    ) -> list[pb.SegmentAck]:
+    def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:
         """``acks`` less DUPLICATE answers for segments no earlier attempt carried."""
-        false = sorted(
-            a.segment
-            for a in acks
-            if a.result == pb.SEGMENT_RESULT_DUPLICATE and a.segment in never_sent
-        )
+        false = sorted(a.segment for a in acks if a.duplicate and a.segment in never_sent)
         if not false:
             return acks
         self.mass_inconsistencies += 1
@@ -160,15 +166,15 @@ class Outbound:
         return [a for a in acks if a.segment not in false]
 
     def _refused(
-        self, acked: list[pb.SegmentAck], nbytes: int, err: GossipdError, kind: str
-    ) -> tuple[list[pb.SegmentAck], str]:
+        self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str
+    ) -> tuple[list[Ack], str]:
         self.network.metrics.messages.labels("sent", kind, "failed").inc()
         self.network.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
         return acked, str(err)
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
         """Retry the pushes to ``peer`` at once and wait (bounded) for them to settle."""
-        pending = {t for t in self.network.tasks if t.get_name() == f"push:{peer}"}
+        pending = set(self._pushes.get(peer, ()))
         if pending:
             self.retry_now()
             await asyncio.wait(pending, timeout=timeout_s)
@@ -191,30 +197,30 @@ class Outbound:
         cancelled here, that push's weight is counted twice (the bound in the
         sum-weight core's docstring).
         """
+        # Whatever the core still wants to send (a timer, a last round) is folded back
+        # at once (Network.start_push): only the hand-off below leaves this node now.
         self.network.leaving = True
         replica = self.network.replica
-        # Whatever the core still wants to send (a timer, a last round) is folded back
-        # at once: only the hand-off below leaves this node now.
-        replica.send = lambda out: replica.post_push_result(out, [], "the node is leaving")
         self.retry_now()
         gossip, budget_s = self.network.config.gossip, self.network.config.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
-        pending = {t for t in self.network.tasks if t.get_name().startswith("push:")}
+        peer_of = {task: peer for peer, tasks in self._pushes.items() for task in tasks}
+        pending = set(peer_of)
         slow_peers: set[str] = set()
         if pending:
             _, pending = await asyncio.wait(pending, timeout=settle_s)
-            live = {f"push:{p.node_id}" for p in self.network.membership.live()}
-            stalled = {t for t in pending if t.get_name() not in live}
+            live = {p.node_id for p in self.network.membership.live()}
+            stalled = {t for t in pending if peer_of[t] not in live}
             if pending - stalled:
                 _, slow = await asyncio.wait(pending - stalled, timeout=budget_s / 2 - settle_s)
                 stalled |= slow
             for task in stalled:
                 task.cancel()
-                slow_peers.add(task.get_name().removeprefix("push:"))
+                slow_peers.add(peer_of[task])
             await asyncio.gather(*stalled, return_exceptions=True)
-        # Every parameter write stays on the replica's own thread: these calls run
+        # Every parameter write stays on the replica's own thread: these requests run
         # there, after the outcomes the cancelled pushes just posted.
-        await asyncio.wrap_future(replica.call(lambda: None))
+        await asyncio.wrap_future(replica.barrier())
         # The hand-off goes to a peer that answers: one that did not just stall a push
         # and has no failure on record. A hand-off cut off by the shutdown deadline has
         # an unknown outcome, and folding it back while the receiver merged it makes
@@ -223,19 +229,15 @@ class Outbound:
         steady = [s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers]
         candidates = sorted(steady or [s.node_id for s in live])
         peer = self.network.rng.choice(candidates) if candidates else None
-        out = (
-            await asyncio.wrap_future(replica.call(lambda: replica.hand_off(peer)))
-            if peer
-            else None
-        )
+        out = await asyncio.wrap_future(replica.request_hand_off(peer)) if peer else None
         if out is not None:
-            acks: list[pb.SegmentAck] = []
+            acks: list[Ack] = []
             error: str | None = "leaving took too long"
             try:
                 acks, error = await self.deliver(out, "handoff")
             finally:
-                settled = replica.call(lambda: replica.settle_push(out, acks, error))
-            await asyncio.wrap_future(settled)
+                replica.post(PushOutcome(out, tuple(acks), error))
+            await asyncio.wrap_future(replica.barrier())
             if error is None:
                 log.info("handed weight to %s", out.push.peer)
             else:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.membership import Change, Membership, PeerState
+from gossipd.node.messages import ViewChange
 from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.tls import IdentityMismatch, NotAllowed
 from gossipd.node.transport import PeerClient
@@ -63,7 +64,7 @@ class Peering:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
             live = frozenset(p.node_id for p in self.membership.live())
-            self.network.replica.post_view(live | {self.network.node_id})
+            self.network.replica.post(ViewChange(live | {self.network.node_id}))
             if change.live:
                 self.network.retry_now()  # pushes waiting for it need not wait out a backoff
         self.network.metrics.live_peers.set(len(self.membership.live()))

@@ -19,8 +19,9 @@ from typing import Protocol
 from gossipd.node.config import GossipConfig
 from gossipd.node.errors import GossipdError
 from gossipd.node.membership import Membership
+from gossipd.node.messages import OutboundPull, Pulled, PullOutcome
 from gossipd.node.metrics import NodeMetrics
-from gossipd.node.replica import OutboundPull, Pulled, Replica
+from gossipd.node.replica import Replica
 from gossipd.node.wire import Limits
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Puller:
                 await asyncio.sleep(delay_s)  # the start time the core chose, not a wait-and-see
             pulled, error = await self._pull(out)
         finally:
-            self.replica.post_pull_result(out, pulled, error)
+            self.replica.post(PullOutcome(out, pulled, error))
 
     async def _pull(self, out: OutboundPull) -> tuple[Pulled | None, str | None]:
         peer = out.pull.peer

@@ -1,33 +1,54 @@
-"""The parameter side of a node: owns the model replica and drives the protocol core.
+"""The parameter side of a node: the daemon's driver of its protocol core.
 
-The event loop never writes parameters and the trainer never awaits the
-network. They meet here: the loop puts validated inbound pushes into a bounded
-inbox and push outcomes into an event queue; the trainer drains both at each
-step boundary, merges under ``torch.no_grad()``, and hands outbound snapshots to
-the loop through a callback (``call_soon_threadsafe`` in the daemon).
+The replica owns the model's flat segments and the core, and carries out every
+action the core returns (DESIGN §2): ``Push`` and ``Pull`` go to the network
+through its :class:`~gossipd.node.messages.LoopPort`; ``Merge``, ``Duplicate`` and
+``FoldBack`` are applied to the parameters here, whole or not at all; ``StartTimer``
+fires at the first step boundary (or idle moment) at or after its time. A pull
+starts at its own ``at_s`` on the loop, mid-step if need be, and merges here.
 
-Each :meth:`Replica.step` returns a :class:`StepReport`, so a caller sees
-what happened in its own loop (merged, pushed, rejected, failed), not only in a log.
+The event loop never writes parameters and the trainer never awaits the network.
+They meet only through typed messages (``node/messages.py``): the loop puts whole
+inbound pushes in the bounded inbox and every other event in the bounded event
+queue; the trainer applies both at each step boundary, under :attr:`Replica.lock`.
+Each :meth:`Replica.step` returns a :class:`~gossipd.node.report.StepReport`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import heapq
-import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import Busy, GossipdError, InvalidFrame, NonFinitePayload
+from gossipd.node.errors import GossipdError, InvalidFrame, NonFinitePayload
 from gossipd.node.fairlock import FairLock
+from gossipd.node.messages import (
+    Ack,
+    Barrier,
+    Detached,
+    EventQueue,
+    HandOffRequest,
+    InboundPush,
+    Inbox,
+    LoopPort,
+    OutboundPull,
+    OutboundPush,
+    PeerRestart,
+    Pulled,
+    PullOutcome,
+    PushOutcome,
+    Rejected,
+    ViewChange,
+)
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
+    Action,
     Duplicate,
     Event,
     FoldBack,
@@ -36,7 +57,6 @@ from gossipd.node.protocols.base import (
     Merge,
     PayloadArrived,
     PayloadMerged,
-    PeerMass,
     PeerRestarted,
     Pull,
     PullArrived,
@@ -52,130 +72,25 @@ from gossipd.node.protocols.base import (
     ViewChanged,
     shared_seed,
 )
+from gossipd.node.report import (
+    MergeRecord,
+    PullRecord,
+    PushRecord,
+    Rejection,
+    StepReport,
+    Summary,
+)
 from gossipd.node.segments import FlatModel
-from gossipd.node.wire import ReceivedSegment
-from gossipd.proto import gossip_pb2 as pb
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class MergeRecord:
-    sender: str
-    sequence: int
-    merged_segments: tuple[int, ...]
-    duplicate_segments: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class PushRecord:
-    peer: str
-    sequence: int
-    acked_segments: tuple[int, ...]
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class PullRecord:
-    peer: str
-    round: int
-    merged_segments: tuple[int, ...]
-    nbytes: int = 0
-    transfer_s: float = 0.0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Rejection:
-    peer: str
-    reason: str
-    detail: str
-
-
-@dataclass
-class StepReport:
-    """What gossip did since the previous step; ``ok`` is False if anything failed."""
-
-    step: int
-    merged: list[MergeRecord] = field(default_factory=list)
-    pushed: list[PushRecord] = field(default_factory=list)
-    failed: list[PushRecord] = field(default_factory=list)
-    rejected: list[Rejection] = field(default_factory=list)
-    pulled: list[PullRecord] = field(default_factory=list)
-    started_push_to: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed and not self.rejected and all(p.error is None for p in self.pulled)
-
-
-@dataclass
-class InboundPush:
-    """A whole, validated push waiting for the trainer; ``reply`` resolves with the acks."""
-
-    sender: str
-    incarnation: int
-    sequence: int
-    segments: list[ReceivedSegment]
-    round: int = 0
-    merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
-    sequence_base: int = 1  # the sender's numbering (protocols.ledger)
-    reply: concurrent.futures.Future[list[pb.SegmentAck]] = field(
-        default_factory=concurrent.futures.Future
-    )
-
-
-@dataclass(frozen=True)
-class OutboundPush:
-    push: Push
-    snapshot: dict[int, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class OutboundPull:
-    """A pull for the network to start at ``pull.at_s`` (the replica's clock), even mid-step."""
-
-    pull: Pull
-
-
-@dataclass
-class Pulled:
-    """What a pull brought: each segment's values and sum-weight, the payload bytes, and the
-    time from the pull's start to its last byte (the replica's clock)."""
-
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    weights: dict[int, float] = field(default_factory=dict)
-    nbytes: int = 0
-    transfer_s: float = 0.0
-
-
-class Inbox:
-    """Bounded, thread-safe: the loop's ``put`` fails fast with ``Busy`` instead of blocking."""
-
-    def __init__(self, capacity: int) -> None:
-        self._items: queue.Queue[InboundPush] = queue.Queue(maxsize=capacity)
-
-    def put(self, item: InboundPush) -> None:
-        try:
-            self._items.put_nowait(item)
-        except queue.Full:
-            raise Busy(
-                f"receiver inbox is full ({self._items.maxsize} pushes waiting for a step "
-                "boundary); retry later or raise limits.inbox_size"
-            ) from None
-
-    def get(self, timeout_s: float | None) -> InboundPush | None:
-        try:
-            return self._items.get(timeout=timeout_s) if timeout_s else self._items.get_nowait()
-        except queue.Empty:
-            return None
+# Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
+# core's in-flight limits), restarts, requests from the leaving loop, and refusals
+# (dropped, counted, beyond this).
+EVENT_QUEUE_SIZE = 4096
 
 
 class Replica:
     """A site's copy of the model and its protocol core; call :meth:`step` after each step.
 
-    The replica drives the core: it turns what the network reports into events,
-    and the core's actions into merges, fold-backs and snapshots for the network.
     It never names a protocol; :func:`gossipd.node.protocols.build` does.
     """
 
@@ -195,16 +110,12 @@ class Replica:
             protocol, CoreSettings(node_id, len(self.flat.plan), **(settings or {}))
         )
         self.inbox = Inbox(inbox_size)
+        self.events = EventQueue(EVENT_QUEUE_SIZE)
+        self.port: LoopPort = Detached(self.events)
         self.clock = clock
         self.steps = 0
         self.last_loss = float("nan")
         self.training_done = False
-        self.send: Callable[[OutboundPush], None] = lambda out: None
-        # With no network to carry it, a pull fails at the next step boundary.
-        self.start_pull: Callable[[OutboundPull], None] = lambda out: self.post_pull_result(
-            out, None, "no network is attached to carry out pulls"
-        )
-        self._events: queue.SimpleQueue[Callable[[StepReport], None]] = queue.SimpleQueue()
         self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
         self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         # Held by whoever reads or writes parameters: the trainer while stepping,
@@ -243,6 +154,10 @@ class Replica:
     def fingerprint(self) -> str:
         return self.flat.fingerprint
 
+    def attach(self, port: LoopPort) -> None:
+        """The network that carries this replica's pushes and pulls from now on."""
+        self.port = port
+
     def publish(self) -> None:
         """Refresh the summary that status and metrics read (after a restore, say)."""
         with self.lock:
@@ -258,43 +173,24 @@ class Replica:
             self.summary = Summary.of(self)
 
     # -- called from the event loop (any thread) -------------------------------------
-    def post(self, event: Callable[[StepReport], None]) -> None:
-        """Run ``event`` on the trainer thread at the next step boundary."""
-        self._events.put(event)
-
-    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on the thread that drives this replica, after every event posted
-        before it; the network leaves the mesh this way instead of touching parameters."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run(report: StepReport) -> None:
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as err:
-                    future.set_exception(err)
-
-        self.post(run)
-        return future
-
-    def post_push_result(
-        self, out: OutboundPush, acks: list[pb.SegmentAck], error: str | None
+    def post(
+        self,
+        event: PushOutcome | PullOutcome | ViewChange | PeerRestart | Rejected,
     ) -> None:
-        self.post(lambda report: self.settle_push(out, acks, error, report))
+        """Queue ``event`` for the trainer's next step boundary (never blocks)."""
+        self.events.put(event)
 
-    def post_pull_result(self, out: OutboundPull, pulled: Pulled | None, error: str | None) -> None:
-        """What a pull brought (or why it failed): merged at the next step boundary."""
-        self.post(lambda report: self._pulled(out, pulled, error, report))
+    def request_hand_off(self, peer: str | None) -> concurrent.futures.Future[OutboundPush | None]:
+        """The push handing all weight to ``peer``, made on the trainer's thread."""
+        reply: concurrent.futures.Future[OutboundPush | None] = concurrent.futures.Future()
+        self.events.put(HandOffRequest(peer, reply))
+        return reply
 
-    def post_rejection(self, peer: str, reason: str, detail: str) -> None:
-        self.post(lambda report: report.rejected.append(Rejection(peer, reason, detail)))
-
-    def post_view(self, members: frozenset[str]) -> None:
-        """The live members as the network sees them now (this node included)."""
-        self.post(lambda report: self._handle(ViewChanged(members)))
-
-    def post_restart(self, peer: str, incarnation: int) -> None:
-        self.post(lambda report: self._handle(PeerRestarted(peer, incarnation)))
+    def barrier(self) -> concurrent.futures.Future[None]:
+        """Resolves once every event queued before it was applied on the trainer's thread."""
+        reply: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.events.put(Barrier(reply))
+        return reply
 
     # -- called from the trainer thread ----------------------------------------------
     def step(self, loss: float | None = None) -> StepReport:
@@ -326,7 +222,7 @@ class Replica:
             return report
 
     def idle_until(self, stop: threading.Event) -> None:
-        """Drive the replica (merges, outcomes, calls) without stepping until ``stop``."""
+        """Drive the replica (merges, outcomes, requests) without stepping until ``stop``."""
         while not stop.is_set():
             self.idle(0.05)
 
@@ -349,12 +245,22 @@ class Replica:
             self._handle(TimerFired(tag, now))
 
     def _apply_events(self, report: StepReport) -> None:
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return
-            event(report)
+        while (event := self.events.get()) is not None:
+            match event:
+                case PushOutcome(out=out, acks=acks, error=error):
+                    self.settle_push(out, acks, error, report)
+                case PullOutcome(out=out, pulled=pulled, error=error):
+                    self._pulled(out, pulled, error, report)
+                case ViewChange(members=members):
+                    self._handle(ViewChanged(members))
+                case PeerRestart(peer=peer, incarnation=incarnation):
+                    self._handle(PeerRestarted(peer, incarnation))
+                case Rejected(peer=peer, reason=reason, detail=detail):
+                    report.rejected.append(Rejection(peer, reason, detail))
+                case HandOffRequest(peer=peer, reply=reply):
+                    _resolve(reply, lambda: self.hand_off(peer))
+                case Barrier(reply=reply):
+                    _resolve(reply, lambda: None)
 
     def hand_off(self, peer: str | None = None) -> OutboundPush | None:
         """The push that hands all weight to ``peer`` when leaving; the caller delivers it."""
@@ -368,16 +274,12 @@ class Replica:
     def settle_push(
         self,
         out: OutboundPush,
-        acks: list[pb.SegmentAck],
+        acks: Sequence[Ack],
         error: str | None,
         report: StepReport | None = None,
     ) -> None:
         """Commit what the receiver acknowledged; fold unacknowledged snapshots back in."""
-        acked = tuple(
-            a.segment
-            for a in acks
-            if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
-        )
+        acked = tuple(a.segment for a in acks)
         with self.lock:
             if out.push.key not in self._outstanding:
                 return  # settled before (a late duplicate outcome changes nothing)
@@ -402,7 +304,7 @@ class Replica:
         """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
         return self._carry_out(self.core.handle(event))
 
-    def _carry_out(self, actions: list) -> list[Push]:
+    def _carry_out(self, actions: Sequence[Action]) -> list[Push]:
         pushes = [a for a in actions if isinstance(a, Push)]
         # One copy of each segment serves every push of this event (a group exchange
         # sends the same model to several peers); snapshots are never written.
@@ -411,15 +313,17 @@ class Replica:
             match action:
                 case Push():
                     self._outstanding.add(action.key)
-                    self.send(OutboundPush(action, {s: snapshot[s] for s in action.weights}))
+                    self.port.send_push(
+                        OutboundPush(action, {s: snapshot[s] for s in action.weights})
+                    )
                 case StartTimer():
                     heapq.heappush(self._timers, (action.at_s, action.tag))
                 case Pull():
-                    self.start_pull(OutboundPull(action))
+                    self.port.start_pull(OutboundPull(action))
                 case _:
                     raise GossipdError(
-                        f"protocol {self.core.name} asked for {action!r}, which this "
-                        "daemon does not carry out; pick another gossip.protocol"
+                        f"protocol {self.core.name} returned {action!r} outside a payload or a "
+                        "settle; only a PayloadArrived or PullArrived may be answered by merges"
                     )
         return pushes
 
@@ -437,38 +341,17 @@ class Replica:
                 item.sequence_base,
             )
             values = {seg.segment: seg.values for seg in item.segments}
-            try:
-                plan = self.core.handle(arrival)
-            except Refused as err:
-                raise InvalidFrame(f"push {item.sender}#{item.sequence}: {err}") from None
-            if not item.merge_new:
-                plan = [a for a in plan if isinstance(a, Duplicate)]
-            blends: dict[int, torch.Tensor] = {}
-            for action in plan:
-                if isinstance(action, Merge):
-                    blended = self.flat.blend(action.segment, values[action.segment], action.alpha)
-                    if blended is None:
-                        raise NonFinitePayload(
-                            f"merging segment {action.segment} of push {item.sender}#"
-                            f"{item.sequence} would make the model non-finite; refused, "
-                            "nothing merged"
-                        )
-                    blends[action.segment] = blended
+            what = f"push {item.sender}#{item.sequence}"
+            plan, blends = self._plan(arrival, values, what, merge_new=item.merge_new)
             if item.merge_new:
                 self.core.handle(PayloadMerged(arrival))
             for segment, blended in blends.items():
                 self.flat.load_segment(segment, blended)
             weights = self.core.status().weights
             acks = [
-                pb.SegmentAck(
-                    segment=action.segment,
-                    result=pb.SEGMENT_RESULT_MERGED
-                    if isinstance(action, Merge)
-                    else pb.SEGMENT_RESULT_DUPLICATE,
-                    receiver_weight=weights[action.segment],
-                )
-                for action in plan
-                if isinstance(action, Merge | Duplicate)
+                Ack(a.segment, isinstance(a, Duplicate), weights[a.segment])
+                for a in plan
+                if isinstance(a, Merge | Duplicate)
             ]
             if blends:
                 self.pushes_merged += 1
@@ -497,7 +380,7 @@ class Replica:
                 pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
             )
             try:
-                blends = self._blends(arrival, pulled.values, f"pull from {pull.peer}")
+                _, blends = self._plan(arrival, pulled.values, f"pull from {pull.peer}")
             except (InvalidFrame, NonFinitePayload) as err:
                 error = str(err)
             else:
@@ -516,67 +399,43 @@ class Replica:
         report.pulled.append(PullRecord(pull.peer, pull.round, (), error=error))
         self._carry_out(self.core.handle(PullFailed(pull.peer, pull.round, str(error))))
 
-    def _blends(
-        self, arrival: PullArrived, values: Mapping[int, torch.Tensor], what: str
-    ) -> dict[int, torch.Tensor]:
-        """Every blend the core proposes for ``arrival``, computed and checked, none applied."""
+    def _plan(
+        self,
+        arrival: PayloadArrived | PullArrived,
+        values: Mapping[int, torch.Tensor],
+        what: str,
+        *,
+        merge_new: bool = True,
+    ) -> tuple[list[Action], dict[int, torch.Tensor]]:
+        """The core's answer to ``arrival`` and every blend it asks for, checked, none applied.
+
+        ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges nothing).
+        """
         try:
             plan = self.core.handle(arrival)
         except Refused as err:
             raise InvalidFrame(f"{what}: {err}") from None
+        if not merge_new:
+            plan = [a for a in plan if isinstance(a, Duplicate)]
         blends: dict[int, torch.Tensor] = {}
         for action in plan:
             if not isinstance(action, Merge):
                 continue
             if action.segment not in values:
-                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not pulled")
+                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
             blended = self.flat.blend(action.segment, values[action.segment], action.alpha)
             if blended is None:
                 raise NonFinitePayload(
-                    f"merging segment {action.segment} of the {what} would make the model "
+                    f"merging segment {action.segment} of {what} would make the model "
                     "non-finite; refused, nothing merged"
                 )
             blends[action.segment] = blended
-        return blends
+        return plan, blends
 
 
-@dataclass(frozen=True)
-class Summary:
-    """A consistent copy of replica state, replaced whole at each step boundary.
-
-    Readers on other threads (status, metrics, health) read the current object
-    without taking the replica's lock, so they never wait on a step.
-    """
-
-    steps: int
-    loss: float
-    protocol: str
-    round: int
-    epoch: int
-    weights: tuple[float, ...]
-    reserved: tuple[float, ...]
-    in_flight: int
-    pushes_acked: int
-    pushes_failed: int
-    pushes_merged: int
-    peers: frozenset[str]
-    exchanged: Mapping[str, PeerMass]
-
-    @classmethod
-    def of(cls, replica: Replica) -> Summary:
-        core = replica.core.status()
-        return cls(
-            steps=replica.steps,
-            loss=replica.last_loss,
-            protocol=core.protocol,
-            round=core.round,
-            epoch=core.epoch,
-            weights=core.weights,
-            reserved=core.reserved,
-            in_flight=core.in_flight,
-            pushes_acked=replica.pushes_acked,
-            pushes_failed=replica.pushes_failed,
-            pushes_merged=replica.pushes_merged,
-            peers=core.peers,
-            exchanged=core.exchanged,
-        )
+def _resolve(reply: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
+    if reply.set_running_or_notify_cancel():
+        try:
+            reply.set_result(fn())
+        except BaseException as err:
+            reply.set_exception(err)

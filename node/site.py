@@ -31,7 +31,8 @@ from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.network import Network
-from gossipd.node.replica import Replica, StepReport
+from gossipd.node.replica import Replica
+from gossipd.node.report import StepReport
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from gossipd.node.errors import (
     PeerUnreachable,
     UnknownPeer,
 )
-from gossipd.node.replica import OutboundPush, Pulled
+from gossipd.node.messages import Ack, OutboundPush, Pulled
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.tls import Credentials, NotAllowed
 from gossipd.node.wire import (
@@ -85,7 +85,7 @@ class OutcomeUnknown(PeerUnreachable):
 class PartialPush(GossipdError):
     """Some streams of a push were acknowledged, others failed."""
 
-    def __init__(self, acks: list[pb.SegmentAck], errors: list[GossipdError]) -> None:
+    def __init__(self, acks: list[Ack], errors: list[GossipdError]) -> None:
         super().__init__(
             f"{len(acks)} segments acknowledged, {len(errors)} streams failed: "
             + "; ".join(str(e) for e in errors)
@@ -161,7 +161,7 @@ class PeerClient:
         timeout_s: float,
         progress_timeout_s: float | None = None,
         segments: list[int] | None = None,
-    ) -> list[pb.SegmentAck]:
+    ) -> list[Ack]:
         """One attempt: stream the snapshot (or ``segments`` of it), return the acks.
 
         Raises :class:`OutcomeUnknown` when the receiver may have merged without us
@@ -187,7 +187,13 @@ class PeerClient:
                 f"{self.address}: push #{out.push.sequence} made no progress for "
                 f"{progress_s:.1f} s (gossip.progress_timeout_s)"
             ) from None
-        acks = [ack for r in results if isinstance(r, pb.PushReply) for ack in r.acks]
+        acks = [
+            Ack(a.segment, a.result == pb.SEGMENT_RESULT_DUPLICATE, a.receiver_weight)
+            for r in results
+            if isinstance(r, pb.PushReply)
+            for a in r.acks
+            if a.result in (pb.SEGMENT_RESULT_MERGED, pb.SEGMENT_RESULT_DUPLICATE)
+        ]
         errors = [self._outcome(r) for r in results if not isinstance(r, pb.PushReply)]
         if not errors:
             return acks

@@ -18,6 +18,7 @@ import torch
 from gossipd.node import codec as wirecodec
 from gossipd.node.codec import Codec
 from gossipd.node.errors import InvalidFrame, PayloadTooLarge
+from gossipd.node.messages import ReceivedSegment
 from gossipd.node.segments import SegmentPlan
 from gossipd.proto import gossip_pb2 as pb
 
@@ -31,13 +32,6 @@ class Limits:
     max_chunk_bytes: int = 4 << 20
     max_segment_bytes: int = 1 << 30
     max_sum_weight: float = 1e6
-
-
-@dataclass(frozen=True)
-class ReceivedSegment:
-    segment: int
-    sum_weight: float
-    values: torch.Tensor
 
 
 def segment_frames(

@@ -23,8 +23,8 @@ import torch
 
 from gossipd.bench import transport
 from gossipd.node.codec import Codec
+from gossipd.node.messages import OutboundPush
 from gossipd.node.protocols.sumweight import Push
-from gossipd.node.replica import OutboundPush
 from gossipd.node.tls import Credentials
 from gossipd.node.transport import Identity, PeerClient
 from gossipd.node.wire import segment_frames
@@ -59,7 +59,7 @@ class _Recorder:
                 t0 = time.perf_counter()
                 acks = await super().push(out, *args, **kwargs)
                 nbytes = sum(out.snapshot[s].numel() * 4 for s in out.push.weights)
-                merged = sorted(a.segment for a in acks if a.result == pb.SEGMENT_RESULT_MERGED)
+                merged = sorted(a.segment for a in acks if not a.duplicate)
                 recorder.pushes.append((time.perf_counter() - t0, nbytes, merged))
                 return acks
 

@@ -15,11 +15,11 @@ import random
 import torch
 
 from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.messages import InboundPush
 from gossipd.node.protocols.base import PushSettled
 from gossipd.node.protocols.sumweight import SumWeightGossip
-from gossipd.node.replica import InboundPush, Replica
+from gossipd.node.replica import Replica
 from gossipd.node.wire import ReceivedSegment
-from gossipd.proto import gossip_pb2 as pb
 
 
 def _replica() -> Replica:
@@ -38,12 +38,12 @@ def _deliver(replica: Replica, sequence: int, weight: float, *, merge_new: bool)
 def test_a_retry_reaching_a_leaving_receiver_is_acknowledged_duplicate_and_changes_nothing():
     replica = _replica()
     [ack] = _deliver(replica, 1, 0.5, merge_new=True)
-    assert ack.result == pb.SEGMENT_RESULT_MERGED
+    assert not ack.duplicate
     merged = replica.flat.buffers[0].clone()
     assert replica.summary.weights == (1.5,)
 
     [retry] = _deliver(replica, 1, 0.5, merge_new=False)
-    assert retry.result == pb.SEGMENT_RESULT_DUPLICATE
+    assert retry.duplicate
     assert torch.equal(replica.flat.buffers[0], merged)
     assert replica.summary.weights == (1.5,)
 
@@ -56,7 +56,7 @@ def test_a_new_push_reaching_a_leaving_receiver_is_left_unacknowledged_and_unmer
     assert replica.summary.weights == (1.0,)
     # Nothing was admitted either: once the node stays, the same push still merges.
     [ack] = _deliver(replica, 1, 0.5, merge_new=True)
-    assert ack.result == pb.SEGMENT_RESULT_MERGED
+    assert not ack.duplicate
 
 
 def test_sender_and_leaving_receiver_keep_the_total_exact_through_a_lost_ack():

@@ -19,7 +19,7 @@ from gossipd.node import checkpoint
 from gossipd.node.api import GossipNode
 from gossipd.node.errors import ConfigError, GossipdError
 from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.replica import StepReport
+from gossipd.node.report import StepReport
 
 DEADLINE_S = 120.0
 

@@ -1,0 +1,229 @@
+"""What the event loop and the replica (the daemon's protocol driver) say to each other.
+
+The loop owns the network; the trainer thread owns the parameters and the protocol
+core. They meet only through the typed messages here (DESIGN §3, STYLE "Threads"):
+
+* loop → trainer: whole inbound pushes in the bounded :class:`Inbox`, and every other
+  event (a push's outcome, a pull's result, a view change, a restart, a refusal, a
+  request from the leaving loop) in the bounded :class:`EventQueue`;
+* trainer → loop: :class:`OutboundPush` and :class:`OutboundPull`, handed to the
+  :class:`LoopPort` the network attaches.
+
+Nothing here imports grpc or protobuf: the loop converts at its edge, so the trainer
+side can be read, tested and driven without a wire.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from gossipd.node.errors import Busy, GossipdError
+from gossipd.node.protocols.base import Pull, Push
+
+
+# -- payloads ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReceivedSegment:
+    """One whole, verified segment of a push or a pull."""
+
+    segment: int
+    sum_weight: float
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A receiver's answer for one segment: merged now, or merged before (``duplicate``)."""
+
+    segment: int
+    duplicate: bool
+    receiver_weight: float
+
+
+@dataclass
+class InboundPush:
+    """A whole, validated push waiting for the trainer; ``reply`` resolves with the acks."""
+
+    sender: str
+    incarnation: int
+    sequence: int
+    segments: list[ReceivedSegment]
+    round: int = 0
+    merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
+    sequence_base: int = 1  # the sender's numbering (protocols.ledger)
+    reply: concurrent.futures.Future[list[Ack]] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True)
+class OutboundPush:
+    push: Push
+    snapshot: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OutboundPull:
+    """A pull for the network to start at ``pull.at_s`` (the replica's clock), even mid-step."""
+
+    pull: Pull
+
+
+@dataclass
+class Pulled:
+    """What a pull brought: each segment's values and sum-weight, the payload bytes, and the
+    time from the pull's start to its last byte (the replica's clock)."""
+
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    nbytes: int = 0
+    transfer_s: float = 0.0
+
+
+# -- events, loop → trainer --------------------------------------------------------------
+@dataclass(frozen=True)
+class PushOutcome:
+    """How a push ended: the segments the receiver acknowledged, and why the rest did not."""
+
+    out: OutboundPush
+    acks: tuple[Ack, ...]
+    error: str | None
+
+
+@dataclass(frozen=True)
+class PullOutcome:
+    out: OutboundPull
+    pulled: Pulled | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ViewChange:
+    """The live members as the network sees them now, this node included."""
+
+    members: frozenset[str]
+
+
+@dataclass(frozen=True)
+class PeerRestart:
+    peer: str
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An inbound request the loop refused, for the next step's report."""
+
+    peer: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class HandOffRequest:
+    """The leaving loop asks for the push that hands all weight to ``peer``."""
+
+    peer: str | None
+    reply: concurrent.futures.Future[OutboundPush | None]
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Resolved once every event queued before it has been applied."""
+
+    reply: concurrent.futures.Future[None]
+
+
+Event = PushOutcome | PullOutcome | ViewChange | PeerRestart | Rejected | HandOffRequest | Barrier
+
+
+class EventQueue:
+    """Bounded and thread-safe; the loop's ``put`` never blocks.
+
+    What must arrive (outcomes, restarts, requests) is bounded by construction: a
+    core has at most ``max_in_flight`` pushes and a few pulls out, and the loop asks
+    one thing at a time while leaving. A view change replaces the one still waiting
+    (only the newest view matters), and a refusal is dropped, and counted, when the
+    queue is full: a flood of refused requests cannot grow it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._items: queue.Queue[Event] = queue.Queue(maxsize=capacity)
+        self._view: ViewChange | None = None
+        self._view_lock = threading.Lock()
+        self.dropped_rejections = 0
+
+    def put(self, event: Event) -> None:
+        if isinstance(event, ViewChange):
+            with self._view_lock:
+                pending, self._view = self._view, event
+            if pending is not None:
+                return  # the one already queued will read the newest view
+        try:
+            self._items.put_nowait(event)
+        except queue.Full:
+            if isinstance(event, Rejected):
+                self.dropped_rejections += 1
+                return
+            raise GossipdError(
+                f"the replica's event queue is full ({self._items.maxsize} events): the "
+                "trainer thread is not draining it; this is a bug, please report it"
+            ) from None
+
+    def get(self) -> Event | None:
+        try:
+            event = self._items.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(event, ViewChange):
+            with self._view_lock:
+                event, self._view = self._view or event, None
+        return event
+
+
+class Inbox:
+    """Bounded, thread-safe: the loop's ``put`` fails fast with ``Busy`` instead of blocking."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: queue.Queue[InboundPush] = queue.Queue(maxsize=capacity)
+
+    def put(self, item: InboundPush) -> None:
+        try:
+            self._items.put_nowait(item)
+        except queue.Full:
+            raise Busy(
+                f"receiver inbox is full ({self._items.maxsize} pushes waiting for a step "
+                "boundary); retry later or raise limits.inbox_size"
+            ) from None
+
+    def get(self, timeout_s: float | None) -> InboundPush | None:
+        try:
+            return self._items.get(timeout=timeout_s) if timeout_s else self._items.get_nowait()
+        except queue.Empty:
+            return None
+
+
+# -- trainer → loop ------------------------------------------------------------------------
+class LoopPort(Protocol):
+    """Where the replica hands what the network must carry out (the network implements it)."""
+
+    def send_push(self, out: OutboundPush) -> None: ...
+
+    def start_pull(self, out: OutboundPull) -> None: ...
+
+
+class Detached:
+    """The port of a replica no network carries: every push and pull fails at once."""
+
+    def __init__(self, events: EventQueue) -> None:
+        self.events = events
+
+    def send_push(self, out: OutboundPush) -> None:
+        self.events.put(PushOutcome(out, (), "no network is attached to carry out pushes"))
+
+    def start_pull(self, out: OutboundPull) -> None:
+        self.events.put(PullOutcome(out, None, "no network is attached to carry out pulls"))

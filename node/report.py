@@ -1,0 +1,111 @@
+"""What a replica tells its caller and its readers: a report per step, a summary always.
+
+:class:`StepReport` is what gossip did since the previous step, returned by every
+``Replica.step`` so a caller sees merges, pushes, pulls and refusals in its own loop.
+:class:`Summary` is one consistent copy of the replica's state, replaced whole at each
+step boundary: status, metrics and health read it on other threads without ever
+taking the trainer's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gossipd.node.protocols.base import PeerMass
+
+if TYPE_CHECKING:
+    from gossipd.node.replica import Replica
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    sender: str
+    sequence: int
+    merged_segments: tuple[int, ...]
+    duplicate_segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    peer: str
+    sequence: int
+    acked_segments: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    peer: str
+    round: int
+    merged_segments: tuple[int, ...]
+    nbytes: int = 0
+    transfer_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    peer: str
+    reason: str
+    detail: str
+
+
+@dataclass
+class StepReport:
+    """What gossip did since the previous step; ``ok`` is False if anything failed."""
+
+    step: int
+    merged: list[MergeRecord] = field(default_factory=list)
+    pushed: list[PushRecord] = field(default_factory=list)
+    failed: list[PushRecord] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    pulled: list[PullRecord] = field(default_factory=list)
+    started_push_to: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.rejected and all(p.error is None for p in self.pulled)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A consistent copy of replica state, replaced whole at each step boundary."""
+
+    steps: int
+    loss: float
+    protocol: str
+    round: int
+    epoch: int
+    weights: tuple[float, ...]
+    reserved: tuple[float, ...]
+    in_flight: int
+    pushes_acked: int
+    pushes_failed: int
+    pushes_merged: int
+    pulls_merged: int
+    pulls_failed: int
+    peers: frozenset[str]
+    exchanged: Mapping[str, PeerMass]
+
+    @classmethod
+    def of(cls, replica: Replica) -> Summary:
+        core = replica.core.status()
+        return cls(
+            steps=replica.steps,
+            loss=replica.last_loss,
+            protocol=core.protocol,
+            round=core.round,
+            epoch=core.epoch,
+            weights=core.weights,
+            reserved=core.reserved,
+            in_flight=core.in_flight,
+            pushes_acked=replica.pushes_acked,
+            pushes_failed=replica.pushes_failed,
+            pushes_merged=replica.pushes_merged,
+            pulls_merged=replica.pulls_merged,
+            pulls_failed=replica.pulls_failed,
+            peers=core.peers,
+            exchanged=core.exchanged,
+        )
