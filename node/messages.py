@@ -174,6 +174,9 @@ class EventQueue:
                 "trainer thread is not draining it; this is a bug, please report it"
             ) from None
 
+    def pending(self) -> int:
+        return self._items.qsize()
+
     def get(self) -> Event | None:
         try:
             event = self._items.get_nowait()
@@ -199,6 +202,9 @@ class Inbox:
                 f"receiver inbox is full ({self._items.maxsize} pushes waiting for a step "
                 "boundary); retry later or raise limits.inbox_size"
             ) from None
+
+    def pending(self) -> int:
+        return self._items.qsize()
 
     def get(self, timeout_s: float | None) -> InboundPush | None:
         try:

@@ -117,6 +117,7 @@ class Replica:
         self.last_loss = float("nan")
         self.training_done = False
         self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
+        self._pulls_out = 0  # pulls started, not yet merged or failed
         self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         # Held by whoever reads or writes parameters: the trainer while stepping,
         # the loop while snapshotting for PullModel or checkpoints.
@@ -221,6 +222,17 @@ class Replica:
             self.summary = Summary.of(self)
             return report
 
+    def settled(self) -> bool:
+        """Nothing of this replica's is in flight, waiting in its queues, or due to fire."""
+        with self.lock:
+            return not (
+                self._outstanding
+                or self._pulls_out
+                or self._timers
+                or self.inbox.pending()
+                or self.events.pending()
+            )
+
     def idle_until(self, stop: threading.Event) -> None:
         """Drive the replica (merges, outcomes, requests) without stepping until ``stop``."""
         while not stop.is_set():
@@ -319,6 +331,7 @@ class Replica:
                 case StartTimer():
                     heapq.heappush(self._timers, (action.at_s, action.tag))
                 case Pull():
+                    self._pulls_out += 1
                     self.port.start_pull(OutboundPull(action))
                 case _:
                     raise GossipdError(
@@ -375,6 +388,7 @@ class Replica:
     ) -> None:
         """Merge a pulled model whole or not at all, like a push; tell the core either way."""
         pull = out.pull
+        self._pulls_out -= 1
         if pulled is not None and error is None:
             arrival = PullArrived(
                 pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
