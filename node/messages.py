@@ -221,6 +221,9 @@ class LoopPort(Protocol):
 
     def start_pull(self, out: OutboundPull) -> None: ...
 
+    def wake_at(self, at_s: float) -> None:
+        """Call the replica's ``fire_due_timers`` at ``at_s`` (its clock), mid-step or not."""
+
 
 class Detached:
     """The port of a replica no network carries: every push and pull fails at once."""
@@ -233,3 +236,6 @@ class Detached:
 
     def start_pull(self, out: OutboundPull) -> None:
         self.events.put(PullOutcome(out, None, "no network is attached to carry out pulls"))
+
+    def wake_at(self, at_s: float) -> None:
+        """Nothing to wake: timers fire at the caller's step boundaries."""

@@ -317,6 +317,22 @@ class Network:
     def start_pull(self, out: OutboundPull) -> None:
         self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")
 
+    def wake_at(self, at_s: float) -> None:
+        """At ``at_s`` on the replica's clock, fire its due timers (off the loop: it may
+        wait briefly for a step boundary's bookkeeping, never for a step)."""
+        if self.stopping.is_set():
+            return
+        delay_s = max(0.0, at_s - self.replica.clock())
+        loop = asyncio.get_running_loop()
+        loop.call_later(
+            delay_s,
+            lambda: (
+                None
+                if self.stopping.is_set()
+                else self.spawn(asyncio.to_thread(self.replica.fire_due_timers), "timers")
+            ),
+        )
+
     def retry_now(self) -> None:
         self.outbound.retry_now()
 
@@ -533,6 +549,9 @@ class _LoopPort:
     def start_pull(self, out: OutboundPull) -> None:
         if not self._schedule(self.network.start_pull, out):
             self.network.replica.post(PullOutcome(out, None, "the node stopped before the pull"))
+
+    def wake_at(self, at_s: float) -> None:
+        self._schedule(self.network.wake_at, at_s)
 
     def _schedule(self, fn: Any, out: object) -> bool:
         if self.network.stopping.is_set():

@@ -122,6 +122,11 @@ class Replica:
         # Held by whoever reads or writes parameters: the trainer while stepping,
         # the loop while snapshotting for PullModel or checkpoints.
         self.lock = FairLock()
+        # Held by whoever touches the core and what is in flight: the trainer at its
+        # step boundaries (inside ``lock``), and a timer that fires mid-step (alone:
+        # it must not wait for the step, and it writes no parameter).
+        self.core_lock = threading.RLock()
+        self._deferred: list[Push] = []  # made by a timer mid-step, sent at the boundary
         self.pushes_acked = 0
         self.pushes_failed = 0
         self.pushes_merged = 0
@@ -161,15 +166,16 @@ class Replica:
 
     def publish(self) -> None:
         """Refresh the summary that status and metrics read (after a restore, say)."""
-        with self.lock:
+        with self.lock, self.core_lock:
             self.summary = Summary.of(self)
 
     def state_dict(self) -> dict[str, Any]:
         """The core's state, for a checkpoint (take it under :attr:`lock`)."""
-        return self.core.state_dict()
+        with self.core_lock:
+            return self.core.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        with self.lock:
+        with self.lock, self.core_lock:
             self.core.load_state_dict(state)
             self.summary = Summary.of(self)
 
@@ -196,7 +202,7 @@ class Replica:
     # -- called from the trainer thread ----------------------------------------------
     def step(self, loss: float | None = None) -> StepReport:
         """Close one local step: merge what arrived, settle push outcomes, maybe push."""
-        with self.lock:
+        with self.lock, self.core_lock:
             self.steps += 1
             if loss is not None:
                 self.last_loss = float(loss)
@@ -209,14 +215,14 @@ class Replica:
 
     def finish_training(self) -> None:
         """No more steps: a protocol may still owe the mesh a final exchange."""
-        with self.lock:
+        with self.lock, self.core_lock:
             self.training_done = True
             self._handle(TrainingEnded(self.steps, self.clock()))
             self.summary = Summary.of(self)
 
     def idle(self, wait_s: float) -> StepReport:
         """After training ends, keep merging what peers push so they can still settle."""
-        with self.lock:
+        with self.lock, self.core_lock:
             report = StepReport(self.steps)
             self.drain(report, wait_s)
             self.summary = Summary.of(self)
@@ -224,7 +230,7 @@ class Replica:
 
     def settled(self) -> bool:
         """Nothing of this replica's is in flight, waiting in its queues, or due to fire."""
-        with self.lock:
+        with self.lock, self.core_lock:
             return not (
                 self._outstanding
                 or self._pulls_out
@@ -243,8 +249,11 @@ class Replica:
 
         Events are applied before the merges (peer changes, push outcomes) and again
         after, so an outcome that arrived while merging is not left for the next step.
-        Timers that came due fire here: the replica has no thread of its own.
+        Timers that came due fire here too, if the network's wake-up (which fires them
+        mid-step, see :meth:`fire_due_timers`) has not yet; pushes a timer made
+        mid-step leave first, with the model as it was before anything merges.
         """
+        self._send_deferred()
         self._apply_events(report)
         item = self.inbox.get(wait_s)
         while item is not None:
@@ -276,7 +285,7 @@ class Replica:
 
     def hand_off(self, peer: str | None = None) -> OutboundPush | None:
         """The push that hands all weight to ``peer`` when leaving; the caller delivers it."""
-        with self.lock:
+        with self.lock, self.core_lock:
             pushes = [a for a in self.core.handle(HandOff(peer)) if isinstance(a, Push)]
             if not pushes:
                 return None
@@ -292,7 +301,7 @@ class Replica:
     ) -> None:
         """Commit what the receiver acknowledged; fold unacknowledged snapshots back in."""
         acked = tuple(a.segment for a in acks)
-        with self.lock:
+        with self.lock, self.core_lock:
             if out.push.key not in self._outstanding:
                 return  # settled before (a late duplicate outcome changes nothing)
             self._outstanding.discard(out.push.key)
@@ -312,24 +321,45 @@ class Replica:
             record = PushRecord(out.push.peer, out.push.sequence, acked, error)
             (report.failed if error else report.pushed).append(record)
 
+    # -- called from a worker thread of the loop -------------------------------------
+    def fire_due_timers(self) -> None:
+        """Fire the timers that came due, now, even while the trainer is inside a step.
+
+        Only the core is touched (under :attr:`core_lock`): a ``Pull`` it asks for
+        starts at once and a new timer is scheduled, while a ``Push`` waits for the
+        step boundary, where its snapshot is taken before anything merges.
+        """
+        with self.core_lock:
+            now = self.clock()
+            while self._timers and self._timers[0][0] <= now:
+                _, tag = heapq.heappop(self._timers)
+                self._carry_out(self.core.handle(TimerFired(tag, now)), mid_step=True)
+
+    def _send_deferred(self) -> None:
+        with self.core_lock:
+            deferred, self._deferred = self._deferred, []
+            self._send(deferred)
+
     def _handle(self, event: Event) -> list[Push]:
         """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
         return self._carry_out(self.core.handle(event))
 
-    def _carry_out(self, actions: Sequence[Action]) -> list[Push]:
-        pushes = [a for a in actions if isinstance(a, Push)]
+    def _send(self, pushes: Sequence[Push]) -> None:
         # One copy of each segment serves every push of this event (a group exchange
         # sends the same model to several peers); snapshots are never written.
         snapshot = self.flat.snapshot(sorted({s for p in pushes for s in p.weights}))
+        for push in pushes:
+            self.port.send_push(OutboundPush(push, {s: snapshot[s] for s in push.weights}))
+
+    def _carry_out(self, actions: Sequence[Action], *, mid_step: bool = False) -> list[Push]:
+        pushes = [a for a in actions if isinstance(a, Push)]
         for action in actions:
             match action:
                 case Push():
                     self._outstanding.add(action.key)
-                    self.port.send_push(
-                        OutboundPush(action, {s: snapshot[s] for s in action.weights})
-                    )
                 case StartTimer():
                     heapq.heappush(self._timers, (action.at_s, action.tag))
+                    self.port.wake_at(action.at_s)
                 case Pull():
                     self._pulls_out += 1
                     self.port.start_pull(OutboundPull(action))
@@ -338,6 +368,10 @@ class Replica:
                         f"protocol {self.core.name} returned {action!r} outside a payload or a "
                         "settle; only a PayloadArrived or PullArrived may be answered by merges"
                     )
+        if mid_step:
+            self._deferred.extend(pushes)
+        else:
+            self._send(pushes)
         return pushes
 
     def _merge(self, item: InboundPush, report: StepReport) -> None:

@@ -2,6 +2,7 @@
 
 Every ``round_steps`` steps it pulls the whole model of the next peer in rank order,
 to start ``delay_s`` after the step ended, and averages with it: x ← (x + x_peer)/2.
+With ``via_timer`` it asks for a timer at that moment instead and pulls when it fires.
 It keeps no sum-weights (each reads 1.0, nothing moves them), so the mass checks of
 push protocols do not apply; what it records (pulls merged and failed, the transfer
 times it was told) is what the tests read.
@@ -27,6 +28,7 @@ from gossipd.node.protocols.base import (
     PullMerged,
     PushSettled,
     Refused,
+    StartTimer,
     StepEnded,
     TimerFired,
     TrainingEnded,
@@ -41,8 +43,16 @@ class PullEveryRound(GossipProtocol):
     name = NAME
 
     def __init__(
-        self, node_id: str, num_segments: int, *, round_steps: int = 1, delay_s: float = 0.0
+        self,
+        node_id: str,
+        num_segments: int,
+        *,
+        round_steps: int = 1,
+        delay_s: float = 0.0,
+        via_timer: bool = False,
     ) -> None:
+        self.via_timer = via_timer
+        self.timer_fired_at: list[float] = []
         self.node_id = node_id
         self.num_segments = num_segments
         self.round_steps = round_steps
@@ -69,6 +79,10 @@ class PullEveryRound(GossipProtocol):
                 self.pulling = None
             case PayloadArrived() | PayloadMerged():
                 raise Refused(f"protocol {NAME} only pulls; a pushed payload is not merged")
+            case TimerFired(time_s=time_s) if self.via_timer and self.pulling is not None:
+                self.timer_fired_at.append(time_s)
+                self.pulling = Pull(self.pulling.peer, self.round, self.pulling.segments, time_s)
+                return [self.pulling]
             case PushSettled() | HandOff() | TrainingEnded() | TimerFired() | PeerRestarted():
                 pass
             case _:
@@ -84,10 +98,9 @@ class PullEveryRound(GossipProtocol):
         self.round += 1
         mine = self.view.rank_of[self.node_id]
         peer = peers[mine % len(peers)]
-        self.pulling = Pull(
-            peer, self.round, tuple(range(self.num_segments)), time_s + self.delay_s
-        )
-        return [self.pulling]
+        at_s = time_s + self.delay_s
+        self.pulling = Pull(peer, self.round, tuple(range(self.num_segments)), at_s)
+        return [StartTimer(at_s, f"pull-{self.round}")] if self.via_timer else [self.pulling]
 
     def status(self) -> CoreStatus:
         return CoreStatus(

@@ -103,16 +103,17 @@ def test_a_pulling_core_averages_with_pulled_models_through_the_daemon(
     assert not _core(a).failed and not _core(b).failed
 
 
+@pytest.mark.parametrize("via_timer", [False, True], ids=["pull at_s", "timer"])
 def test_a_pull_starts_at_its_time_while_the_trainer_is_inside_a_long_step(
-    pull_protocol: dict[str, float],
+    pull_protocol: dict[str, float], via_timer: bool
 ) -> None:
-    """The core asks for a pull 0.2 s after its step; the trainer then holds its lock (a long
-    step). The peer serves the pull meanwhile, and the merge waits for the step boundary."""
-    pull_protocol["delay_s"] = 0.2
-    pull_protocol["round_steps"] = 1_000_000  # only the pull of step 1_000_000
+    """The core asks for a pull 0.2 s after its step (or for a timer then, which asks for
+    the pull); the trainer then holds its lock (a long step). The timer fires and the peer
+    serves the pull meanwhile; the merge waits for the step boundary."""
+    pull_protocol.update(delay_s=0.2, round_steps=1_000_000, via_timer=via_timer)
     a, b = _pair()
     with a, b:
-        a.replica.steps = 999_999
+        a.replica.steps = 999_999  # only the pull of step 1_000_000
         labels = {"direction": "sent", "kind": "pull", "result": "ok"}
 
         def served() -> float:
@@ -122,7 +123,8 @@ def test_a_pull_starts_at_its_time_while_the_trainer_is_inside_a_long_step(
             return value or 0.0
 
         with a.lock:  # the trainer is inside a step from here on
-            report = a.step()  # step 1_000_000 ends: the core asks for its pull
+            report = a.step()  # step 1_000_000 ends: the core asks for its pull or timer
+            asked_at = a.replica.clock()
             assert _core(a).pulling is not None and not report.pulled
             deadline = time.monotonic() + DEADLINE_S
             while served() < 1:
@@ -130,7 +132,9 @@ def test_a_pull_starts_at_its_time_while_the_trainer_is_inside_a_long_step(
                 time.sleep(0.01)
             assert not _core(a).merged, "merged outside a step boundary"
         _step_both((a,), lambda: bool(_core(a).merged), "the merge at a step boundary")
-    assert _core(a).merged
+    if via_timer:
+        [fired_at] = _core(a).timer_fired_at
+        assert fired_at >= asked_at + 0.2 - 0.05  # at its time, not at an earlier boundary
     assert all(torch.all(x == 4.0) for x in a.replica.flat.buffers)  # (0 + 8) / 2
 
 
