@@ -68,9 +68,15 @@ class OutboundPush:
 
 @dataclass(frozen=True)
 class OutboundPull:
-    """A pull for the network to start at ``pull.at_s`` (the replica's clock), even mid-step."""
+    """A pull for the network to start at ``pull.at_s`` (the replica's clock), even mid-step.
+
+    ``adopted`` marks a joiner's bootstrap: not the core's pull, but the driver's own,
+    whose model replaces the joiner's (its weight is 0, so that is the sum-weight merge
+    with α = 1); it resolves once the trainer thread has loaded it, or with the error.
+    """
 
     pull: Pull
+    adopted: concurrent.futures.Future[None] | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ worker thread so a long step never stalls the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import logging
@@ -45,6 +46,7 @@ from gossipd.node.messages import (
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
+from gossipd.node.protocols.base import Pull
 from gossipd.node.pulling import Puller
 from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.replica import Replica
@@ -316,6 +318,15 @@ class Network:
 
     def start_pull(self, out: OutboundPull) -> None:
         self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")
+
+    async def bootstrap_from(self, peer: str) -> None:
+        """A joiner's first model: a pull of every segment of ``peer``'s, which the trainer
+        thread loads; returns once it did, raises with the reason if it could not."""
+        segments = tuple(range(len(self.replica.flat.plan)))
+        out = OutboundPull(Pull(peer, 0, segments, 0.0), concurrent.futures.Future())
+        assert out.adopted is not None
+        self.spawn(self.puller.pull(out), f"bootstrap:{peer}")
+        await asyncio.wrap_future(out.adopted)
 
     def wake_at(self, at_s: float) -> None:
         """At ``at_s`` on the replica's clock, fire its due timers (off the loop: it may

@@ -422,6 +422,9 @@ class Replica:
     ) -> None:
         """Merge a pulled model whole or not at all, like a push; tell the core either way."""
         pull = out.pull
+        if out.adopted is not None:
+            _resolve(out.adopted, lambda: self._adopt(pull.peer, pulled, error))
+            return
         self._pulls_out -= 1
         if pulled is not None and error is None:
             arrival = PullArrived(
@@ -446,6 +449,31 @@ class Replica:
         self.pulls_failed += 1
         report.pulled.append(PullRecord(pull.peer, pull.round, (), error=error))
         self._carry_out(self.core.handle(PullFailed(pull.peer, pull.round, str(error))))
+
+    def _adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
+        """Load a joiner's bootstrap model whole (on the trainer thread, like any merge)."""
+        if pulled is None or error is not None:
+            raise GossipdError(f"join: pulling the model from {peer} failed: {error}")
+        if sorted(pulled.values) != list(range(len(self.flat.plan))):
+            raise GossipdError(f"join: {peer} sent segments {sorted(pulled.values)}, not all")
+        for index, values in pulled.values.items():
+            self.flat.load_segment(index, values)
+        self.summary = Summary.of(self)
+
+    def restore(
+        self, segments: Sequence[torch.Tensor], core: Mapping[str, Any], steps: int
+    ) -> None:
+        """Resume from a checkpoint's model, core state and step count.
+
+        Called once at start-up, before the network serves and before the trainer
+        thread exists, so nothing else reads or writes the parameters meanwhile.
+        """
+        with self.lock, self.core_lock:
+            for index, values in enumerate(segments):
+                self.flat.load_segment(index, values)
+            self.core.load_state_dict(core)
+            self.steps = steps
+            self.summary = Summary.of(self)
 
     def _plan(
         self,

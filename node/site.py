@@ -92,16 +92,23 @@ class TrainingLoop(threading.Thread):
         # After ``halt`` the thread stops stepping but keeps merging and runs the
         # leave's hand-off and settlements (parameters are written only here) until this.
         self.release = threading.Event()
+        # Set once start-up (join bootstrap, start_after_peers) is done: until then the
+        # thread only drives the replica, so the bootstrap model is loaded here too.
+        self.go = threading.Event()
+        self.stepped = False
         self.error: BaseException | None = None
 
     def run(self) -> None:
         site, cfg = self.site, self.site.config.job
-        started = time.monotonic()
         try:
+            while not (self.go.is_set() or self.halt.is_set()):
+                site.replica.idle(0.05)
+            started = time.monotonic()
             while not self.halt.is_set():
                 if self.finished.is_set():
                     site.replica.idle(0.05)
                     continue
+                self.stepped = True
                 t0 = time.perf_counter()
                 with site.replica.lock:
                     loss = site.job.train_step()
@@ -265,14 +272,9 @@ class Site:
             self.restored_weights = list(self.replica.summary.weights)
             return
         ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
-        with self.replica.lock:
-            for index, values in enumerate(ckpt.segments):
-                self.replica.flat.load_segment(index, values)
-            self.replica.load_state_dict(ckpt.core)
-            self.replica.steps = ckpt.step
-            if ckpt.optimizer is not None:
-                self.job.optimizer.load_state_dict(ckpt.optimizer)
-            self.replica.publish()
+        self.replica.restore(ckpt.segments, ckpt.core, ckpt.step)
+        if ckpt.optimizer is not None:
+            self.job.optimizer.load_state_dict(ckpt.optimizer)
         self.resumed_from = self.saved_step = ckpt.step
         self.restored_weights = list(ckpt.weights)
         self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
@@ -304,15 +306,7 @@ class Site:
                 f"join: no peer answered within {self.config.join_timeout_s} s; check seeds"
             )
         peer = self.network.membership.live()[0]
-        model = await self.network.client(peer.address, peer.node_id).pull(
-            self.replica.flat.plan,
-            self.network.limits,
-            self.config.gossip.push_timeout_s,
-            progress_timeout_s=self.config.gossip.progress_timeout_s,
-        )
-        with self.replica.lock:
-            for index, values in model.values.items():
-                self.replica.flat.load_segment(index, values)
+        await self.network.bootstrap_from(peer.node_id)
         log.info("bootstrapped the model from %s", peer.node_id)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -328,12 +322,13 @@ class Site:
                 self.write_node_json()
             except OSError as err:
                 log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
-            if not await _unless_stopped(self._before_training(), stop):
-                log.info("stopped before training started")
-                return
             loop = asyncio.get_running_loop()
             self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
             self.loop_thread.start()
+            if not await _unless_stopped(self._before_training(), stop):
+                log.info("stopped before training started")
+                return
+            self.loop_thread.go.set()
             await stop.wait()
         finally:
             await self.shutdown()
@@ -385,7 +380,7 @@ class Site:
         # A node that never trained and whose weights did not move (no hand-off, no
         # merge) has nothing new to save; skipping keeps a joiner that failed to
         # bootstrap from resuming, on restart, as if it had.
-        trained = self.loop_thread.ident is not None
+        trained = self.loop_thread.stepped
         if not trained and list(self.replica.summary.weights) == self.restored_weights:
             return
         try:
