@@ -135,7 +135,6 @@ class Network:
         self.clients: dict[str, PeerClient] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        self.leaving = False
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.tls = Credentials.from_config(config.tls)
         if self.tls.node_id not in (None, self.node_id):
@@ -144,7 +143,18 @@ class Network:
                 f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
             )
         self.peering = Peering(self)
-        self.outbound = Outbound(self)
+        self.outbound = Outbound(
+            config=config,
+            replica=replica,
+            membership=self.peering.membership,
+            client=self.client,
+            metrics=self.metrics,
+            succeeded=self.peering.succeeded,
+            failed=self.peering.failed,
+            spawn=self.spawn,
+            stopping=self.stopping,
+            rng=self.rng,
+        )
         self.membership = self.peering.membership
         self.puller = Puller(
             replica=replica,
@@ -305,6 +315,10 @@ class Network:
     def forget_incarnations(self, node_id: str, incarnation: int) -> None:
         """A verified restart: the old incarnation's de-duplication state can go."""
         self.replica.post(PeerRestart(node_id, incarnation))
+
+    @property
+    def leaving(self) -> bool:
+        return self.outbound.leaving
 
     # -- outbound -------------------------------------------------------------------
     def start_push(self, out: OutboundPush) -> None:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gossipd.node.errors import GossipdError, InvalidFrame
@@ -29,15 +31,44 @@ from gossipd.node.tls import NotAllowed
 from gossipd.node.transport import OutcomeUnknown, PartialPush
 
 if TYPE_CHECKING:
-    from gossipd.node.network import Network
+    from gossipd.node.config import NodeConfig
+    from gossipd.node.membership import Membership
+    from gossipd.node.metrics import NodeMetrics
+    from gossipd.node.replica import Replica
+    from gossipd.node.transport import PeerClient
 
 log = logging.getLogger(__name__)
 INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
 
 
 class Outbound:
-    def __init__(self, network: Network) -> None:
-        self.network = network
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        replica: Replica,
+        membership: Membership,
+        client: Callable[[str, str], PeerClient],
+        metrics: NodeMetrics,
+        succeeded: Callable[[str], None],
+        failed: Callable[[str, GossipdError], None],
+        spawn: Callable[[Any, str], asyncio.Future[Any]],
+        stopping: asyncio.Event,
+        rng: random.Random,
+    ) -> None:
+        """``succeeded`` and ``failed`` tell membership how a peer answered; ``spawn``
+        runs a task the node keeps until it closes; ``stopping`` is set when it closes."""
+        self.config = config
+        self.replica = replica
+        self.membership = membership
+        self.client = client
+        self.metrics = metrics
+        self.succeeded = succeeded
+        self.failed = failed
+        self.spawn = spawn
+        self.stopping = stopping
+        self.rng = rng
+        self.leaving = False  # set by leave_mesh: only the hand-off leaves from then on
         self._retry_now = asyncio.Event()  # replaced each time it fires
         self.mass_inconsistencies = 0
         self._inconsistency_logged: dict[str, tuple[float, int]] = {}  # peer -> (at, count)
@@ -46,7 +77,7 @@ class Outbound:
     def start(self, out: OutboundPush) -> None:
         """Deliver ``out`` in a task of its own, kept under its peer until it settles."""
         peer = out.push.peer
-        task = self.network.spawn(self.push(out), f"push:{peer}")
+        task = self.spawn(self.push(out), f"push:{peer}")
         self._pushes.setdefault(peer, set()).add(task)
         task.add_done_callback(lambda t: self._forget(peer, t))
 
@@ -65,8 +96,8 @@ class Outbound:
         try:
             acks, error = await self.deliver(out)
         finally:
-            self.network.replica.post(PushOutcome(out, tuple(acks), error))
-            self.network.metrics.push_seconds.observe(time.monotonic() - started)
+            self.replica.post(PushOutcome(out, tuple(acks), error))
+            self.metrics.push_seconds.observe(time.monotonic() - started)
 
     async def deliver(self, out: OutboundPush, kind: str = "push") -> tuple[list[Ack], str | None]:
         """Retry with the same sequence until the receiver answers or is declared dead.
@@ -79,8 +110,8 @@ class Outbound:
         only an acknowledgement, a validation refusal, or the receiver's death
         does.
         """
-        peer, gossip = out.push.peer, self.network.config.gossip
-        if peer not in self.network.membership.peers:
+        peer, gossip = out.push.peer, self.config.gossip
+        if peer not in self.membership.peers:
             return [], f"peer {peer} left the view"
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
@@ -89,7 +120,7 @@ class Outbound:
         acked: list[Ack] = []  # acknowledgements are final: never sent again
         sent: set[int] = set()  # segments some attempt carried
         while True:
-            state = self.network.membership.peers.get(peer)
+            state = self.membership.peers.get(peer)
             if state is None:
                 return acked, (
                     f"{peer} was declared dead before acknowledging push "
@@ -99,16 +130,16 @@ class Outbound:
             never_sent = set(remaining) - sent
             sent |= never_sent
             try:
-                acks = await self.network.client(state.address, peer).push(
+                acks = await self.client(state.address, peer).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
-                self.network.metrics.messages.labels("sent", kind, "ok").inc()
-                self.network.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
-                self.network.peering.succeeded(peer)
+                self.metrics.messages.labels("sent", kind, "ok").inc()
+                self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
+                self.succeeded(peer)
                 return acked + self._credible(out, acks, never_sent), None
             except OutcomeUnknown as err:
                 last_error, uncertain = str(err), True
-                self.network.peering.failed(peer, err)
+                self.failed(peer, err)
             except PartialPush as err:
                 acked += self._credible(out, err.acks, never_sent)
                 last_error = str(err)
@@ -120,20 +151,20 @@ class Outbound:
                 return self._refused(acked, nbytes, err, kind)
             except GossipdError as err:
                 if isinstance(err, NotAllowed):  # not transient: stop choosing this peer
-                    self.network.peering.failed(peer, err)
+                    self.failed(peer, err)
                 # Busy, not (yet) a verified peer, leaving: this attempt merged nothing.
                 # That settles the push only if no earlier attempt is still unaccounted
                 # for: one may sit in the receiver's inbox and be merged after all.
                 if not uncertain:
                     return self._refused(acked, nbytes, err, kind)
                 last_error = str(err)
-            self.network.metrics.messages.labels("sent", kind, "retry").inc()
+            self.metrics.messages.labels("sent", kind, "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
             # DUPLICATE for what it merged, and only an answer settles exactly.
             wake = self._retry_now
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), 0.1 if self.network.leaving else delay_s)
-            if self.network.stopping.is_set():
+                await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
+            if self.stopping.is_set():
                 return acked, last_error
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
@@ -143,7 +174,7 @@ class Outbound:
         if not false:
             return acks
         self.mass_inconsistencies += 1
-        self.network.metrics.mass_inconsistencies.labels("duplicate_never_sent").inc()
+        self.metrics.mass_inconsistencies.labels("duplicate_never_sent").inc()
         peer, now = out.push.peer, time.monotonic()
         at, count = self._inconsistency_logged.get(peer, (-INCONSISTENCY_LOG_EVERY_S, 0))
         if now - at < INCONSISTENCY_LOG_EVERY_S:
@@ -168,8 +199,8 @@ class Outbound:
     def _refused(
         self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str
     ) -> tuple[list[Ack], str]:
-        self.network.metrics.messages.labels("sent", kind, "failed").inc()
-        self.network.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
+        self.metrics.messages.labels("sent", kind, "failed").inc()
+        self.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
         return acked, str(err)
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
@@ -199,17 +230,17 @@ class Outbound:
         """
         # Whatever the core still wants to send (a timer, a last round) is folded back
         # at once (Network.start_push): only the hand-off below leaves this node now.
-        self.network.leaving = True
-        replica = self.network.replica
+        self.leaving = True
+        replica = self.replica
         self.retry_now()
-        gossip, budget_s = self.network.config.gossip, self.network.config.shutdown_timeout_s
+        gossip, budget_s = self.config.gossip, self.config.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
         peer_of = {task: peer for peer, tasks in self._pushes.items() for task in tasks}
         pending = set(peer_of)
         slow_peers: set[str] = set()
         if pending:
             _, pending = await asyncio.wait(pending, timeout=settle_s)
-            live = {p.node_id for p in self.network.membership.live()}
+            live = {p.node_id for p in self.membership.live()}
             stalled = {t for t in pending if peer_of[t] not in live}
             if pending - stalled:
                 _, slow = await asyncio.wait(pending - stalled, timeout=budget_s / 2 - settle_s)
@@ -225,10 +256,10 @@ class Outbound:
         # and has no failure on record. A hand-off cut off by the shutdown deadline has
         # an unknown outcome, and folding it back while the receiver merged it makes
         # mass, so a slow receiver is the last choice.
-        live = [s for s in self.network.membership.live() if s.node_id in replica.summary.peers]
+        live = [s for s in self.membership.live() if s.node_id in replica.summary.peers]
         steady = [s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers]
         candidates = sorted(steady or [s.node_id for s in live])
-        peer = self.network.rng.choice(candidates) if candidates else None
+        peer = self.rng.choice(candidates) if candidates else None
         out = await asyncio.wrap_future(replica.request_hand_off(peer)) if peer else None
         if out is not None:
             acks: list[Ack] = []
@@ -242,9 +273,7 @@ class Outbound:
                 log.info("handed weight to %s", out.push.peer)
             else:
                 log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
-        clients = [
-            self.network.client(s.address, s.node_id) for s in self.network.membership.live()
-        ]
+        clients = [self.client(s.address, s.node_id) for s in self.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
         )
