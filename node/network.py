@@ -27,25 +27,21 @@ from grpc_reflection.v1alpha import reflection
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
 from gossipd.node.errors import (
-    Busy,
     ConfigError,
     GossipdError,
-    InvalidFrame,
     Leaving,
     UnknownPeer,
 )
+from gossipd.node.inbound import Inbound
 from gossipd.node.messages import (
-    InboundPush,
     OutboundPull,
-    OutboundPush,
     PeerRestart,
-    PullOutcome,
-    PushOutcome,
     Rejected,
 )
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
+from gossipd.node.port import NetworkPort
 from gossipd.node.protocols.base import Pull
 from gossipd.node.pulling import Puller
 from gossipd.node.rejections import RejectionLog, peer_host
@@ -54,7 +50,7 @@ from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
 from gossipd.node.tls import Credentials
 from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
-from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
+from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -166,6 +162,15 @@ class Network:
             succeeded=self.peering.succeeded,
             failed=self.peering.failed,
         )
+        self.inbound = Inbound(
+            config=config,
+            replica=replica,
+            metrics=self.metrics,
+            codec=self.codec,
+            check_sender=self.check_sender,
+            succeeded=self.peering.succeeded,
+            leaving=lambda: self.outbound.leaving,
+        )
         self._checksum_lock = asyncio.Lock()
         self._checksum_at = -math.inf
 
@@ -219,7 +224,16 @@ class Network:
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
-        self.replica.attach(_LoopPort(loop, self))
+        self.replica.attach(
+            NetworkPort(
+                loop=loop,
+                replica=self.replica,
+                outbound=self.outbound,
+                start_pull=lambda out: self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}"),
+                spawn=self.spawn,
+                stopping=self.stopping,
+            )
+        )
         self.spawn(self.peering.run(), "anti-entropy")
         log.info(
             "node %s serving on %s with %s (fingerprint %s)",
@@ -243,7 +257,7 @@ class Network:
         left on the loop (``asyncio.run`` does; ``GossipNode.close`` does).
         """
         # From here a trainer thread still stepping schedules nothing onto a loop about
-        # to close: its new pushes are folded back at its next step instead (_LoopPort).
+        # to close: its new pushes are folded back at its next step instead (port.NetworkPort).
         self.stopping.set()
         try:
             if self.server is not None:
@@ -321,18 +335,6 @@ class Network:
         return self.outbound.leaving
 
     # -- outbound -------------------------------------------------------------------
-    def start_push(self, out: OutboundPush) -> None:
-        """On the loop: deliver ``out``, unless this node is leaving or stopping (then it
-        folds back at the trainer's next step; only the hand-off leaves a leaving node)."""
-        if self.leaving or self.stopping.is_set():
-            why = "the node is leaving" if self.leaving else "the node stopped before sending it"
-            self.replica.post(PushOutcome(out, (), why))
-            return
-        self.outbound.start(out)
-
-    def start_pull(self, out: OutboundPull) -> None:
-        self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")
-
     async def bootstrap_from(self, peer: str) -> None:
         """A joiner's first model: a pull of every segment of ``peer``'s, which the trainer
         thread loads; returns once it did, raises with the reason if it could not."""
@@ -341,22 +343,6 @@ class Network:
         assert out.adopted is not None
         self.spawn(self.puller.pull(out), f"bootstrap:{peer}")
         await asyncio.wrap_future(out.adopted)
-
-    def wake_at(self, at_s: float) -> None:
-        """At ``at_s`` on the replica's clock, fire its due timers (off the loop: it may
-        wait briefly for a step boundary's bookkeeping, never for a step)."""
-        if self.stopping.is_set():
-            return
-        delay_s = max(0.0, at_s - self.replica.clock())
-        loop = asyncio.get_running_loop()
-        loop.call_later(
-            delay_s,
-            lambda: (
-                None
-                if self.stopping.is_set()
-                else self.spawn(asyncio.to_thread(self.replica.fire_due_timers), "timers")
-            ),
-        )
 
     def retry_now(self) -> None:
         self.outbound.retry_now()
@@ -397,90 +383,10 @@ class Network:
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
-        self.check_sender(open_.sender, open_.incarnation)
-        # A leaving node merges nothing new (its weight is being handed off), but it
-        # still answers DUPLICATE for what it merged: that answer is what lets a
-        # sender whose acknowledgement was lost commit exactly instead of folding
-        # back weight this node already passed on. The rest it leaves unacknowledged,
-        # and since it will never merge them, the sender folds them back exactly.
-        item = InboundPush(
-            open_.sender,
-            open_.incarnation,
-            open_.sequence,
-            segments,
-            open_.round,
-            merge_new=not self.leaving,
-            sequence_base=open_.sequence_base,
-        )
-        nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
-        self.replica.inbox.put(item)
-        # Answer Busy well before the sender's own deadline: a refusal is a known
-        # outcome it can settle at once, a timeout an unknown one it must retry.
-        wait_s = self.config.limits.merge_wait_s
-        if deadline_s is not None:
-            wait_s = min(wait_s, deadline_s * 0.8)
-        future = asyncio.wrap_future(item.reply)
-        try:
-            acks = await asyncio.wait_for(asyncio.shield(future), max(0.1, wait_s))
-        except asyncio.CancelledError:
-            # The sender is gone (deadline, cancel): don't merge what nobody will hear
-            # of unless the trainer already started; a retry merges it then.
-            item.reply.cancel()
-            raise
-        except TimeoutError:
-            if item.reply.cancel():
-                raise Busy(
-                    f"trainer did not reach a step boundary within {wait_s:.1f} s "
-                    "(limits.merge_wait_s); the push was not merged, retry later"
-                ) from None
-            acks = await future
-        result = "ok" if item.merge_new else "leaving"  # leaving: acknowledged, not merged
-        self.metrics.messages.labels("received", "push", result).inc()
-        self.metrics.bytes.labels("received", "push", result).inc(nbytes)
-        self.peering.succeeded(open_.sender)
-        return pb.PushReply(
-            acks=[
-                pb.SegmentAck(
-                    segment=a.segment,
-                    result=pb.SEGMENT_RESULT_DUPLICATE if a.duplicate else pb.SEGMENT_RESULT_MERGED,
-                    receiver_weight=a.receiver_weight,
-                )
-                for a in acks
-            ]
-        )
+        return await self.inbound.on_push(open_, segments, deadline_s)
 
-    async def on_pull(
-        self, request: pb.PullRequest
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
-        """Headers and chunk views of a snapshot of the requested segments (all when none
-        are named); closing the generator drops the snapshot."""
-        count = len(self.replica.flat.plan)
-        wanted = list(request.segments) or list(range(count))
-        if len(set(wanted)) != len(wanted) or not all(0 <= s < count for s in wanted):
-            raise InvalidFrame(
-                f"pull asks for segments {wanted[:16]}: each must be in 0..{count - 1}, once"
-            )
-        snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
-        codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
-        for index, flat in snapshot.items():
-            for frame in segment_frames(
-                sender=self.node_id,
-                sequence=0,
-                segment=index,
-                sum_weight=weights[index],
-                flat=flat,
-                codec=codec,
-                chunk_bytes=self.config.gossip.chunk_bytes,
-                copy=False,
-            ):
-                yield frame
-        self.metrics.messages.labels("sent", "pull", "ok").inc()
-        nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]
-        self.metrics.bytes.labels("sent", "pull", "ok").inc(nbytes)
-
-    def _snapshot(self, segments: list[int]) -> tuple[dict[int, object], list[float]]:
-        with self.replica.lock:
-            return self.replica.flat.snapshot(segments), list(self.replica.summary.weights)
+    def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        return self.inbound.on_pull(request)
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         await self.peering.on_peer_left(
@@ -554,35 +460,3 @@ class Network:
             return
         if self.rejections.record(peer_host(peer), reason, str(err)):
             self.replica.post(Rejected(peer, reason, str(err)))
-
-
-class _LoopPort:
-    """The replica's way to the network (``messages.LoopPort``), called on the trainer thread.
-
-    Each push or pull is handed to the loop, which starts it; once the node stops, the
-    loop may be gone, so pushes fold back and pulls fail at the trainer's next step.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, network: Network) -> None:
-        self.loop = loop
-        self.network = network
-
-    def send_push(self, out: OutboundPush) -> None:
-        if not self._schedule(self.network.start_push, out):
-            self.network.replica.post(PushOutcome(out, (), "the node stopped before sending it"))
-
-    def start_pull(self, out: OutboundPull) -> None:
-        if not self._schedule(self.network.start_pull, out):
-            self.network.replica.post(PullOutcome(out, None, "the node stopped before the pull"))
-
-    def wake_at(self, at_s: float) -> None:
-        self._schedule(self.network.wake_at, at_s)
-
-    def _schedule(self, fn: Any, out: object) -> bool:
-        if self.network.stopping.is_set():
-            return False
-        try:
-            self.loop.call_soon_threadsafe(fn, out)
-        except RuntimeError:  # the loop closed meanwhile
-            return False
-        return True

@@ -229,7 +229,7 @@ class Outbound:
         sum-weight core's docstring).
         """
         # Whatever the core still wants to send (a timer, a last round) is folded back
-        # at once (Network.start_push): only the hand-off below leaves this node now.
+        # at once (port.NetworkPort): only the hand-off below leaves this node now.
         self.leaving = True
         replica = self.replica
         self.retry_now()
