@@ -24,11 +24,14 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import PROTOCOLS
 from gossipd.node.sim import SimSpec, run_sim
+from gossipd.node.sim.command import checked_options, parse_setting
 from gossipd.node.sim.spectral import MAX_TRACKED_N, decay_rate, rounds_to
 
 DEFAULT_SIZES = (16, 64, 256, 1024)
@@ -45,8 +48,10 @@ def measure(
     dim: int,
     seed: int,
     predict: bool,
+    options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One cell of the grid: run until the target is met and read the columns off."""
+    """One cell of the grid: run until the target is met and read the columns off.
+    ``options``: the protocol's own settings, as in its ``[gossip.<protocol>]`` table."""
     spec = SimSpec(
         protocol=protocol,
         nodes=nodes,
@@ -56,6 +61,7 @@ def measure(
         seed=seed,
         target_error=target,
         predict=predict and nodes <= MAX_TRACKED_N,
+        options=dict(options or {}),
     )
     r = run_sim(spec)
     measured = rounds_to(r.errors, target)
@@ -215,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the simulation (default: %(default)s)",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PROTOCOL.KEY=VALUE",
+        help="a setting of one protocol, as in a node's [gossip.<protocol>] table (a TOML "
+        "value), repeatable, e.g. --set persyn.average_every_steps=8; unset: what "
+        "gossipd sim uses (default: none)",
+    )
+    p.add_argument(
         "--no-predict", action="store_true", help="skip the mixing-matrix prediction (faster)"
     )
     p.add_argument(
@@ -224,11 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def options_by_protocol(settings: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set PROTOCOL.KEY=VALUE`` grouped by protocol, each checked by its protocol's class."""
+    options: dict[str, dict[str, Any]] = {}
+    for text in settings:
+        protocol, _, setting = text.partition(".")
+        if protocol not in PROTOCOLS:
+            raise ConfigError(
+                f"--set {text!r}: {protocol!r} is not a protocol; write PROTOCOL.KEY=VALUE with "
+                f"PROTOCOL one of {', '.join(sorted(PROTOCOLS))}"
+            )
+        key, value = parse_setting(setting)
+        options.setdefault(protocol, {})[key] = value
+    return {protocol: checked_options(protocol, o) for protocol, o in options.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     protocols = args.protocol or sorted(PROTOCOLS)
+    try:
+        options = options_by_protocol(args.set)
+    except ConfigError as err:
+        parser.error(str(err))
     sizes = args.nodes or list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     out = sys.stderr if args.json else sys.stdout
     rows = []
@@ -243,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 dim=args.dim,
                 seed=args.seed,
                 predict=not args.no_predict,
+                options=options.get(protocol),
             )
             rows.append(row)
             if args.json:

@@ -6,15 +6,39 @@ person reading it is an operator at another site with no access to our logs.
 
 from __future__ import annotations
 
-import difflib
+import logging
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+from gossipd.node.protocols import (
+    DEFAULT_PROTOCOL,
+    PROTOCOLS,
+    ProtocolSettings,
+    protocol_settings,
+    settings_class,
+)
+from gossipd.node.protocols.settings import did_you_mean
+
+log = logging.getLogger(__name__)
+
+# Protocol settings that sat flat in [gossip] before each protocol had its own table.
+# Deprecated: still read for one release, into the selected protocol's table.
+DEPRECATED_FLAT_KEYS = ("push_probability", "round_steps", "average_every_steps")
 
 
 def _check_address(value: str) -> str:
@@ -56,14 +80,13 @@ class JobConfig(_Section):
 
 
 class GossipConfig(_Section):
+    """``[gossip]``: what every protocol shares. Each protocol's own settings are in its
+    ``[gossip.<protocol>]`` table, validated by its class (:attr:`options`); a table for a
+    protocol other than the selected one is allowed, and checked all the same."""
+
     protocol: str = Field(
         DEFAULT_PROTOCOL, description="the gossip protocol; every node of a mesh must use the same"
     )
-    round_steps: int = Field(
-        1, ge=1, description="local steps per gossip round (crossover, shuffle-exchange)"
-    )
-    average_every_steps: int = Field(50, ge=1, description="persyn: steps between global averages")
-    push_probability: float = Field(0.5, ge=0.0, le=1.0)
     codec: Literal["raw", "fp16", "bf16"] = "raw"
     segment_bytes: int = Field(4 << 20, ge=1024)
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
@@ -83,6 +106,17 @@ class GossipConfig(_Section):
         4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
     )
     seed: int = Field(0, description="seed of this node's peer choices")
+    _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)
+
+    @property
+    def options(self) -> ProtocolSettings:
+        """The selected protocol's own settings: its table, defaults filled in."""
+        return self.options_for(self.protocol)
+
+    def options_for(self, protocol: str) -> ProtocolSettings:
+        """``protocol``'s settings: its ``[gossip.<protocol>]`` table as validated, or defaults."""
+        table = self._tables.get(protocol)
+        return table if table is not None else protocol_settings(protocol)
 
     @field_validator("protocol")
     @classmethod
@@ -92,6 +126,92 @@ class GossipConfig(_Section):
                 f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
             )
         return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _protocol_tables(
+        cls, data: Any, handler: ModelWrapValidatorHandler[GossipConfig]
+    ) -> GossipConfig:
+        """Each ``[gossip.<protocol>]`` table through its protocol's class, the deprecated flat
+        keys into the selected protocol's table; every error of the section at once."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        tables = {k: v for k, v in data.items() if k in PROTOCOLS}
+        flat = {k: v for k, v in data.items() if k in DEPRECATED_FLAT_KEYS}
+        rest = {k: v for k, v in data.items() if k not in tables and k not in flat}
+        errors: list[InitErrorDetails] = []
+        try:
+            gossip: GossipConfig | None = handler(rest)
+        except ValidationError as err:
+            gossip = None
+            errors += [_again(e, e["loc"]) for e in err.errors()]
+        selected = rest.get("protocol", DEFAULT_PROTOCOL)
+        moved: set[str] = set()
+        if flat and selected in PROTOCOLS:
+            moved = _move_flat_keys(flat, selected, tables, errors)
+        validated: dict[str, ProtocolSettings] = {}
+        for name, table in tables.items():
+            try:
+                validated[name] = protocol_settings(name, table)
+            except ValidationError as err:
+                for e in err.errors():
+                    flat_key = name == selected and bool(e["loc"]) and e["loc"][0] in moved
+                    errors.append(_again(e, e["loc"] if flat_key else (name, *e["loc"])))
+        if errors or gossip is None:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        gossip._tables = validated
+        for key in flat:
+            if key in moved:
+                log.warning("gossip.%s is deprecated: write it in [gossip.%s]", key, selected)
+            else:
+                log.warning(
+                    "gossip.%s is ignored: protocol %r has no such setting (and protocol "
+                    "settings in [gossip] are deprecated: use [gossip.<protocol>] tables)",
+                    key,
+                    selected,
+                )
+        return gossip
+
+
+def _move_flat_keys(
+    flat: Mapping[str, Any],
+    protocol: str,
+    tables: dict[str, Any],
+    errors: list[InitErrorDetails],
+) -> set[str]:
+    """Moves the deprecated flat keys that ``protocol`` has into its table and returns them;
+    one also set in the table is refused (which was meant?) with an error in ``errors``."""
+    table = tables.get(protocol, {})
+    if not isinstance(table, Mapping):
+        return set()  # not a table: its own error says so
+    table = dict(table)
+    takes = settings_class(protocol).model_fields
+    moved: set[str] = set()
+    for key, value in flat.items():
+        if key not in takes:
+            continue
+        if key in table:
+            message = (
+                f"set here and in [gossip.{protocol}]; keep only the one in [gossip.{protocol}] "
+                "(the flat key is deprecated)"
+            )
+            error = PydanticCustomError("flat_and_table", message)
+            errors.append({"type": error, "loc": (key,), "input": value})
+            continue
+        table[key] = value
+        moved.add(key)
+    if moved:
+        tables[protocol] = table
+    return moved
+
+
+def _again(error: Any, loc: tuple[Any, ...]) -> InitErrorDetails:
+    """A pydantic error, as it was, at ``loc``: to raise it again with others."""
+    return {
+        "type": PydanticCustomError(error["type"], error["msg"]),
+        "loc": loc,
+        "input": error["input"],
+    }
 
 
 class MembershipConfig(_Section):
@@ -224,11 +344,16 @@ class NodeConfig(_Section):
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     for part in loc[:-1]:
+        if model is GossipConfig and part in PROTOCOLS:
+            model = settings_class(str(part))
+            continue
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation
+    if model is GossipConfig:
+        return [*model.model_fields, *sorted(PROTOCOLS), *DEPRECATED_FLAT_KEYS]
     return list(model.model_fields)
 
 
@@ -237,9 +362,7 @@ def _explain(err: ValidationError, source: str) -> ConfigError:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            known = _known_keys(NodeConfig, e["loc"])
-            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            hint = did_you_mean(str(e["loc"][-1]), _known_keys(NodeConfig, e["loc"]))
             lines.append(f"  {key}: unknown key; {hint}")
         elif e["type"] == "missing":
             lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")

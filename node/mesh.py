@@ -29,7 +29,7 @@ import torch
 
 from gossipd.node import certs, checkpoint
 from gossipd.node.errors import GossipdError
-from gossipd.node.protocols import DEFAULT_PROTOCOL
+from gossipd.node.protocols import DEFAULT_PROTOCOL, settings_class
 from gossipd.node.status import query_status
 from gossipd.node.tls import Credentials
 from gossipd.node.transport import Identity, PeerClient
@@ -116,14 +116,10 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
     }
     if spec.learning_rate is not None:
         job["learning_rate"] = spec.learning_rate
-    gossip: dict[str, Any] = {
-        "protocol": spec.protocol,
-        "round_steps": spec.round_steps,
-        "codec": spec.codec,
-        "seed": index,
-    }
-    if spec.push_probability is not None:
-        gossip["push_probability"] = spec.push_probability
+    gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
+    wanted = {"round_steps": spec.round_steps, "push_probability": spec.push_probability}
+    takes = settings_class(spec.protocol).model_fields  # [gossip.<protocol>]: what it has
+    own = {k: v for k, v in wanted.items() if v is not None and k in takes}
     tls_dir = root / "tls"
     tls = (
         ["insecure = true"]
@@ -149,6 +145,9 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         "",
         "[gossip]",
         *(f"{k} = {json.dumps(v)}" for k, v in gossip.items()),
+        "",
+        f"[gossip.{spec.protocol}]",
+        *(f"{k} = {json.dumps(v)}" for k, v in own.items()),
         "",
         "[membership]",
         f"start_after_peers = {spec.nodes - 1}",

@@ -149,9 +149,7 @@ class Replica:
                 "initial_weight": 0.0 if config.join else 1.0,
                 "max_in_flight": gossip.max_pushes_in_flight,
                 "max_weight": config.limits.max_sum_weight,
-                "push_probability": gossip.push_probability,
-                "round_steps": gossip.round_steps,
-                "average_every_steps": gossip.average_every_steps,
+                "options": gossip.options,  # the protocol's own [gossip.<protocol>] table
             },
             inbox_size=config.limits.inbox_size,
         )

@@ -13,6 +13,7 @@ import pytest
 
 from gossipd.node.config import NodeConfig, load_config, parse_config
 from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.protocols import settings_class
 
 MINIMAL = {"mesh_id": "test-mesh", "node_id": "site-a", "tls": {"insecure": True}}
 
@@ -63,7 +64,7 @@ def test_minimal_toml_loads_with_defaults(tmp_path: Path) -> None:
     assert config.job.learning_rate is None
     assert config.job.options == {}
     assert config.gossip.protocol == "sumweight"
-    assert config.gossip.push_probability == 0.5
+    assert config.gossip.options.push_probability == 0.5  # type: ignore[attr-defined]
     assert config.gossip.codec == "raw"
     assert config.membership.suspect_after_failures == 3
     assert config.membership.drop_after_s == 60.0
@@ -88,8 +89,10 @@ def test_load_config_accepts_str_path_and_equals_parse_config(tmp_path: Path) ->
         learning_rate = 0.0
 
         [gossip]
-        push_probability = 1.0
         codec = "bf16"
+
+        [gossip.sumweight]
+        push_probability = 1.0
 
         [metrics]
         listen = "127.0.0.1:9100"
@@ -103,7 +106,7 @@ def test_load_config_accepts_str_path_and_equals_parse_config(tmp_path: Path) ->
     assert config.seeds == ["10.0.0.1:50051", "example.org:65535"]
     assert (config.job.shard_index, config.job.num_shards) == (2, 3)
     assert config.job.learning_rate == 0.0
-    assert config.gossip.push_probability == 1.0
+    assert config.gossip.options.push_probability == 1.0  # type: ignore[attr-defined]
     assert config.gossip.codec == "bf16"
     assert config.metrics.listen == "127.0.0.1:9100"
     assert config == parse_config(
@@ -113,7 +116,7 @@ def test_load_config_accepts_str_path_and_equals_parse_config(tmp_path: Path) ->
             "listen": "0.0.0.0:50051",
             "seeds": ["10.0.0.1:50051", "example.org:65535"],
             "job": {"name": "synthetic", "shard_index": 2, "num_shards": 3, "learning_rate": 0.0},
-            "gossip": {"push_probability": 1.0, "codec": "bf16"},
+            "gossip": {"codec": "bf16", "sumweight": {"push_probability": 1.0}},
             "tls": {"insecure": True},
             "metrics": {"listen": "127.0.0.1:9100"},
         }
@@ -210,8 +213,8 @@ def test_non_ascii_digit_port_is_rejected_as_not_host_port(value: str) -> None:
 
 
 def test_push_probability_above_one() -> None:
-    message = _error(_with(gossip={"push_probability": 1.5}))
-    assert "gossip.push_probability = 1.5" in message
+    message = _error(_with(gossip={"sumweight": {"push_probability": 1.5}}))
+    assert "gossip.sumweight.push_probability = 1.5" in message
     assert "less than or equal to 1" in message
 
 
@@ -255,11 +258,11 @@ def test_every_error_is_reported_at_once() -> None:
         {
             "node_id": "n",
             "listen": "localhost",
-            "gossip": {"codec": "zstd", "push_probability": 1.5},
+            "gossip": {"codec": "zstd", "sumweight": {"push_probability": 1.5}},
         }
     )
     assert message.startswith("invalid config site.toml:")
-    for key in ("mesh_id", "listen", "gossip.codec", "gossip.push_probability", "tls"):
+    for key in ("mesh_id", "listen", "gossip.codec", "gossip.sumweight.push_probability", "tls"):
         assert f"  {key}" in message
     assert len(message.splitlines()) == 6
 
@@ -348,8 +351,9 @@ def test_unknown_protocol_names_the_key_and_every_registered_protocol() -> None:
     "protocol", ["sumweight", "crossover", "pushsum-expgraph", "shuffle-exchange", "persyn"]
 )
 def test_every_protocol_is_a_valid_config(protocol: str) -> None:
-    config = parse_config(_with(gossip={"protocol": protocol, "round_steps": 2}))
-    assert config.gossip.protocol == protocol and config.gossip.round_steps == 2
+    config = parse_config(_with(gossip={"protocol": protocol, protocol: {}}))
+    assert config.gossip.protocol == protocol
+    assert config.gossip.options == settings_class(protocol)()  # its defaults
 
 
 def test_a_config_without_tls_is_refused_with_both_ways_out() -> None:

@@ -102,7 +102,7 @@ def settings_for(script: Script, node_id: str) -> CoreSettings:
         seed=shared_seed("contract", node_id),
         mesh_seed=shared_seed(MESH),
         max_in_flight=MAX_IN_FLIGHT,
-        **script.settings,
+        options=script.settings,
     )
 
 
@@ -225,7 +225,7 @@ class Simulator:
             initial=tuple(map(tuple, initial_vectors(script.nodes))),
             max_in_flight=MAX_IN_FLIGHT,
             predict=False,
-            **{k: v for k, v in script.settings.items()},
+            options=dict(script.settings),
         )
         self.sim = Simulation(spec)
         self.sim._set_members(self.sim.members)

@@ -24,7 +24,9 @@ from gossipd.node.wire import ReceivedSegment
 
 def _replica() -> Replica:
     job = build_job(JobSpec("synthetic", seed=3, learning_rate=0.0))
-    return Replica("r", job.model, segment_bytes=4 << 20, settings={"push_probability": 0.0})
+    return Replica(
+        "r", job.model, segment_bytes=4 << 20, settings={"options": {"push_probability": 0.0}}
+    )
 
 
 def _deliver(replica: Replica, sequence: int, weight: float, *, merge_new: bool) -> list:

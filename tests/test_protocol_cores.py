@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gossipd.node.protocols import PROTOCOLS, CoreSettings, build
+from gossipd.node.protocols import PROTOCOLS, CoreSettings, build, settings_class
 from gossipd.node.protocols.base import (
     Duplicate,
     FoldBack,
@@ -54,6 +54,15 @@ ALL_PROTOCOLS = sorted(PROTOCOLS)
 NEW_PROTOCOLS = ["crossover", "persyn", "pushsum-expgraph", "shuffle-exchange"]
 STEP_S = 0.25  # the harness's step time: the driver's clock advances this much per step
 EXACT = 1e-9  # conservation tolerance: float64 rounding over a few thousand merges
+
+
+def core_settings(protocol: str, node: str, segments: int, **settings: float) -> CoreSettings:
+    """``settings`` split into CoreSettings' fields and the protocol's own options (the tests
+    give one dict to every protocol: a setting the protocol does not have is left out)."""
+    common = {k: v for k, v in settings.items() if k in CoreSettings.__dataclass_fields__}
+    takes = settings_class(protocol).model_fields
+    options = {k: v for k, v in settings.items() if k in takes}
+    return CoreSettings(node, segments, **common, options=options)
 
 
 def node_ids(n: int) -> list[str]:
@@ -95,7 +104,9 @@ class Harness:
         self.index = {node: i for i, node in enumerate(self.ids)}
         self.segments = segments
         self.cores: dict[str, GossipProtocol] = {
-            node: build(protocol, CoreSettings(node, segments, seed=seed * 1000 + i, **settings))
+            node: build(
+                protocol, core_settings(protocol, node, segments, seed=seed * 1000 + i, **settings)
+            )
             for i, node in enumerate(self.ids)
         }
         if x0 is None:
@@ -255,7 +266,9 @@ class Harness:
         """
         for f in [f for f in self.flights if f.sender == node]:
             self.flights.remove(f)
-        restored = build(self.protocol, CoreSettings(node, self.segments, **self.settings))
+        restored = build(
+            self.protocol, core_settings(self.protocol, node, self.segments, **self.settings)
+        )
         restored.load_state_dict(state)
         restored.handle(ViewChanged(frozenset(self.live)))
         self.expected_weight += self.held_of(restored) - self.held(node)
@@ -431,7 +444,7 @@ def test_persyn_final_burst_is_driven_by_timers_at_the_measured_step_time() -> N
     assert [t.at_s for t in timers] == pytest.approx([1.0 + STEP_S, 1.0 + 2 * STEP_S])
     assert len([a for a in actions if isinstance(a, Push)]) == 1
     assert core.status().round == 1
-    fresh = build("persyn", CoreSettings("node-000", 1, average_every_steps=100))
+    fresh = build("persyn", CoreSettings("node-000", 1, options={"average_every_steps": 100}))
     fresh.handle(ViewChanged(frozenset(h.ids)))
     unmeasured = fresh.handle(TrainingEnded(0, 0.0))
     assert [a.at_s for a in unmeasured if isinstance(a, StartTimer)] == pytest.approx(
@@ -616,7 +629,7 @@ def test_state_dict_round_trips_and_a_restored_core_carries_on(protocol: str) ->
     h.run_sync(range(1, 8))
     core = h.cores["node-003"]
     state = pickle.loads(pickle.dumps(core.state_dict()))  # plain data: checkpoints pickle it
-    restored = build(protocol, CoreSettings("node-003", 2, **settings_for(protocol)))
+    restored = build(protocol, core_settings(protocol, "node-003", 2, **settings_for(protocol)))
     restored.load_state_dict(state)
 
     def without_sequences(state: dict) -> dict:  # a new incarnation numbers pushes from 1
@@ -683,7 +696,7 @@ def test_a_node_restored_from_a_checkpoint_costs_the_mesh_exactly_what_the_check
 
 @pytest.mark.parametrize("protocol", NEW_PROTOCOLS)
 def test_merges_what_it_did_not_expect_and_refuses_only_the_invalid(protocol: str) -> None:
-    core = build(protocol, CoreSettings("node-001", 2, **settings_for(protocol)))
+    core = build(protocol, core_settings(protocol, "node-001", 2, **settings_for(protocol)))
     core.handle(ViewChanged(frozenset(node_ids(4))))
     core.handle(StepEnded(3, 0.75))
     # Another round, a sender outside the view, one segment only: merged by the rule.

@@ -3,88 +3,93 @@
 Outside this package nothing names a concrete protocol: drivers build a core
 with :func:`build` and talk to it through
 :class:`~gossipd.node.protocols.base.GossipProtocol`.
+
+Adding a protocol is its file and one line in :data:`PROTOCOLS`. The file holds the
+core class, with ``name``, ``Settings`` (a
+:class:`~gossipd.node.protocols.settings.ProtocolSettings` subclass: the protocol's
+own settings, typed, with defaults and descriptions; a config gives them in a
+``[gossip.<name>]`` table) and a classmethod ``from_settings(common, own)`` that
+builds the core from the :class:`CoreSettings` every core shares and its own
+settings. A registered plain function ``f(common) -> core`` is accepted too, for a
+core with no settings of its own (test doubles).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from gossipd.node.protocols.base import GossipProtocol
 from gossipd.node.protocols.crossover import CrossoverGossip
 from gossipd.node.protocols.persyn import PerSyn
 from gossipd.node.protocols.pushsum_expgraph import PushSumExpGraph
+from gossipd.node.protocols.settings import CoreSettings, NoSettings, ProtocolSettings, explain
 from gossipd.node.protocols.shuffle_exchange import ShuffleExchange
 from gossipd.node.protocols.sumweight import SumWeightGossip
 
-
-@dataclass(frozen=True)
-class CoreSettings:
-    """What every core may be built from: the protocol-independent part of a config."""
-
-    node_id: str
-    num_segments: int
-    seed: int = 0
-    mesh_seed: int = 0
-    initial_weight: float = 1.0
-    max_in_flight: int = 4
-    max_weight: float = 1e6
-    push_probability: float = 0.5
-    round_steps: int = 1
-    average_every_steps: int = 50
-
-
-def _ledger(s: CoreSettings) -> dict[str, Any]:
-    """What every core's ledger takes, whatever the protocol."""
-    return {
-        "node_id": s.node_id,
-        "num_segments": s.num_segments,
-        "rng": random.Random(s.seed),
-        "initial_weight": s.initial_weight,
-        "max_in_flight": s.max_in_flight,
-        "max_weight": s.max_weight,
-    }
-
-
-def _sumweight(s: CoreSettings) -> GossipProtocol:
-    return SumWeightGossip(**_ledger(s), push_probability=s.push_probability)
-
-
-def _crossover(s: CoreSettings) -> GossipProtocol:
-    return CrossoverGossip(**_ledger(s), mesh_seed=s.mesh_seed, round_steps=s.round_steps)
-
-
-def _pushsum_expgraph(s: CoreSettings) -> GossipProtocol:
-    return PushSumExpGraph(**_ledger(s), round_steps=s.round_steps)
-
-
-def _shuffle_exchange(s: CoreSettings) -> GossipProtocol:
-    return ShuffleExchange(**_ledger(s), mesh_seed=s.mesh_seed, round_steps=s.round_steps)
-
-
-def _persyn(s: CoreSettings) -> GossipProtocol:
-    return PerSyn(**_ledger(s), average_every_steps=s.average_every_steps)
-
+__all__ = [
+    "DEFAULT_PROTOCOL",
+    "PROTOCOLS",
+    "CoreSettings",
+    "ProtocolSettings",
+    "build",
+    "protocol_settings",
+    "settings_class",
+]
 
 DEFAULT_PROTOCOL = "sumweight"
 
-PROTOCOLS: dict[str, Callable[[CoreSettings], GossipProtocol]] = {
-    "sumweight": _sumweight,
-    "crossover": _crossover,
-    "pushsum-expgraph": _pushsum_expgraph,
-    "shuffle-exchange": _shuffle_exchange,
-    "persyn": _persyn,
+PROTOCOLS: dict[str, type[GossipProtocol] | Callable[[CoreSettings], GossipProtocol]] = {
+    "sumweight": SumWeightGossip,
+    "crossover": CrossoverGossip,
+    "pushsum-expgraph": PushSumExpGraph,
+    "shuffle-exchange": ShuffleExchange,
+    "persyn": PerSyn,
 }
 
 
-def build(protocol: str, settings: CoreSettings) -> GossipProtocol:
-    """The core named ``protocol`` (a ``gossip.protocol`` value)."""
+def _entry(protocol: str) -> Any:
     try:
-        factory = PROTOCOLS[protocol]
+        return PROTOCOLS[protocol]
     except KeyError:
         raise ValueError(
             f"unknown protocol {protocol!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
         ) from None
-    return factory(settings)
+
+
+def settings_class(protocol: str) -> type[ProtocolSettings]:
+    """The class that declares and validates ``protocol``'s own settings."""
+    settings: type[ProtocolSettings] = getattr(_entry(protocol), "Settings", NoSettings)
+    return settings
+
+
+def protocol_settings(
+    protocol: str, options: Mapping[str, Any] | ProtocolSettings | None = None
+) -> ProtocolSettings:
+    """``options`` (a ``[gossip.<protocol>]`` table) validated by ``protocol``'s class,
+    defaults filled in; raises pydantic's ``ValidationError`` if they are wrong."""
+    cls = settings_class(protocol)
+    if isinstance(options, cls):
+        return options
+    if isinstance(options, ProtocolSettings):
+        raise ValueError(f"{type(options).__name__} given for protocol {protocol!r}")
+    if isinstance(options, Mapping):
+        options = dict(options)
+    return cls.model_validate({} if options is None else options)
+
+
+def build(protocol: str, settings: CoreSettings) -> GossipProtocol:
+    """The core named ``protocol`` (a ``gossip.protocol`` value), built from ``settings``;
+    ``settings.options`` are checked by the protocol's own class (ValueError if wrong)."""
+    entry = _entry(protocol)
+    try:
+        own = protocol_settings(protocol, settings.options)
+    except ValidationError as err:
+        raise ValueError(explain(protocol, err, settings_class(protocol).model_fields)) from None
+    from_settings = getattr(entry, "from_settings", None)
+    core: GossipProtocol = (
+        entry(settings) if from_settings is None else from_settings(settings, own)
+    )
+    return core

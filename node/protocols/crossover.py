@@ -24,13 +24,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import Field
+
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import derangement
+
+
+class CrossoverSettings(ProtocolSettings):
+    """``[gossip.crossover]``"""
+
+    round_steps: int = Field(
+        1, ge=1, description="local steps per round; each round every segment goes to one peer"
+    )
 
 
 class CrossoverGossip(SumWeightLedger):
     name = "crossover"
+    Settings = CrossoverSettings
+
+    @classmethod
+    def from_settings(cls, common: CoreSettings, own: CrossoverSettings) -> CrossoverGossip:
+        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
 
     def __init__(
         self,

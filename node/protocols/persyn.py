@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pydantic import Field
+
 from gossipd.node.protocols.base import (
     Action,
     Push,
@@ -40,6 +42,7 @@ from gossipd.node.protocols.base import (
     TrainingEnded,
 )
 from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import ceil_log2, exponential_peer
 
 DEFAULT_STEP_TIME_S = 0.1
@@ -49,8 +52,21 @@ STEP_TIME_SMOOTHING = 0.2
 FINAL_BURST_TAG = "persyn-final"
 
 
+class PerSynSettings(ProtocolSettings):
+    """``[gossip.persyn]``"""
+
+    average_every_steps: int = Field(
+        50, ge=1, description="local steps between global averages (K′)"
+    )
+
+
 class PerSyn(SumWeightLedger):
     name = "persyn"
+    Settings = PerSynSettings
+
+    @classmethod
+    def from_settings(cls, common: CoreSettings, own: PerSynSettings) -> PerSyn:
+        return cls(**common.ledger(), average_every_steps=own.average_every_steps)
 
     def __init__(
         self,

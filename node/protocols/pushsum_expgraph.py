@@ -24,13 +24,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import Field
+
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import exponential_peer
+
+
+class PushSumExpGraphSettings(ProtocolSettings):
+    """``[gossip.pushsum-expgraph]``"""
+
+    round_steps: int = Field(
+        1, ge=1, description="local steps per iteration k of the exponential graph"
+    )
 
 
 class PushSumExpGraph(SumWeightLedger):
     name = "pushsum-expgraph"
+    Settings = PushSumExpGraphSettings
+
+    @classmethod
+    def from_settings(cls, common: CoreSettings, own: PushSumExpGraphSettings) -> PushSumExpGraph:
+        return cls(**common.ledger(), round_steps=own.round_steps)
 
     def __init__(
         self,

@@ -23,13 +23,29 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import Field
+
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import shuffled_groups
+
+
+class ShuffleExchangeSettings(ProtocolSettings):
+    """``[gossip.shuffle-exchange]``"""
+
+    round_steps: int = Field(
+        1, ge=1, description="local steps per round; more than 1 is the paper's 'local' variant"
+    )
 
 
 class ShuffleExchange(SumWeightLedger):
     name = "shuffle-exchange"
+    Settings = ShuffleExchangeSettings
+
+    @classmethod
+    def from_settings(cls, common: CoreSettings, own: ShuffleExchangeSettings) -> ShuffleExchange:
+        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
 
     def __init__(
         self,

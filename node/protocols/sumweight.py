@@ -18,12 +18,28 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import Field
+
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
+
+
+class SumWeightSettings(ProtocolSettings):
+    """``[gossip.sumweight]``"""
+
+    push_probability: float = Field(
+        0.5, ge=0.0, le=1.0, description="chance of a push after each local step (p)"
+    )
 
 
 class SumWeightGossip(SumWeightLedger):
     name = "sumweight"
+    Settings = SumWeightSettings
+
+    @classmethod
+    def from_settings(cls, common: CoreSettings, own: SumWeightSettings) -> SumWeightGossip:
+        return cls(**common.ledger(), push_probability=own.push_probability)
 
     def __init__(
         self,

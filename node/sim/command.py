@@ -10,10 +10,15 @@ import argparse
 import json
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from gossipd.node.protocols import PROTOCOLS
+from pydantic import ValidationError
+
+from gossipd.node.errors import ConfigError
+from gossipd.node.protocols import PROTOCOLS, protocol_settings, settings_class
+from gossipd.node.protocols.settings import explain
 from gossipd.node.sim.scenarios import SCENARIOS, load_scenario, parse_fault
 
 if TYPE_CHECKING:
@@ -61,14 +66,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "0: the payload's own size (default: %(default)s)",
     )
     p.add_argument(
-        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
+        "--round-steps",
+        type=int,
+        default=1,
+        help="local steps per round; also the protocol's round_steps if it has one "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the protocol, as in a node's [gossip.<protocol>] table (a TOML "
+        "value), repeatable, e.g. --set push_probability=1; unset: the protocol's defaults, "
+        "but round_steps from --round-steps and average_every_steps ceil(log2 N) "
+        "(default: none)",
     )
     p.add_argument(
         "--average-every-steps",
         type=int,
         default=0,
-        help="persyn: steps between global averages; 0: ceil(log2 N), one burst after another "
-        "(default: %(default)s)",
+        help="deprecated: --set average_every_steps=K; 0: not given (default: %(default)s)",
     )
     p.add_argument(
         "--max-in-flight",
@@ -81,8 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--push-probability",
         type=float,
         default=None,
-        help="sumweight: chance of a push per step; unset: the core's default "
-        "(default: %(default)s)",
+        help="deprecated: --set push_probability=P (default: %(default)s)",
     )
     p.add_argument(
         "--learning-rate",
@@ -158,14 +175,52 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         dim=args.dim,
         model_bytes=args.model_bytes,
         round_steps=args.round_steps,
-        average_every_steps=args.average_every_steps,
         max_in_flight=args.max_in_flight,
-        push_probability=args.push_probability,
+        options=protocol_options(args),
         learning_rate=args.learning_rate,
         target_error=args.target_error,
         predict=args.predict,
         check_invariants=args.check_invariants,
     )
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` (a ``--set``): the value read as TOML (``1``, ``0.5``, ``true``,
+    ``"x"``), or as a plain string when it is not TOML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: write it as KEY=VALUE, e.g. push_probability=1")
+    try:
+        return key.strip(), tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), value
+
+
+def checked_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options``, after the protocol's own class found them valid (ConfigError if not)."""
+    try:
+        protocol_settings(protocol, options)
+    except ValidationError as err:
+        known = settings_class(protocol).model_fields
+        raise ConfigError(explain(protocol, err, known)) from None
+    return options
+
+
+def protocol_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The protocol's own settings: ``--set``, and the deprecated flags where it has them."""
+    options = dict(parse_setting(text) for text in args.set)
+    takes = settings_class(args.protocol).model_fields
+    deprecated = {
+        "push_probability": args.push_probability,
+        "average_every_steps": args.average_every_steps or None,
+    }
+    for key, value in deprecated.items():
+        if value is None or key not in takes:
+            continue  # as before: a flag the protocol does not use is ignored
+        if key in options:
+            raise ConfigError(f"--{key.replace('_', '-')} and --set {key} both given: keep --set")
+        options[key] = value
+    return checked_options(args.protocol, options)
 
 
 class Progress:

@@ -9,10 +9,11 @@ round k + 1 has started. Round 0 is the start.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gossipd.node.protocols import CoreSettings
+from gossipd.node.protocols import CoreSettings, settings_class
 from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
 from gossipd.node.protocols.topology import ceil_log2
 from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
@@ -35,10 +36,12 @@ class SimSpec:
     payload: str = "vector"  # "vector" or "digits"
     dim: int = 64  # vector length (vector payload)
     model_bytes: int = 0  # bytes of the whole model on the simulated wire; 0: the payload's own
-    round_steps: int = 1
-    average_every_steps: int = 0  # persyn's K′; 0: ⌈log2 N⌉, one burst right after another
+    round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
-    push_probability: float | None = None  # None: CoreSettings' default
+    # The protocol's own settings, as in its [gossip.<protocol>] table; unset, the sim's
+    # round_steps above and average_every_steps = ⌈log2 N⌉ (one burst right after another)
+    # where the protocol has such a setting, else the protocol's defaults.
+    options: Mapping[str, Any] = field(default_factory=dict)
     learning_rate: float | None = None  # digits payload; None: the job's default, 0: training off
     target_error: float = 0.0  # > 0: stop once both the error and its prediction are at most this
     predict: bool | None = None  # None: N ≤ 256; True: N ≤ 1024 (vectors, no membership changes)
@@ -64,13 +67,20 @@ class SimSpec:
         return self.predict and possible
 
 
+def core_options(spec: SimSpec) -> dict[str, Any]:
+    """The protocol's own settings: ``spec.options`` over the sim's round and burst length."""
+    takes = settings_class(spec.protocol).model_fields
+    sim_defaults = {
+        "round_steps": spec.round_steps,
+        "average_every_steps": max(1, ceil_log2(max(spec.nodes, 1))),
+    }
+    return {**{k: v for k, v in sim_defaults.items() if k in takes}, **spec.options}
+
+
 def core_settings(
     spec: SimSpec, node_id: str, segments: int, initial_weight: float
 ) -> CoreSettings:
     """Every node's settings: shared mesh seed, its own seed, the sim's sizing defaults."""
-    extra: dict[str, Any] = {}
-    if spec.push_probability is not None:
-        extra["push_probability"] = spec.push_probability
     return CoreSettings(
         node_id=node_id,
         num_segments=segments,
@@ -79,9 +89,7 @@ def core_settings(
         initial_weight=initial_weight,
         max_in_flight=spec.max_in_flight
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
-        round_steps=spec.round_steps,
-        average_every_steps=spec.average_every_steps or max(1, ceil_log2(max(spec.nodes, 1))),
-        **extra,
+        options=core_options(spec),
     )
 
 

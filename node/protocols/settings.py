@@ -1,0 +1,82 @@
+"""What a protocol core is built from: the settings every core shares, and each protocol's own.
+
+A protocol file declares its own settings next to its core: a subclass of
+:class:`ProtocolSettings` (typed fields, each with a default and a description),
+named by the core's ``Settings`` attribute, and a classmethod
+``from_settings(common, own)`` that builds the core. A config gives them in a
+``[gossip.<protocol>]`` table; :func:`gossipd.node.protocols.build` validates
+them through that class for every driver (daemon, simulator, benchmarks).
+
+This module needs pydantic only, so the config can use it without loading a core.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ProtocolSettings(BaseModel):
+    """A protocol's own settings, one ``[gossip.<protocol>]`` table: unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoSettings(ProtocolSettings):
+    """The settings of a protocol that has none of its own."""
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """What every core is built from: the protocol-independent part of a node's config, and
+    ``options``, the protocol's own settings (its ``[gossip.<protocol>]`` table as a mapping,
+    or already validated by its ``Settings``); :func:`~gossipd.node.protocols.build` checks
+    them."""
+
+    node_id: str
+    num_segments: int
+    seed: int = 0
+    mesh_seed: int = 0
+    initial_weight: float = 1.0
+    max_in_flight: int = 4
+    max_weight: float = 1e6
+    options: Mapping[str, Any] | ProtocolSettings = field(default_factory=dict)
+
+    def ledger(self) -> dict[str, Any]:
+        """The arguments of every sum-weight core's ledger, whatever the protocol."""
+        return {
+            "node_id": self.node_id,
+            "num_segments": self.num_segments,
+            "rng": random.Random(self.seed),
+            "initial_weight": self.initial_weight,
+            "max_in_flight": self.max_in_flight,
+            "max_weight": self.max_weight,
+        }
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """The hint for an unknown key: the nearest known one, or the list of them all."""
+    known = list(known)
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return f"known keys: {', '.join(known)}" if known else "this protocol takes no settings"
+
+
+def explain(protocol: str, err: ValidationError, known: Iterable[str]) -> str:
+    """``err`` (from validating ``protocol``'s settings) as one line per wrong key, with a fix."""
+    known = list(known)
+    lines = [f"invalid settings for protocol {protocol!r}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(table)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown setting; {did_you_mean(str(e['loc'][-1]), known)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key} = {e.get('input')!r}: {msg}")
+    return "\n".join(lines)
