@@ -175,17 +175,6 @@ def test_without_a_table_a_protocol_gets_its_declared_defaults(protocol: str) ->
         assert getattr(core, key) == value
 
 
-def test_defaults_are_the_ones_the_readme_promises() -> None:
-    defaults = {p: settings_class(p)().model_dump() for p in sorted(PROTOCOLS)}
-    assert defaults == {
-        "crossover": {"round_steps": 1},
-        "persyn": {"average_every_steps": 50},
-        "pushsum-expgraph": {"round_steps": 1},
-        "shuffle-exchange": {"round_steps": 1},
-        "sumweight": {"push_probability": 0.5},
-    }
-
-
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_the_readme_config_reference_lists_every_setting_with_its_default(protocol: str) -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
