@@ -28,7 +28,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -63,8 +62,6 @@ NODE_ID_RE = _node_id_pattern()
 
 class CertificateError(GossipdError):
     """A certificate or key that cannot be made, read, or trusted; the message names the file."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 def _now() -> dt.datetime:

@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from gossipd.node import errors
 from gossipd.node.admission import ByteBudget, IdleBounded, Slots
+from gossipd.node.certs import CertificateError
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
-from gossipd.node.tls import Credentials, check_claim
+from gossipd.node.tls import Credentials, IdentityMismatch, NotAllowed, check_claim
 from gossipd.node.wire import ReceivedSegment, SegmentAssembler, pull_chunk_frame
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -37,6 +39,36 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE = "gossipd.v1.Gossip"
 T = TypeVar("T", bound=Message)
+
+# The one place a gossipd error becomes a gRPC status: the nearest class in an
+# error's MRO that is listed here gives its code (GossipdError itself: INTERNAL).
+STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
+    GossipdError: grpc.StatusCode.INTERNAL,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.InvalidFrame: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.NonFinitePayload: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.MeshMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.UnknownPeer: grpc.StatusCode.UNAUTHENTICATED,
+    errors.Busy: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PeerUnreachable: grpc.StatusCode.UNAVAILABLE,
+    errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.JobError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ForgedLeave: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Leaving: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
+    IdentityMismatch: grpc.StatusCode.PERMISSION_DENIED,
+    NotAllowed: grpc.StatusCode.PERMISSION_DENIED,
+    CertificateError: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def status_code(err: GossipdError) -> grpc.StatusCode:
+    """The status a servicer answers ``err`` with (see ``STATUS_CODES``)."""
+    for cls in type(err).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return grpc.StatusCode.INTERNAL
 
 
 @dataclass(frozen=True)
@@ -143,7 +175,7 @@ class GossipServicer:
             return await call()
         except GossipdError as err:
             self.node.on_rejected(peer, err)
-            await context.abort(err.code, str(err))
+            await context.abort(status_code(err), str(err))
         except grpc.aio.AbortError:
             raise
         except Exception as err:
@@ -267,7 +299,7 @@ class GossipServicer:
                         ) from None
         except GossipdError as err:
             self.node.on_rejected(peer, err)
-            context.set_code(err.code)
+            context.set_code(status_code(err))
             context.set_details(str(err))
         except Exception as err:
             log.exception("internal error serving a pull to %s", peer)

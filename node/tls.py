@@ -36,13 +36,9 @@ log = logging.getLogger(__name__)
 class IdentityMismatch(GossipdError):
     """A request claims a node id other than the one its certificate names."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
-
 
 class NotAllowed(GossipdError):
     """A valid certificate for a node id that ``tls.allow`` does not list."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 @dataclass(frozen=True)
