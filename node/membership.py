@@ -15,6 +15,10 @@ Two tables, both capped:
 
 Only verified peers are relayed to others, so a made-up entry dies where it was
 planted instead of bouncing around the mesh.
+
+Plain Python, no wire types: claims, replies and the relayed list are
+:class:`NodeInfo` values; :mod:`gossipd.node.peering` converts them to and from
+the protobuf ``NodeInfo`` where they meet the network.
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gossipd.proto import gossip_pb2 as pb
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Who a node says it is and where it listens: a claim, a reply, or a relayed entry."""
+
+    node_id: str
+    address: str
+    incarnation: int
 
 
 @dataclass
@@ -34,8 +45,8 @@ class PeerState:
     failures: int = 0
     suspected_since: float | None = None
 
-    def info(self) -> pb.NodeInfo:
-        return pb.NodeInfo(node_id=self.node_id, address=self.address, incarnation=self.incarnation)
+    def info(self) -> NodeInfo:
+        return NodeInfo(self.node_id, self.address, self.incarnation)
 
 
 @dataclass(frozen=True)
@@ -71,11 +82,11 @@ class Membership:
         self.max_candidates = max_candidates
         self.max_departed = max_departed
         self.peers: dict[str, PeerState] = {}
-        self.candidates: OrderedDict[str, pb.NodeInfo] = OrderedDict()  # address -> claim
+        self.candidates: OrderedDict[str, NodeInfo] = OrderedDict()  # address -> claim
         self.departed: OrderedDict[str, int] = OrderedDict()  # node_id -> last incarnation
 
     # -- claims ---------------------------------------------------------------------
-    def hear(self, info: pb.NodeInfo, *, direct: bool = False) -> bool:
+    def hear(self, info: NodeInfo, *, direct: bool = False) -> bool:
         """Note a claim about a node; True if it became a candidate worth dialling.
 
         ``direct`` marks a claim a node made about itself (its own Handshake): it
@@ -104,7 +115,7 @@ class Membership:
         self.candidates[info.address] = info
         return True
 
-    def take_candidates(self, count: int) -> list[tuple[str, pb.NodeInfo]]:
+    def take_candidates(self, count: int) -> list[tuple[str, NodeInfo]]:
         """The oldest candidates, removed from the table, for the caller to dial."""
         taken = []
         while self.candidates and len(taken) < count:
@@ -112,9 +123,7 @@ class Membership:
         return taken
 
     # -- verification ---------------------------------------------------------------
-    def verified(
-        self, address: str, reply: pb.NodeInfo, claim: pb.NodeInfo | None = None
-    ) -> Verdict:
+    def verified(self, address: str, reply: NodeInfo, claim: NodeInfo | None = None) -> Verdict:
         """This node's own Handshake to ``address`` was answered by ``reply``."""
         node_id = reply.node_id
         if not node_id or node_id == self.self_id:
@@ -211,7 +220,7 @@ class Membership:
     def suspected(self) -> list[PeerState]:
         return sorted((s for s in self.peers.values() if not s.live), key=lambda s: s.node_id)
 
-    def known(self) -> list[pb.NodeInfo]:
+    def known(self) -> list[NodeInfo]:
         """Verified peers only: what this node relays to others."""
         return [s.info() for s in sorted(self.peers.values(), key=lambda s: s.node_id)]
 

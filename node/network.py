@@ -368,7 +368,7 @@ class Network:
             node=self.identity.info(),
             fingerprint=self.fingerprint,
             step=self.replica.summary.steps,
-            peers=self.membership.known(),
+            peers=self.peering.known(),
             protocol=self.config.gossip.protocol,
         )
 
@@ -398,7 +398,7 @@ class Network:
         for info in request.known[: self.config.membership.max_candidates]:
             self.peering.hear(info)
         assert self.identity is not None
-        return pb.PeersReply(peers=[self.identity.info(), *self.membership.known()])
+        return pb.PeersReply(peers=[self.identity.info(), *self.peering.known()])
 
     async def on_status(self, checksum: bool = False) -> pb.StatusReply:
         """Answered from the trainer's published summary: never waits on a step."""
@@ -418,7 +418,7 @@ class Network:
             pushes_acked=s.pushes_acked,
             pushes_failed=s.pushes_failed,
             pushes_merged=s.pushes_merged,
-            peers=self.membership.known(),
+            peers=self.peering.known(),
             suspected_peers=[p.node_id for p in self.membership.suspected()],
             rejected=dict(self.rejections.counts),
             reserved_weights=s.reserved,

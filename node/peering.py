@@ -10,6 +10,10 @@ it needs, on the node's event loop. The rules it enforces:
   of refused connections and leaves no channel, fd or thread behind;
 * a Leave is believed only after the node itself, asked at its address, is gone
   or says it is leaving: a forged Leave is counted and changes nothing.
+
+Membership speaks plain :class:`~gossipd.node.membership.NodeInfo`; the protobuf
+``NodeInfo`` is converted here, where claims arrive (:meth:`Peering.hear`, a
+Handshake reply) and where the verified list leaves (:meth:`Peering.known`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
-from gossipd.node.membership import Change, Membership, PeerState
+from gossipd.node.membership import Change, Membership, NodeInfo, PeerState
 from gossipd.node.messages import ViewChange
 from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.tls import IdentityMismatch, NotAllowed
@@ -37,6 +41,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0
 LONELY_LOG_INTERVAL_S = 30.0
+
+
+def from_wire(info: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(info.node_id, info.address, info.incarnation)
+
+
+def to_wire(info: NodeInfo) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=info.node_id, address=info.address, incarnation=info.incarnation)
 
 
 class Peering:
@@ -100,7 +112,7 @@ class Peering:
         finally:
             await client.close()
 
-    async def verify(self, address: str, claim: pb.NodeInfo | None = None) -> bool:
+    async def verify(self, address: str, claim: NodeInfo | None = None) -> bool:
         """Dial ``address``; whoever answers there (and matches ``claim``) is a peer."""
         try:
             reply, checked = await self.handshake(address, claim.node_id if claim else None)
@@ -136,7 +148,7 @@ class Peering:
                 self._last_error[address] = str(err)
             return False
         known = self.membership.peers.get(reply.node.node_id)
-        verdict = self.membership.verified(address, reply.node, claim)
+        verdict = self.membership.verified(address, from_wire(reply.node), claim)
         for change in verdict.changes:
             self.apply(change)
         if verdict.refused is not None:
@@ -152,8 +164,12 @@ class Peering:
 
     def hear(self, info: pb.NodeInfo, *, direct: bool = False) -> None:
         """A claim about a node; a node's claim about itself is dialled at once."""
-        if self.membership.hear(info, direct=direct) and direct:
+        if self.membership.hear(from_wire(info), direct=direct) and direct:
             self.kick()
+
+    def known(self) -> list[pb.NodeInfo]:
+        """The verified peers, as relayed on the wire."""
+        return [to_wire(info) for info in self.membership.known()]
 
     def kick(self) -> None:
         """Start dials to queued candidates while slots are free."""
@@ -164,7 +180,7 @@ class Peering:
             self._dialing.add(address)
             self.network.spawn(self._dial(address, claim))
 
-    async def _dial(self, address: str, claim: pb.NodeInfo) -> None:
+    async def _dial(self, address: str, claim: NodeInfo) -> None:
         try:
             await self.verify(address, claim)
         finally:
@@ -267,7 +283,7 @@ class Peering:
         target = self.rng.choice(live)
         try:
             infos = await self.network.client(target.address, target.node_id).peers(
-                m.known(), RPC_TIMEOUT_S
+                self.known(), RPC_TIMEOUT_S
             )
         except GossipdError as err:
             self.failed(target.node_id, err)

@@ -10,15 +10,16 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.membership import Change, Membership, PeerState, Verdict
+from gossipd.node.membership import Change, Membership, NodeInfo, PeerState, Verdict
+from gossipd.node.peering import from_wire, to_wire
 from gossipd.proto import gossip_pb2 as pb
 
 SELF = "me"
 SELF_ADDRESS = "me.example:5000"
 
 
-def info(node_id: str, incarnation: int = 1, address: str | None = None) -> pb.NodeInfo:
-    return pb.NodeInfo(
+def info(node_id: str, incarnation: int = 1, address: str | None = None) -> NodeInfo:
+    return NodeInfo(
         node_id=node_id,
         address=address if address is not None else f"{node_id}.example:5000",
         incarnation=incarnation,
@@ -77,8 +78,8 @@ def test_hear_ignores_self_by_id_and_by_address() -> None:
 
 def test_hear_ignores_empty_id_or_address() -> None:
     m = membership()
-    assert m.hear(pb.NodeInfo(node_id="", address="h:1", incarnation=1)) is False
-    assert m.hear(pb.NodeInfo(node_id="a", address="", incarnation=1), direct=True) is False
+    assert m.hear(NodeInfo(node_id="", address="h:1", incarnation=1)) is False
+    assert m.hear(NodeInfo(node_id="a", address="", incarnation=1), direct=True) is False
     assert m.candidates == {}
 
 
@@ -189,7 +190,7 @@ def test_verified_refuses_an_answer_that_contradicts_the_claim() -> None:
 
 def test_verified_refuses_an_answer_as_this_node_or_as_nobody() -> None:
     m = membership()
-    for reply in (info(SELF, 1, "h:1"), pb.NodeInfo(node_id="", address="h:1", incarnation=1)):
+    for reply in (info(SELF, 1, "h:1"), NodeInfo(node_id="", address="h:1", incarnation=1)):
         verdict = m.verified("h:1", reply)
         assert verdict.changes == () and verdict.refused is not None
     assert m.peers == {}
@@ -426,9 +427,22 @@ def test_live_and_suspected_are_sorted_by_id_and_known_lists_verified_peers_only
     assert all(isinstance(s, PeerState) and s.live for s in m.live())
     assert [s.node_id for s in m.suspected()] == ["charlie"]
     known = m.known()
-    assert all(isinstance(i, pb.NodeInfo) for i in known)
+    assert all(type(i) is NodeInfo for i in known)  # plain values: no wire type in here
     assert [i.node_id for i in known] == ["alpha", "bravo", "charlie", "delta"]  # no echo
-    assert known[0] == pb.NodeInfo(node_id="alpha", address="alpha.example:5000", incarnation=5)
+    assert known[0] == NodeInfo(node_id="alpha", address="alpha.example:5000", incarnation=5)
+
+
+@given(
+    st.text(max_size=20),
+    st.text(max_size=40),
+    st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_node_info_crosses_the_wire_unchanged(node_id: str, address: str, incarnation: int) -> None:
+    plain = NodeInfo(node_id, address, incarnation)
+    wire = to_wire(plain)
+    assert isinstance(wire, pb.NodeInfo)
+    assert (wire.node_id, wire.address, wire.incarnation) == (node_id, address, incarnation)
+    assert from_wire(pb.NodeInfo.FromString(wire.SerializeToString())) == plain
 
 
 def test_a_relayed_peer_list_only_gives_candidates_to_the_receiver() -> None:
