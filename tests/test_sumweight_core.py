@@ -840,7 +840,13 @@ def test_every_schedule_of_pushes_acks_and_failures_settles_reservations_to_exac
         assert len(node.in_flight) <= max_in_flight
         assert len(node.busy_peers()) == len(node.in_flight)
         for s in range(3):
-            assert node.reserved[s] >= 0.0
+            # the reservation is exactly what the pushes in flight carry, never a clamped guess
+            carried = math.fsum(p.weights[s] for p in node.in_flight.values())
+            assert math.isclose(node.reserved[s], carried, rel_tol=1e-9, abs_tol=1e-12), (
+                s,
+                node.reserved,
+                carried,
+            )
             assert node.available(s) >= -1e-12
             settled = node.weights[s] - math.fsum(p.weights[s] for p in node.in_flight.values())
             assert math.isclose(settled, node.available(s), rel_tol=1e-9, abs_tol=1e-12)
