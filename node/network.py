@@ -35,7 +35,6 @@ from gossipd.node.errors import (
 from gossipd.node.inbound import Inbound
 from gossipd.node.messages import (
     OutboundPull,
-    PeerRestart,
     Rejected,
 )
 from gossipd.node.metrics import NodeMetrics
@@ -138,7 +137,24 @@ class Network:
                 f"tls.cert {config.tls.cert} is for node {self.tls.node_id!r}, but node_id is "
                 f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
             )
-        self.peering = Peering(self)
+        self.peering = Peering(
+            config=config,
+            replica=replica,
+            fingerprint=self.fingerprint,
+            tls=self.tls,
+            identity=lambda: self.identity,
+            client=self.client,
+            forget_client=self.forget_client,
+            rejections=self.rejections,
+            on_rejected=self.on_rejected,
+            settle_pushes_to=lambda peer, timeout_s: self.outbound.settle_pushes_to(
+                peer, timeout_s
+            ),
+            retry_now=lambda: self.outbound.retry_now(),
+            metrics=self.metrics,
+            spawn=self.spawn,
+            stopping=self.stopping,
+        )
         self.outbound = Outbound(
             config=config,
             replica=replica,
@@ -325,10 +341,6 @@ class Network:
         client = self.clients.pop(address, None)
         if client is not None:
             self.spawn(client.close())
-
-    def forget_incarnations(self, node_id: str, incarnation: int) -> None:
-        """A verified restart: the old incarnation's de-duplication state can go."""
-        self.replica.post(PeerRestart(node_id, incarnation))
 
     @property
     def leaving(self) -> bool:

@@ -24,11 +24,12 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.membership import Change, Membership, NodeInfo, PeerState
-from gossipd.node.messages import ViewChange
+from gossipd.node.messages import PeerRestart, ViewChange
 from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.tls import IdentityMismatch, NotAllowed
 from gossipd.node.transport import PeerClient
@@ -36,7 +37,12 @@ from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
-    from gossipd.node.network import Network
+    from gossipd.node.config import NodeConfig
+    from gossipd.node.metrics import NodeMetrics
+    from gossipd.node.rejections import RejectionLog
+    from gossipd.node.replica import Replica
+    from gossipd.node.tls import Credentials
+    from gossipd.node.transport import Identity
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0
@@ -52,11 +58,46 @@ def to_wire(info: NodeInfo) -> pb.NodeInfo:
 
 
 class Peering:
-    def __init__(self, network: Network) -> None:
-        cfg = network.config.membership
-        self.network = network
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        replica: Replica,
+        fingerprint: str,
+        tls: Credentials,
+        identity: Callable[[], Identity | None],
+        client: Callable[[str, str], PeerClient],
+        forget_client: Callable[[str], None],
+        rejections: RejectionLog,
+        on_rejected: Callable[[str, GossipdError], None],
+        settle_pushes_to: Callable[[str, float], Awaitable[None]],
+        retry_now: Callable[[], None],
+        metrics: NodeMetrics,
+        spawn: Callable[[Any, str], object],
+        stopping: asyncio.Event,
+    ) -> None:
+        """``identity`` is this node's once it serves; ``client`` and ``forget_client``
+        give and close the channel to a verified peer; ``settle_pushes_to`` and
+        ``retry_now`` reach the pushes of this node (outbound) when a peer leaves or
+        comes back."""
+        cfg = config.membership
+        self.config = config
+        self.node_id = config.node_id
+        self.replica = replica
+        self.fingerprint = fingerprint
+        self.tls = tls
+        self.identity = identity
+        self.client = client
+        self.forget_client = forget_client
+        self.rejections = rejections
+        self.on_rejected = on_rejected
+        self.settle_pushes_to = settle_pushes_to
+        self.retry_now = retry_now
+        self.metrics = metrics
+        self.spawn = spawn
+        self.stopping = stopping
         self.membership = Membership(
-            network.node_id,
+            config.node_id,
             suspect_after_failures=cfg.suspect_after_failures,
             drop_after_s=cfg.drop_after_s,
             max_peers=cfg.max_peers,
@@ -64,7 +105,7 @@ class Peering:
             max_departed=cfg.max_departed,
         )
         self.dial_slots = cfg.dial_concurrency
-        self.rng = random.Random(network.config.gossip.seed ^ 0xD1A1)
+        self.rng = random.Random(config.gossip.seed ^ 0xD1A1)
         self._dialing: set[str] = set()
         self._leave_checks: set[str] = set()
         self._round = asyncio.Lock()
@@ -76,11 +117,11 @@ class Peering:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
             live = frozenset(p.node_id for p in self.membership.live())
-            self.network.replica.post(ViewChange(live | {self.network.node_id}))
+            self.replica.post(ViewChange(live | {self.node_id}))
             if change.live:
-                self.network.retry_now()  # pushes waiting for it need not wait out a backoff
-        self.network.metrics.live_peers.set(len(self.membership.live()))
-        self.network.metrics.suspected_peers.set(len(self.membership.suspected()))
+                self.retry_now()  # pushes waiting for it need not wait out a backoff
+        self.metrics.live_peers.set(len(self.membership.live()))
+        self.metrics.suspected_peers.set(len(self.membership.suspected()))
 
     def failed(self, node_id: str, why: object) -> None:
         change = self.membership.failed(node_id, time.monotonic())
@@ -102,11 +143,10 @@ class Peering:
         """
         for p in self.membership.peers.values():
             if p.address == address:
-                return await self.network.client(address, p.node_id).handshake(
-                    RPC_TIMEOUT_S
-                ), p.node_id
-        assert self.network.identity is not None, "start() the node first"
-        client = PeerClient(address, self.network.identity, tls=self.network.tls, expected=expected)
+                return await self.client(address, p.node_id).handshake(RPC_TIMEOUT_S), p.node_id
+        identity = self.identity()
+        assert identity is not None, "start() the node first"
+        client = PeerClient(address, identity, tls=self.tls, expected=expected)
         try:
             return await client.handshake(RPC_TIMEOUT_S), expected
         finally:
@@ -116,7 +156,7 @@ class Peering:
         """Dial ``address``; whoever answers there (and matches ``claim``) is a peer."""
         try:
             reply, checked = await self.handshake(address, claim.node_id if claim else None)
-            if not self.network.tls.insecure and checked != reply.node.node_id:
+            if not self.tls.insecure and checked != reply.node.node_id:
                 # The first dial proved only that a site of this mesh answers there:
                 # dial again, checking the node id it claims against its certificate.
                 reply, checked = await self.handshake(address, reply.node.node_id)
@@ -130,21 +170,21 @@ class Peering:
                     f"{address} speaks schema {reply.schema_version}, we speak {SCHEMA_VERSION}; "
                     "run the same gossipd release on every site"
                 )
-            check_fingerprint(self.network.fingerprint, reply.fingerprint, address)
-            check_protocol(self.network.config.gossip.protocol, reply.protocol, address)
-            if not self.network.tls.allows(reply.node.node_id):
+            check_fingerprint(self.fingerprint, reply.fingerprint, address)
+            check_protocol(self.config.gossip.protocol, reply.protocol, address)
+            if not self.tls.allows(reply.node.node_id):
                 raise NotAllowed(
                     f"{address} is {reply.node.node_id!r}, which tls.allow of this node does "
                     "not list; it is not made a peer"
                 )
         except (MeshMismatch, NotAllowed) as err:  # configuration to fix, not a passing failure
-            self.network.metrics.dial_failures.labels("mismatch").inc()
-            self.network.rejections.record(address, type(err).__name__, str(err))
+            self.metrics.dial_failures.labels("mismatch").inc()
+            self.rejections.record(address, type(err).__name__, str(err))
             return False
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
-            self.network.metrics.dial_failures.labels(_dial_failure_reason(err)).inc()
-            if address in self.network.config.seeds:  # kept for seeds only: bounded
+            self.metrics.dial_failures.labels(_dial_failure_reason(err)).inc()
+            if address in self.config.seeds:  # kept for seeds only: bounded
                 self._last_error[address] = str(err)
             return False
         known = self.membership.peers.get(reply.node.node_id)
@@ -152,12 +192,12 @@ class Peering:
         for change in verdict.changes:
             self.apply(change)
         if verdict.refused is not None:
-            self.network.rejections.record(address, "PeerNotVerified", verdict.refused)
+            self.rejections.record(address, "PeerNotVerified", verdict.refused)
             return False
         if known is not None and known.incarnation != reply.node.incarnation:
-            self.network.forget_incarnations(reply.node.node_id, reply.node.incarnation)
+            self.replica.post(PeerRestart(reply.node.node_id, reply.node.incarnation))
             if known.address != address:
-                self.network.forget_client(known.address)
+                self.forget_client(known.address)
         for info in reply.peers:
             self.hear(info)
         return True
@@ -178,14 +218,14 @@ class Peering:
             if address in self._dialing:
                 continue  # that address is being asked already; its answer settles this too
             self._dialing.add(address)
-            self.network.spawn(self._dial(address, claim))
+            self.spawn(self._dial(address, claim))
 
     async def _dial(self, address: str, claim: NodeInfo) -> None:
         try:
             await self.verify(address, claim)
         finally:
             self._dialing.discard(address)
-            if not self.network.stopping.is_set():
+            if not self.stopping.is_set():
                 self.kick()
 
     # -- departures -------------------------------------------------------------------
@@ -202,7 +242,7 @@ class Peering:
         if incarnation and incarnation != state.incarnation:
             return  # a goodbye from an incarnation we no longer know
         self._leave_checks.add(node_id)
-        check = self.network.spawn(self._check_leave(state, peer))
+        check = self.spawn(self._check_leave(state, peer))
         await asyncio.wait({check}, timeout=RPC_TIMEOUT_S * 0.8)
 
     async def _check_leave(self, state: PeerState, peer: str) -> None:
@@ -217,7 +257,7 @@ class Peering:
                 and reply.node.node_id == state.node_id
                 and reply.node.incarnation == state.incarnation
             ):
-                self.network.on_rejected(
+                self.on_rejected(
                     peer,
                     ForgedLeave(
                         f"a Leave for {state.node_id!r} was refused: asked at {state.address}, "
@@ -229,10 +269,10 @@ class Peering:
                 # Retry what is unacknowledged to it once more, now: a leaving node
                 # answers DUPLICATE for what it merged, which settles exactly; once it
                 # is gone, only folding back (and maybe counting twice) is left.
-                await self.network.outbound.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
+                await self.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
                 log.info("peer %s left the mesh", state.node_id)
                 self.apply(self.membership.departed_now(state.node_id))
-                self.network.forget_client(state.address)
+                self.forget_client(state.address)
         finally:
             self._leave_checks.discard(state.node_id)
 
@@ -240,20 +280,20 @@ class Peering:
         """After tls.allow changed: settle what is in flight to peers it no longer lists,
         then stop gossiping with them (they may be admitted again later)."""
         for state in list(self.membership.peers.values()):
-            if self.network.tls.allows(state.node_id):
+            if self.tls.allows(state.node_id):
                 continue
-            await self.network.outbound.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
+            await self.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
             log.info("peer %s is not in tls.allow any more; dropped", state.node_id)
             self.apply(self.membership.drop(state.node_id))
-            self.network.forget_client(state.address)
+            self.forget_client(state.address)
 
     # -- anti-entropy -----------------------------------------------------------------
     async def run(self) -> None:
-        interval = self.network.config.membership.anti_entropy_interval_s
-        while not self.network.stopping.is_set():
+        interval = self.config.membership.anti_entropy_interval_s
+        while not self.stopping.is_set():
             await self.round()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.network.stopping.wait(), interval)
+                await asyncio.wait_for(self.stopping.wait(), interval)
 
     async def round(self) -> None:
         async with self._round:
@@ -269,9 +309,9 @@ class Peering:
                 node_id,
                 m.drop_after_s,
             )
-            self.network.forget_client(addresses[node_id])
+            self.forget_client(addresses[node_id])
         known = {s.address for s in m.peers.values()}
-        seeds = [a for a in self.network.config.seeds if a not in known and a != m.self_address]
+        seeds = [a for a in self.config.seeds if a not in known and a != m.self_address]
         await asyncio.gather(
             *(self._recheck(s) for s in m.suspected()), *(self.verify(a) for a in seeds)
         )
@@ -282,7 +322,7 @@ class Peering:
             return
         target = self.rng.choice(live)
         try:
-            infos = await self.network.client(target.address, target.node_id).peers(
+            infos = await self.client(target.address, target.node_id).peers(
                 self.known(), RPC_TIMEOUT_S
             )
         except GossipdError as err:
@@ -320,7 +360,7 @@ class Peering:
                 return False
             await self.round()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.network.stopping.wait(), 0.1)
+                await asyncio.wait_for(self.stopping.wait(), 0.1)
         return True
 
 
