@@ -38,7 +38,8 @@ class Checkpoint:
 
     @property
     def weights(self) -> list[float]:
-        return list(self.core["weights"])
+        """Per segment; empty for a core that keeps no sum-weights."""
+        return list(self.core.get("weights", ()))
 
 
 def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | None) -> Checkpoint:

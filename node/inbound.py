@@ -117,7 +117,7 @@ class Inbound:
                 sender=self.config.node_id,
                 sequence=0,
                 segment=index,
-                sum_weight=weights[index],
+                sum_weight=weights[index] if weights else 0.0,  # a core without weights
                 flat=flat,
                 codec=codec,
                 chunk_bytes=self.config.gossip.chunk_bytes,

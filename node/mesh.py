@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -375,7 +376,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
             watcher.cancel()
         initial = mesh.initial()
         distance_start = consensus_distance([as_vector(c.segments) for c in initial])
-        sum_weight_start = sum(sum(c.weights) / len(c.weights) for c in initial)
+        sum_weight_start = _mean_weight_sum(c.weights for c in initial)
         timeline.append({"t": 0.0, "consensus_distance": distance_start})
         display.ready(distance_start)
         while True:
@@ -395,7 +396,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         end_models = await mesh.pull_all()
         distance_end = consensus_distance(end_models)
         timeline.append({"t": time.monotonic() - t0, "consensus_distance": distance_end})
-        sum_weight_end = sum(sum(s["sum_weights"]) / len(s["sum_weights"]) for s in states)
+        sum_weight_end = _mean_weight_sum(s["sum_weights"] for s in states)
         exit_codes = [mesh.stop(i) for i in sorted(mesh.procs)]
         nodes = []
         for i, state in enumerate(states):
@@ -455,11 +456,24 @@ def print_table(result: dict[str, Any], file: TextIO) -> None:
         row = f"{n['node_id']:<10}{n['steps']:>8}{n['loss']:>10.4f}"
         row += "".join(f"{n.get(k, float('nan')):>16.4f}" for k in keys)
         print(row, file=file)
+    start, end = result["sum_weight_start"], result["sum_weight_end"]
+    weights = (
+        f"sum of weights {start:.6f} -> {end:.6f}"
+        if start is not None and end is not None
+        else "no sum-weights (protocol without them)"
+    )
     print(
         f"consensus distance {result['consensus_distance_start']:.3e} -> "
-        f"{result['consensus_distance_end']:.3e}; sum of weights {result['sum_weight_start']:.6f}"
-        f" -> {result['sum_weight_end']:.6f}; {result['wall_s']:.1f} s",
+        f"{result['consensus_distance_end']:.3e}; {weights}; {result['wall_s']:.1f} s",
         file=file,
     )
     if "plot" in result:
         print(f"plot: {result['plot']}", file=file)
+
+
+def _mean_weight_sum(per_node: Iterable[Sequence[float]]) -> float | None:
+    """Σ over nodes of each node's mean segment weight; None for a protocol without weights."""
+    weights = [list(w) for w in per_node]
+    if not all(weights):
+        return None
+    return sum(sum(w) / len(w) for w in weights)

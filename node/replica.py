@@ -394,7 +394,7 @@ class Replica:
                 self.flat.load_segment(segment, blended)
             weights = self.core.status().weights
             acks = [
-                Ack(a.segment, isinstance(a, Duplicate), weights[a.segment])
+                Ack(a.segment, isinstance(a, Duplicate), weights[a.segment] if weights else 0.0)
                 for a in plan
                 if isinstance(a, Merge | Duplicate)
             ]

@@ -3,8 +3,8 @@
 Every ``round_steps`` steps it pulls the whole model of the next peer in rank order,
 to start ``delay_s`` after the step ended, and averages with it: x ← (x + x_peer)/2.
 With ``via_timer`` it asks for a timer at that moment instead and pulls when it fires.
-It keeps no sum-weights (each reads 1.0, nothing moves them), so the mass checks of
-push protocols do not apply; what it records (pulls merged and failed, the transfer
+It keeps no sum-weights (its status has none), so the mass checks of push protocols
+do not apply; what it records (pulls merged and failed, the transfer
 times it was told) is what the tests read.
 """
 
@@ -107,8 +107,6 @@ class PullEveryRound(GossipProtocol):
             protocol=NAME,
             round=self.round,
             epoch=self.view.epoch,
-            weights=(1.0,) * self.num_segments,
-            reserved=(0.0,) * self.num_segments,
             in_flight=int(self.pulling is not None),
             peers=frozenset(self.view.members) - {self.node_id},
         )

@@ -181,3 +181,25 @@ def test_the_simulator_carries_out_the_same_core_s_pulls(pull_protocol: dict[str
     assert all(isinstance(c, PullEveryRound) and len(c.merged) >= 4 for c in cores)
     assert all(a.nbytes > 0 and a.transfer_s > 0 for c in cores for a in c.merged)  # type: ignore[union-attr]
     assert result.consensus_error_end < result.consensus_error_start / 4
+
+
+def test_a_core_without_sum_weights_has_status_metrics_and_checkpoints(
+    pull_protocol: dict[str, float], tmp_path: Any
+) -> None:
+    """Status, metrics and checkpoints read sum-weights only where a core keeps them."""
+    import asyncio
+
+    from gossipd.node import checkpoint
+    from gossipd.node.status import query_status
+
+    a, b = _pair()
+    with a, b:
+        _step_both((a, b), lambda: bool(_core(a).merged), "a pull")
+        status = asyncio.run(query_status(a.address, 10.0))
+        saved = checkpoint.load(a.save_checkpoint(tmp_path), fingerprint=a.replica.fingerprint)
+        samples = a.network.metrics.registry.get_sample_value("gossipd_round")
+    assert status["protocol"] == NAME and status["sum_weights"] == []
+    assert status["reserved_weights"] == [] and status["pushes_in_flight"] in (0, 1)
+    assert saved.weights == [] and saved.core["protocol"] == NAME
+    assert samples is not None and samples >= 1
+    assert a.sum_weights == []

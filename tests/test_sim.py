@@ -223,7 +223,9 @@ class _PullAverage(GossipProtocol):
 
     def status(self) -> CoreStatus:
         ones = (1.0,) * self.segments
-        return CoreStatus(self.name, 0, 0, ones, (0.0,) * self.segments, 0, frozenset())
+        return CoreStatus(
+            self.name, 0, 0, 0, frozenset(), weights=ones, reserved=(0.0,) * self.segments
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -230,10 +230,13 @@ class CoreStatus:
     protocol: str
     round: int
     epoch: int
-    weights: tuple[float, ...]
-    reserved: tuple[float, ...]
     in_flight: int
     peers: frozenset[str]
+    # Per segment, for a core that keeps sum-weights (the push protocols); empty for one
+    # that keeps none (a core that only averages with pulled models). Status, metrics,
+    # checkpoints and the launcher's summary then simply show no weights.
+    weights: tuple[float, ...] = ()
+    reserved: tuple[float, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     # Weight exchanged with each peer (summed over segments), for operators and audits.
     exchanged: Mapping[str, PeerMass] = field(default_factory=dict)

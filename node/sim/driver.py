@@ -369,7 +369,7 @@ class Simulation:
         arrival = PullArrived(
             peer.id,
             pull.round,
-            {s: weights[s] for s in pull.segments},
+            {s: weights[s] if weights else 0.0 for s in pull.segments},
             nbytes,
             arrived_s - started_s,
         )
