@@ -279,6 +279,9 @@ class Replica:
                 case HandOffRequest(peer=peer, reply=reply):
                     _resolve(reply, lambda: self.hand_off(peer))
                 case Barrier(reply=reply):
+                    # What the waiter reads next (the peers to hand off to) must include
+                    # every event before the barrier, not the previous boundary's copy.
+                    self.summary = Summary.of(self)
                     _resolve(reply, lambda: None)
 
     def hand_off(self, peer: str | None = None) -> OutboundPush | None:

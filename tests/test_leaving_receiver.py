@@ -15,7 +15,7 @@ import random
 import torch
 
 from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.messages import InboundPush
+from gossipd.node.messages import InboundPush, ViewChange
 from gossipd.node.protocols.base import PushSettled
 from gossipd.node.protocols.sumweight import SumWeightGossip
 from gossipd.node.replica import Replica
@@ -78,3 +78,15 @@ def test_sender_and_leaving_receiver_keep_the_total_exact_through_a_lost_ack():
     folds = sender.handle(PushSettled("r", second.sequence, ()))
     assert [f.segment for f in folds] == [0]
     assert sender.weights[0] + replica.summary.weights[0] == 2.0
+
+
+def test_a_barrier_resolves_with_the_summary_of_every_event_before_it():
+    """A site stopped 64 ms after a peer became live wrote its checkpoint with all its
+    weight: the leave waited on a barrier, then read peers from a summary refreshed only
+    at the end of the trainer's idle round, which did not list the new peer yet."""
+    replica = _replica()
+    replica.post(ViewChange(frozenset({"r", "newcomer"})))
+    seen: list[frozenset[str]] = []
+    replica.barrier().add_done_callback(lambda _: seen.append(replica.summary.peers))
+    replica.idle(0)
+    assert seen == [frozenset({"newcomer"})]
