@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.messages import Ack, OutboundPush, PushOutcome
 from gossipd.node.peering import RPC_TIMEOUT_S
+from gossipd.node.rejections import Throttle
 from gossipd.node.tls import NotAllowed
 from gossipd.node.transport import OutcomeUnknown, PartialPush
 
@@ -71,7 +72,7 @@ class Outbound:
         self.leaving = False  # set by leave_mesh: only the hand-off leaves from then on
         self._retry_now = asyncio.Event()  # replaced each time it fires
         self.mass_inconsistencies = 0
-        self._inconsistency_logged: dict[str, tuple[float, int]] = {}  # peer -> (at, count)
+        self._inconsistency_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
         self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
 
     def start(self, out: OutboundPush) -> None:
@@ -175,14 +176,9 @@ class Outbound:
             return acks
         self.mass_inconsistencies += 1
         self.metrics.mass_inconsistencies.labels("duplicate_never_sent").inc()
-        peer, now = out.push.peer, time.monotonic()
-        at, count = self._inconsistency_logged.get(peer, (-INCONSISTENCY_LOG_EVERY_S, 0))
-        if now - at < INCONSISTENCY_LOG_EVERY_S:
-            self._inconsistency_logged[peer] = (at, count + 1)
-        else:
-            if len(self._inconsistency_logged) >= 1024:  # verified peers only; still capped
-                self._inconsistency_logged.clear()
-            self._inconsistency_logged[peer] = (now, 0)
+        peer = out.push.peer
+        count = self._inconsistency_log.admit(peer)
+        if count is not None:
             log.info(
                 "%s answered DUPLICATE for segments %s of push #%d, which this node had never "
                 "sent it (%d more such answers since the last line): its record of our pushes "

@@ -24,28 +24,41 @@ def peer_host(peer: str) -> str:
     return peer
 
 
-class RejectionLog:
+class Throttle:
+    """At most one line per key and interval; the table of keys is capped (least recently
+    logged forgotten first), so whoever makes up keys cannot grow it."""
+
     def __init__(self, interval_s: float, max_keys: int = 1024) -> None:
         self.interval_s = interval_s
         self.max_keys = max_keys
-        self.counts: Counter[str] = Counter()
-        # (peer, reason) -> (monotonic time of the last line, refusals since then)
-        self._last: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        # key -> (monotonic time of the last line, occurrences since then)
+        self._last: OrderedDict[object, tuple[float, int]] = OrderedDict()
 
-    def record(self, peer: str, reason: str, detail: str, now: float | None = None) -> bool:
-        """Count one refusal; True if it was logged (first of its kind in this interval)."""
+    def admit(self, key: object, now: float | None = None) -> int | None:
+        """None: stay quiet; else log now, saying how many were kept quiet since the last."""
         now = time.monotonic() if now is None else now
-        self.counts[reason] += 1
-        key = (peer, reason)
         last = self._last.get(key)
         if last is not None and now - last[0] < self.interval_s:
             self._last[key] = (last[0], last[1] + 1)
-            return False
-        suppressed = last[1] if last is not None else 0
-        more = f" (and {suppressed} more since the last report)" if suppressed else ""
-        log.warning("refused a request from %s: %s%s", peer, detail, more)
+            return None
         self._last[key] = (now, 0)
         self._last.move_to_end(key)
         while len(self._last) > self.max_keys:
             self._last.popitem(last=False)
+        return last[1] if last is not None else 0
+
+
+class RejectionLog:
+    def __init__(self, interval_s: float, max_keys: int = 1024) -> None:
+        self.counts: Counter[str] = Counter()
+        self.throttle = Throttle(interval_s, max_keys)
+
+    def record(self, peer: str, reason: str, detail: str, now: float | None = None) -> bool:
+        """Count one refusal; True if it was logged (first of its kind in this interval)."""
+        self.counts[reason] += 1
+        suppressed = self.throttle.admit((peer, reason), now)
+        if suppressed is None:
+            return False
+        more = f" (and {suppressed} more since the last report)" if suppressed else ""
+        log.warning("refused a request from %s: %s%s", peer, detail, more)
         return True
