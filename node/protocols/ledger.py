@@ -428,18 +428,21 @@ class SumWeightLedger(GossipProtocol):
             return []
         acked = set(acked_segments)
         folds = []
+        sent = 0.0
         for s, w in push.weights.items():
             self.reserved[s] = max(self.reserved[s] - w, 0.0)
             if not self.in_flight:
                 self.reserved[s] = 0.0  # no rounding remainder may outlive the pushes
             if s in acked:
                 self.weights[s] = max(self.weights[s] - w, 0.0)
-                self._account(push.peer, sent=w)
+                sent += w
             elif w > 0:
                 available = self.available(s)
                 folds.append(
                     FoldBack(push.peer, push.sequence, s, w / available if available > 0 else 1.0)
                 )
+        if acked & push.weights.keys():
+            self._account(push.peer, sent=sent)
         return folds
 
     # -- receiving ----------------------------------------------------------------------
@@ -488,10 +491,15 @@ class SumWeightLedger(GossipProtocol):
                 del self._seen[(sender, incarnation, old)]
             window = self._seen[(sender, incarnation, base)] = _Window(base)
         capacity = DEDUP_WINDOW * len(self.weights)
+        received = 0.0
+        merged = False
         for action in plan:
             if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
-                self._account(sender, received=action.weight_after - self.weights[action.segment])
+                received += action.weight_after - self.weights[action.segment]
                 self.weights[action.segment] = action.weight_after
+                merged = True
+        if merged:
+            self._account(sender, received=received)
 
     def on_message(
         self, sender: str, incarnation: int, sequence: int, segment: int, weight: float
