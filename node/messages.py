@@ -153,15 +153,14 @@ class EventQueue:
     What must arrive (outcomes, restarts, requests) is bounded by construction: a
     core has at most ``max_in_flight`` pushes and a few pulls out, and the loop asks
     one thing at a time while leaving. A view change replaces the one still waiting
-    (only the newest view matters), and a refusal is dropped, and counted, when the
-    queue is full: a flood of refused requests cannot grow it.
+    (only the newest view matters), and a refusal is dropped when the queue is full
+    (it was counted and logged where it was refused): a flood cannot grow the queue.
     """
 
     def __init__(self, capacity: int) -> None:
         self._items: queue.Queue[Event] = queue.Queue(maxsize=capacity)
         self._view: ViewChange | None = None
         self._view_lock = threading.Lock()
-        self.dropped_rejections = 0
 
     def put(self, event: Event) -> None:
         if isinstance(event, ViewChange):
@@ -173,7 +172,6 @@ class EventQueue:
             self._items.put_nowait(event)
         except queue.Full:
             if isinstance(event, Rejected):
-                self.dropped_rejections += 1
                 return
             raise GossipdError(
                 f"the replica's event queue is full ({self._items.maxsize} events): the "

@@ -84,7 +84,7 @@ from gossipd.node.segments import FlatModel
 
 # Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
 # core's in-flight limits), restarts, requests from the leaving loop, and refusals
-# (dropped, counted, beyond this).
+# (dropped beyond this; counted where they were refused).
 EVENT_QUEUE_SIZE = 4096
 
 
@@ -130,8 +130,6 @@ class Replica:
         self.pushes_acked = 0
         self.pushes_failed = 0
         self.pushes_merged = 0
-        self.pulls_merged = 0
-        self.pulls_failed = 0
         self.summary = Summary.of(self)
 
     @classmethod
@@ -258,10 +256,7 @@ class Replica:
             self._merge(item, report)
             item = self.inbox.get(None)
         self._apply_events(report)
-        now = self.clock()
-        while self._timers and self._timers[0][0] <= now:
-            _, tag = heapq.heappop(self._timers)
-            self._handle(TimerFired(tag, now))
+        self._fire_due(mid_step=False)
 
     def _apply_events(self, report: StepReport) -> None:
         while (event := self.events.get()) is not None:
@@ -331,10 +326,13 @@ class Replica:
         step boundary, where its snapshot is taken before anything merges.
         """
         with self.core_lock:
-            now = self.clock()
-            while self._timers and self._timers[0][0] <= now:
-                _, tag = heapq.heappop(self._timers)
-                self._carry_out(self.core.handle(TimerFired(tag, now)), mid_step=True)
+            self._fire_due(mid_step=True)
+
+    def _fire_due(self, *, mid_step: bool) -> None:
+        now = self.clock()
+        while self._timers and self._timers[0][0] <= now:
+            _, tag = heapq.heappop(self._timers)
+            self._carry_out(self.core.handle(TimerFired(tag, now)), mid_step=mid_step)
 
     def _send_deferred(self) -> None:
         with self.core_lock:
@@ -411,6 +409,9 @@ class Replica:
                     tuple(a.segment for a in plan if isinstance(a, Duplicate)),
                 )
             )
+            # Whoever hears this acknowledgement may read our status next: it must
+            # already show the merge, not the previous step boundary's summary.
+            self.summary = Summary.of(self)
             item.reply.set_result(acks)
         except (InvalidFrame, NonFinitePayload) as err:
             item.reply.set_exception(err)  # refused whole: the model is untouched
@@ -439,7 +440,6 @@ class Replica:
                 actions = self.core.handle(PullMerged(arrival))
                 for segment, blended in blends.items():
                     self.flat.load_segment(segment, blended)
-                self.pulls_merged += 1
                 report.pulled.append(
                     PullRecord(
                         pull.peer, pull.round, tuple(blends), pulled.nbytes, arrival.transfer_s
@@ -447,7 +447,6 @@ class Replica:
                 )
                 self._carry_out(actions)
                 return
-        self.pulls_failed += 1
         report.pulled.append(PullRecord(pull.peer, pull.round, (), error=error))
         self._carry_out(self.core.handle(PullFailed(pull.peer, pull.round, str(error))))
 

@@ -84,8 +84,6 @@ class Summary:
     pushes_acked: int
     pushes_failed: int
     pushes_merged: int
-    pulls_merged: int
-    pulls_failed: int
     peers: frozenset[str]
     exchanged: Mapping[str, PeerMass]
 
@@ -104,8 +102,6 @@ class Summary:
             pushes_acked=replica.pushes_acked,
             pushes_failed=replica.pushes_failed,
             pushes_merged=replica.pushes_merged,
-            pulls_merged=replica.pulls_merged,
-            pulls_failed=replica.pulls_failed,
             peers=core.peers,
             exchanged=core.exchanged,
         )

@@ -90,3 +90,16 @@ def test_a_barrier_resolves_with_the_summary_of_every_event_before_it():
     replica.barrier().add_done_callback(lambda _: seen.append(replica.summary.peers))
     replica.idle(0)
     assert seen == [frozenset({"newcomer"})]
+
+
+def test_a_merge_is_in_the_published_summary_before_it_is_acknowledged():
+    """A sender that commits on the acknowledgement and then reads the receiver's status
+    saw the receiver's previous summary (Σw 1.75 for 2 in test_library_api under load)."""
+    replica = _replica()
+    values = torch.full((replica.flat.plan.segments[0].numel,), 7.0)
+    item = InboundPush("s", 1, 1, [ReceivedSegment(0, 0.5, values)])
+    seen: list[tuple[float, ...]] = []
+    item.reply.add_done_callback(lambda _: seen.append(replica.summary.weights))
+    replica.inbox.put(item)
+    replica.idle(0)
+    assert seen == [(1.5,)]
