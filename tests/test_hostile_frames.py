@@ -57,22 +57,23 @@ class Wire:
         self.flat = FlatModel(job.model)
         self.fingerprint = self.flat.fingerprint
 
-    async def call(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+    def run(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
+        """The sync API on purpose: grpc.aio's client overwrites the server's status with
+        ``INTERNAL: Internal error from Core`` when one of its writes fails because the
+        server already ended the stream (grpc/grpc#36066), so an abort after the header
+        would read as a crash of the victim whenever the chunk was still being written."""
+        with grpc.insecure_channel(self.address) as channel:
             path = f"/gossipd.v1.Gossip/{method}"
             try:
                 if isinstance(frames, list):
                     rpc = channel.stream_unary(path, _identity, _identity)
-                    reply = await rpc(iter(frames), timeout=20)
+                    reply = rpc(iter(frames), timeout=20)
                 else:
                     rpc = channel.unary_unary(path, _identity, _identity)
-                    reply = await rpc(frames, timeout=20)
-            except grpc.aio.AioRpcError as err:
+                    reply = rpc(frames, timeout=20)
+            except grpc.RpcError as err:
                 return err.code(), err.details()
             return grpc.StatusCode.OK, reply
-
-    def run(self, method: str, frames: list[bytes] | bytes) -> tuple[grpc.StatusCode, Any]:
-        return asyncio.run(self.call(method, frames))
 
     def open_frame(self, **overrides: Any) -> bytes:
         fields = dict(

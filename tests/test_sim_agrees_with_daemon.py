@@ -109,7 +109,11 @@ def test_daemon_consensus_per_round_lies_within_the_simulators_band(tmp_path: Pa
 
     compared = set()
     for lo, hi, value in samples:
-        if lo < 1 or hi - lo > 1:  # before the first round, or spread over a wide window
+        # Each pull waits for its node's step boundary (the paced step holds the replica's
+        # lock), so a sample spans one boundary on every node; with the nodes' phases spread
+        # that is rounds lo..lo + 2 (CI at load: nearly every sample). The band is taken
+        # from lo and hi, so such a window widens it by one round, no more.
+        if lo < 1 or hi - lo > 2:  # before the first round, or spread over a wide window
             continue
         low, high = errors[min(hi + LEAD, ROUNDS + LEAD)] / FACTOR, errors[max(lo - 2, 0)] * FACTOR
         assert low <= value <= high, (lo, hi, value, errors, samples)
