@@ -40,6 +40,7 @@ STARTUP_TIMEOUT_S = 120.0
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 SETTLE_TIMEOUT_S = 60.0
 STATUS_PATIENCE_S = 60.0
+SAMPLE_PATIENCE_S = 10.0  # a progress sample is skipped, not waited for, past this
 
 
 @dataclass
@@ -303,20 +304,51 @@ class LocalMesh:
         job = build_job(JobSpec(self.spec.job, options=dict(self.spec.job_options)))
         self.plan = FlatModel(job.model).plan
 
-    async def pull_all(self) -> list[torch.Tensor]:
-        """Every node's model as one flat float64 vector, pulled over gRPC."""
-        identity = Identity(self.mesh_id, LAUNCHER_ID, "", 0, self.plan.fingerprint, "")
+    async def pull(self, index: int, patience_s: float = STATUS_PATIENCE_S) -> torch.Tensor:
+        """A node's model as one flat float64 vector, pulled again (while the node lives)
+        if one pull fails.
 
-        async def pull(i: int) -> torch.Tensor:
-            client = PeerClient(self.addresses[i], identity, tls=self.tls, expected=f"node-{i}")
+        On a loaded machine a pull can fail for reasons that pass (a TLS handshake
+        that reads ``Endpoint closing``, a deadline); a run must not be thrown away
+        for one of them. A node that died is a failure, said at once.
+        """
+        identity = Identity(self.mesh_id, LAUNCHER_ID, "", 0, self.plan.fingerprint, "")
+        deadline = time.monotonic() + patience_s
+        while True:
+            client = PeerClient(
+                self.addresses[index], identity, tls=self.tls, expected=f"node-{index}"
+            )
             try:
                 segs = (await client.pull(self.plan, Limits(), 60.0)).values
+                return as_vector([segs[k] for k in sorted(segs)])
+            except GossipdError:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise
             finally:
                 await client.close()
-            return as_vector([segs[k] for k in sorted(segs)])
+            await asyncio.sleep(0.5)
 
+    async def pull_all(self, patience_s: float = STATUS_PATIENCE_S) -> list[torch.Tensor]:
+        """Every node's model as one flat float64 vector, pulled over gRPC."""
         # All at once, so the models are as close to one moment as the network allows.
-        return list(await asyncio.gather(*(pull(i) for i in sorted(self.procs))))
+        return list(await asyncio.gather(*(self.pull(i, patience_s) for i in sorted(self.procs))))
+
+    def final_models(self) -> list[torch.Tensor]:
+        """Each node's model from the checkpoint it wrote at exit: the result of a run
+        whose last pull failed, read once the nodes are stopped."""
+        models = []
+        for i in range(self.spec.nodes):
+            path = self.node_dir(i) / checkpoint.FILENAME
+            if not path.exists():
+                raise GossipdError(
+                    f"the run's result is unknown: node-{i}'s model could not be pulled and it "
+                    f"wrote no final checkpoint ({path}); see {self.node_dir(i) / 'node.log'}"
+                )
+            models.append(
+                as_vector(checkpoint.load(path, fingerprint=self.plan.fingerprint).segments)
+            )
+        return models
 
     def initial(self) -> list[checkpoint.Checkpoint]:
         """Each node's ``initial.pt``: the model and weights before its first step."""
@@ -379,25 +411,37 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         sum_weight_start = _mean_weight_sum(c.weights for c in initial)
         timeline.append({"t": 0.0, "consensus_distance": distance_start})
         display.ready(distance_start)
+        skipped = 0
         while True:
             mesh.check_alive()
             states = await mesh.statuses()
             if all(s["training_done"] for s in states):
                 break
-            dist = consensus_distance(await mesh.pull_all())
-            t = time.monotonic() - t0
-            timeline.append({"t": t, "consensus_distance": dist})
-            display.sample(t, states, dist)
+            try:
+                dist = consensus_distance(await mesh.pull_all(SAMPLE_PATIENCE_S))
+            except GossipdError:
+                mesh.check_alive()  # a node that died fails the run; a lost sample does not
+                skipped += 1
+            else:
+                t = time.monotonic() - t0
+                timeline.append({"t": t, "consensus_distance": dist})
+                display.sample(t, states, dist)
             if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
                 raise GossipdError("nodes did not finish training in time; see node logs")
             await asyncio.sleep(spec.sample_interval_s)
         display.training_done()
         states = await mesh.wait_settled()
-        end_models = await mesh.pull_all()
-        distance_end = consensus_distance(end_models)
-        timeline.append({"t": time.monotonic() - t0, "consensus_distance": distance_end})
+        try:
+            end_models: list[torch.Tensor] | None = await mesh.pull_all()
+        except GossipdError as err:
+            mesh.check_alive()
+            end_models = None  # read from the final checkpoints once the nodes have stopped
+            progress.write(f"final pull failed ({err}); reading the nodes' final checkpoints\n")
+        end_t = time.monotonic() - t0
         sum_weight_end = _mean_weight_sum(s["sum_weights"] for s in states)
         exit_codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+        distance_end = consensus_distance(end_models or mesh.final_models())
+        timeline.append({"t": end_t, "consensus_distance": distance_end})
         nodes = []
         for i, state in enumerate(states):
             summary = _summary(mesh, i)
@@ -425,6 +469,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         "ok": all(c == 0 for c in exit_codes),
         "workdir": str(root),
         "timeline": timeline,
+        "samples_skipped": skipped,
     }
     if spec.plot_path is not None:
         from gossipd.node.plot import plot_mesh
