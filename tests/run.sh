@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The test command (README "Test"): the Debian packages the tests start for real, then pytest.
+#
+# Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
+# compose files. They are installed when missing and apt-get can run (root, or sudo
+# without a password); otherwise this says which are missing and how to install them,
+# and stops before pytest, since the tests that need them would fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(prometheus docker-compose)
+commands=(prometheus docker-compose)
+
+missing=()
+for i in "${!commands[@]}"; do
+  command -v "${commands[$i]}" >/dev/null || missing+=("${packages[$i]}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    apt=(apt-get)
+  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+    apt=(sudo apt-get)
+  else
+    echo "tests/run.sh: the tests need Debian packages that are missing: ${missing[*]}" >&2
+    echo "install them (sudo apt-get install ${missing[*]}) and run this again" >&2
+    exit 1
+  fi
+  echo "tests/run.sh: installing ${missing[*]} from Debian" >&2
+  "${apt[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+
+# pytest exits 5 when it collected nothing: that is a failure here.
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "tests/run.sh: pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$rc"
