@@ -36,6 +36,7 @@ PURE = [
     "gossipd.node.errors",
     "gossipd.node.membership",
     "gossipd.node.certs",
+    "gossipd.node.scheduler",
     *_submodules(gossipd.node.protocols),
     *_submodules(gossipd.node.sim),
 ]
