@@ -479,18 +479,32 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     return result
 
 
-def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
+def check_spec(spec: MeshSpec) -> None:
+    """What can be found wrong before any node starts: too few nodes, a bad job option."""
+    from gossipd.node.joboptions import check_job_options
+
     if spec.nodes < 2:
         raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
+    check_job_options(spec.job, spec.job_options)
+
+
+def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
+    check_spec(spec)
     progress = progress or (sys.stderr if spec.quiet else sys.stdout)
     if spec.workdir is not None:
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(_run(spec, spec.workdir, progress))
+        return run_mesh_in(spec, spec.workdir, progress)
     root = Path(tempfile.mkdtemp(prefix="gossipd-mesh-"))
     try:
-        return asyncio.run(_run(spec, root, progress))
+        return run_mesh_in(spec, root, progress)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def run_mesh_in(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+    """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
+    caller owns and removes (the demo keeps its two runs side by side under one directory)."""
+    return asyncio.run(_run(spec, root, progress))
 
 
 def print_table(result: dict[str, Any], file: TextIO) -> None:
