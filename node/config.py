@@ -239,11 +239,57 @@ class LimitsConfig(_Section):
     max_chunk_bytes: int = Field(4 << 20, ge=1024)
     max_segment_bytes: int = Field(1 << 30, ge=1024)
     inbox_size: int = Field(16, ge=1)
-    max_sum_weight: float = Field(
-        1e6, gt=0, description="largest sum-weight a payload may carry (a mesh starts at 1/node)"
+    max_sum_weight: float | None = Field(
+        None,
+        gt=0,
+        description="most sum-weight a segment may hold after a merge (a merge over it is "
+        "refused: WeightOverCap); unset: the number of founding members, taken as the largest "
+        "view this node has seen, itself included",
+    )
+    sink_score_bound: float = Field(
+        6.0,
+        gt=0,
+        description="a peer whose score of weight taken from this node and not returned "
+        "passes this is suspected of sinking weight and gets no more pushes from it",
+    )
+    sink_allowance: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="drift allowed per exchange in the sink score (higher: slower to suspect)",
     )
     max_inbound_pushes: int = Field(
         128, ge=1, description="inbound push streams at once (a push uses up to 4)"
+    )
+    max_inbound_pushes_per_peer: int = Field(
+        16,
+        ge=1,
+        description="inbound push streams one peer may hold at once (an honest one holds up "
+        "to 4 per push, one push at a time), so one peer never takes the others' slots",
+    )
+    min_push_rate_bytes_s: float = Field(
+        65536.0,
+        gt=0,
+        description="an inbound push must average this rate while we wait for it, after the "
+        "first stream_idle_timeout_s; a slower one is ended (a trickle holds no slot for long)",
+    )
+    max_payload_distance: float = Field(
+        100.0,
+        gt=0,
+        description="a payload segment whose RMS distance from this node's own exceeds this "
+        "many times max(RMS of its own, payload_scale_floor) is refused",
+    )
+    payload_scale_floor: float = Field(
+        1.0,
+        gt=0,
+        description="the smallest RMS max_payload_distance measures against (a near-zero "
+        "segment still accepts honest distances)",
+    )
+    merge_clip: float | None = Field(
+        None,
+        gt=0,
+        description="opt-in robust merge: an incoming segment is pulled toward ours until its "
+        "RMS distance is at most this many times max(RMS of ours, payload_scale_floor)",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_pending_bytes: int = Field(
@@ -322,6 +368,9 @@ class NodeConfig(_Section):
     )
     join_timeout_s: float = Field(60.0, gt=0)
     shutdown_timeout_s: float = Field(10.0, gt=0)
+    progress_interval_s: float = Field(
+        60.0, ge=0, description="one INFO progress line per interval; 0: none"
+    )
     job: JobConfig = JobConfig()
     gossip: GossipConfig = GossipConfig()
     membership: MembershipConfig = MembershipConfig()

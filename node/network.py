@@ -119,7 +119,7 @@ class Network:
         self.limits = Limits(
             config.limits.max_chunk_bytes,
             config.limits.max_segment_bytes,
-            config.limits.max_sum_weight,
+            config.limits.max_sum_weight or math.inf,  # the core caps the merged result
         )
         self.metrics = metrics or NodeMetrics()
         self.metrics.follow(lambda: self.replica.summary)
@@ -389,7 +389,8 @@ class Network:
             raise UnknownPeer(
                 f"sender {sender!r} (incarnation {incarnation}) is not a verified peer of "
                 f"{self.node_id}: it must Handshake and answer this node's Handshake at the "
-                "address it advertises"
+                "address it advertises (usual for a moment after that peer starts or rejoins; "
+                "its push is retried)"
             )
 
     async def on_push(
@@ -470,5 +471,9 @@ class Network:
         if isinstance(err, Leaving):
             self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
             return
-        if self.rejections.record(peer_host(peer), reason, str(err)):
+        # A push from a peer not verified (yet) is the rejoin race: a restarted peer pushes
+        # before this node's own Handshake to it completed, and is live a moment later
+        # (its push is retried). Counted like any refusal, but not a warning.
+        level = logging.INFO if isinstance(err, UnknownPeer) else logging.WARNING
+        if self.rejections.record(peer_host(peer), reason, str(err), level=level):
             self.replica.post(Rejected(peer, reason, str(err)))

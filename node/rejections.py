@@ -53,12 +53,22 @@ class RejectionLog:
         self.counts: Counter[str] = Counter()
         self.throttle = Throttle(interval_s, max_keys)
 
-    def record(self, peer: str, reason: str, detail: str, now: float | None = None) -> bool:
-        """Count one refusal; True if it was logged (first of its kind in this interval)."""
+    def record(
+        self,
+        peer: str,
+        reason: str,
+        detail: str,
+        now: float | None = None,
+        level: int = logging.WARNING,
+    ) -> bool:
+        """Count one refusal; True if it was logged (first of its kind in this interval).
+
+        ``level``: INFO for a refusal that is part of normal operation (a benign race),
+        so that WARNING keeps meaning "look at this"."""
         self.counts[reason] += 1
         suppressed = self.throttle.admit((peer, reason), now)
         if suppressed is None:
             return False
         more = f" (and {suppressed} more since the last report)" if suppressed else ""
-        log.warning("refused a request from %s: %s%s", peer, detail, more)
+        log.log(level, "refused a request from %s: %s%s", peer, detail, more)
         return True

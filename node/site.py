@@ -31,6 +31,7 @@ from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.network import Network
+from gossipd.node.progress_log import ProgressLog
 from gossipd.node.replica import Replica
 from gossipd.node.report import StepReport
 
@@ -317,6 +318,7 @@ class Site:
         """
         self.restore()
         await self.network.start()
+        progress = self._progress()
         try:
             try:
                 self.write_node_json()
@@ -331,7 +333,20 @@ class Site:
             self.loop_thread.go.set()
             await stop.wait()
         finally:
+            if progress is not None:
+                progress.cancel()
             await self.shutdown()
+
+    def _progress(self) -> asyncio.Task[None] | None:
+        """The periodic INFO line an operator tails (none when progress_interval_s = 0)."""
+        if not self.config.progress_interval_s:
+            return None
+        lines = ProgressLog(
+            self.config.progress_interval_s,
+            lambda: self.replica.summary,
+            lambda: len(self.network.membership.live()),
+        )
+        return asyncio.create_task(lines.run(), name="progress-log")
 
     async def _before_training(self) -> None:
         if self.config.join and self.resumed_from is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
@@ -100,3 +101,66 @@ async def query_status(
                 f"no status from {address}: {err.code().name}: {err.details()}; {hint}"
             ) from None
     return status_dict(reply)
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _weights(values: list[float]) -> str:
+    """Per-segment values: one number when all are equal, else each of them."""
+    if not values:
+        return "–"
+    if max(values) - min(values) < 1e-12:
+        return f"{_number(values[0])} (all {len(values)} segments)"
+    return " ".join(_number(v) for v in values)
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """`gossipd status` for a person: the node's state, then one row per known peer."""
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(status["rejected"].items())) or "none"
+    rows = [
+        ("node", f"{status['node_id']} (mesh {status['mesh_id']}, {status['protocol']})"),
+        ("security", status["transport_security"] or "–"),
+        ("step", f"{status['step']}" + (" (training done)" if status["training_done"] else "")),
+        ("loss", "– (no step yet)" if math.isnan(status["loss"]) else _number(status["loss"])),
+        ("round", str(status["round"])),
+        ("sum-weight", _weights(status["sum_weights"])),
+        ("reserved", _weights(status["reserved_weights"])),
+        (
+            "pushes",
+            f"{status['pushes_acked']} acknowledged, {status['pushes_failed']} failed, "
+            f"{status['pushes_merged']} merged here, {status['pushes_in_flight']} in flight",
+        ),
+        ("refused", rejected),
+        ("mass issues", str(status["mass_inconsistencies"])),
+        ("fingerprint", status["fingerprint"]),
+        ("checksum", status["params_checksum"] or "–"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    live, suspected = set(status["live_peers"]), set(status["suspected_peers"])
+    header = ("peer", "address", "incarnation", "state", "weight sent", "weight received")
+    table = [header]
+    for peer in sorted(status["peers"], key=lambda p: p["node_id"]):
+        node_id = peer["node_id"]
+        state = "suspected" if node_id in suspected else "live" if node_id in live else "known"
+        mass = status["exchanged"].get(node_id, {})
+        table.append(
+            (
+                node_id,
+                peer["address"],
+                str(peer["incarnation"]),
+                state,
+                _number(mass.get("sent", 0.0)),
+                _number(mass.get("received", 0.0)),
+            )
+        )
+    lines.append("")
+    if len(table) == 1:
+        lines.append("peers: none yet")
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
