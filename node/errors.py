@@ -26,6 +26,11 @@ class PayloadTooLarge(GossipdError):
     """A payload over the configured size limits."""
 
 
+class WeightOverCap(InvalidFrame):
+    """A push whose merge would lift a sum-weight over limits.max_sum_weight (or, unset, the
+    number of founding members): an inflated weight, refused before it spreads."""
+
+
 class NonFinitePayload(GossipdError):
     """A payload carrying NaN or infinity, which would poison every model it reaches."""
 
@@ -64,3 +69,18 @@ class Leaving(GossipdError):
 
 class StreamIdle(GossipdError):
     """An inbound stream that sent nothing, or a pull that read nothing, for too long."""
+
+
+class TooManyStreams(Busy):
+    """One peer already holds its share of the inbound push streams (a peer's cap, not the
+    node's): refused at once so it cannot take the slots the other peers need."""
+
+
+class PushTooSlow(StreamIdle):
+    """An inbound push below the minimum rate: it would hold its slot for hours, a byte at a
+    time, however short each silence is."""
+
+
+class PayloadOutOfBounds(GossipdError):
+    """A finite payload too far from this node's own model to be an honest estimate of it
+    (``limits.max_payload_distance``); refused whole, so the sender keeps its weight."""

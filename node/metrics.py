@@ -79,6 +79,18 @@ class NodeMetrics:
         self.merges = Counter(
             "gossipd_merges_total", "Segments merged into the local model", registry=r
         )
+        self.merges_clipped = Counter(
+            "gossipd_merges_clipped_total",
+            "Merged segments the robust merge pulled toward this node's own first "
+            "(limits.merge_clip); honest traffic should keep it at 0",
+            registry=r,
+        )
+        self.inbound_push_streams = Gauge(
+            "gossipd_inbound_push_streams",
+            "Inbound push streams open now (limits.max_inbound_pushes; one peer may hold "
+            "limits.max_inbound_pushes_per_peer of them)",
+            registry=r,
+        )
         self.mass_inconsistencies = Counter(
             "gossipd_mass_inconsistencies_total",
             "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"
@@ -88,6 +100,26 @@ class NodeMetrics:
         )
         self.sum_weight = Gauge(
             "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
+        )
+        self.weight_sinks = Gauge(
+            "gossipd_weight_sinks",
+            "Peers suspected of sinking weight (took this node's weight, gave none back; "
+            "limits.sink_score_bound): this node pushes nothing to them",
+            registry=r,
+        )
+        self.sum_weight_cap = Gauge(
+            "gossipd_sum_weight_cap",
+            "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
+            "the number of founding members); a merge over it is refused as WeightOverCap",
+            registry=r,
+        )
+        self.sum_weight_reserved = Gauge(
+            "gossipd_sum_weight_reserved",
+            "Sum-weight per segment promised to pushes not yet acknowledged; still counted in "
+            "gossipd_sum_weight until the ack, and at the receiver once merged: the mesh's "
+            "true total lies between sum(gossipd_sum_weight - this) and sum(gossipd_sum_weight)",
+            ["segment"],
+            registry=r,
         )
         self.live_peers = Gauge("gossipd_live_peers", "Peers currently considered live", registry=r)
         self.suspected_peers = Gauge(
@@ -160,6 +192,7 @@ class NodeMetrics:
             self.loss.set(loss)
         for m in report.merged:
             self.merges.inc(len(m.merged_segments))
+            self.merges_clipped.inc(len(m.clipped_segments))
 
     def record_checkpoint(self, write_s: float, unix_s: float) -> None:
         self.checkpoint_seconds.observe(write_s)
@@ -172,5 +205,9 @@ class NodeMetrics:
         self.round.set_function(lambda: summary().round)
         self.membership_epoch.set_function(lambda: summary().epoch)
         self.pushes_in_flight.set_function(lambda: summary().in_flight)
+        self.weight_sinks.set_function(lambda: len(summary().sinks))
+        self.sum_weight_cap.set_function(lambda: summary().weight_cap)
         for i in range(len(summary().weights)):
             self.sum_weight.labels(str(i)).set_function(lambda i=i: summary().weights[i])
+        for i in range(len(summary().reserved)):
+            self.sum_weight_reserved.labels(str(i)).set_function(lambda i=i: summary().reserved[i])

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import GossipdError, InvalidFrame, NonFinitePayload
+from gossipd.node.errors import (
+    GossipdError,
+    InvalidFrame,
+    NonFinitePayload,
+    PayloadOutOfBounds,
+    WeightOverCap,
+)
 from gossipd.node.fairlock import FairLock
 from gossipd.node.messages import (
     Ack,
@@ -46,6 +52,7 @@ from gossipd.node.messages import (
     Rejected,
     ViewChange,
 )
+from gossipd.node.payload_bound import PayloadBound
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     Action,
@@ -70,6 +77,7 @@ from gossipd.node.protocols.base import (
     TimerFired,
     TrainingEnded,
     ViewChanged,
+    WeightCapExceeded,
     shared_seed,
 )
 from gossipd.node.report import (
@@ -79,6 +87,7 @@ from gossipd.node.report import (
     Rejection,
     StepReport,
     Summary,
+    log_sinks,
 )
 from gossipd.node.segments import FlatModel
 
@@ -104,8 +113,11 @@ class Replica:
         settings: Mapping[str, Any] | None = None,
         inbox_size: int = 16,
         clock: Callable[[], float] = time.monotonic,
+        bound: PayloadBound | None = None,
     ) -> None:
+        """``bound``: what a payload may do to the model (the config's defaults if None)."""
         self.flat = FlatModel(model, segment_bytes)
+        self.bound = bound or PayloadBound()
         self.core: GossipProtocol = build(
             protocol, CoreSettings(node_id, len(self.flat.plan), **(settings or {}))
         )
@@ -147,9 +159,12 @@ class Replica:
                 "initial_weight": 0.0 if config.join else 1.0,
                 "max_in_flight": gossip.max_pushes_in_flight,
                 "max_weight": config.limits.max_sum_weight,
+                "sink_bound": config.limits.sink_score_bound,
+                "sink_allowance": config.limits.sink_allowance,
                 "options": gossip.options,  # the protocol's own [gossip.<protocol>] table
             },
             inbox_size=config.limits.inbox_size,
+            bound=PayloadBound.from_limits(config.limits),
         )
 
     @property
@@ -206,7 +221,8 @@ class Replica:
             self.drain(report)
             for push in self._handle(StepEnded(self.steps, self.clock())):
                 report.started_push_to = push.peer
-            self.summary = Summary.of(self)
+            before, self.summary = self.summary, Summary.of(self)
+            log_sinks(before, self.summary)
             return report
 
     def finish_training(self) -> None:
@@ -221,7 +237,8 @@ class Replica:
         with self.lock, self.core_lock:
             report = StepReport(self.steps)
             self.drain(report, wait_s)
-            self.summary = Summary.of(self)
+            before, self.summary = self.summary, Summary.of(self)
+            log_sinks(before, self.summary)
             return report
 
     def settled(self) -> bool:
@@ -388,7 +405,7 @@ class Replica:
             )
             values = {seg.segment: seg.values for seg in item.segments}
             what = f"push {item.sender}#{item.sequence}"
-            plan, blends = self._plan(arrival, values, what, merge_new=item.merge_new)
+            plan, blends, clipped = self._plan(arrival, values, what, merge_new=item.merge_new)
             if item.merge_new:
                 self.core.handle(PayloadMerged(arrival))
             for segment, blended in blends.items():
@@ -407,13 +424,14 @@ class Replica:
                     item.sequence,
                     tuple(blends),
                     tuple(a.segment for a in plan if isinstance(a, Duplicate)),
+                    clipped,
                 )
             )
             # Whoever hears this acknowledgement may read our status next: it must
             # already show the merge, not the previous step boundary's summary.
             self.summary = Summary.of(self)
             item.reply.set_result(acks)
-        except (InvalidFrame, NonFinitePayload) as err:
+        except (InvalidFrame, NonFinitePayload, PayloadOutOfBounds) as err:
             item.reply.set_exception(err)  # refused whole: the model is untouched
         except Exception as err:  # never strand the waiting servicer
             item.reply.set_exception(err)
@@ -433,8 +451,8 @@ class Replica:
                 pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
             )
             try:
-                _, blends = self._plan(arrival, pulled.values, f"pull from {pull.peer}")
-            except (InvalidFrame, NonFinitePayload) as err:
+                _, blends, _ = self._plan(arrival, pulled.values, f"pull from {pull.peer}")
+            except (InvalidFrame, NonFinitePayload, PayloadOutOfBounds) as err:
                 error = str(err)
             else:
                 actions = self.core.handle(PullMerged(arrival))
@@ -482,31 +500,38 @@ class Replica:
         what: str,
         *,
         merge_new: bool = True,
-    ) -> tuple[list[Action], dict[int, torch.Tensor]]:
-        """The core's answer to ``arrival`` and every blend it asks for, checked, none applied.
+    ) -> tuple[list[Action], dict[int, torch.Tensor], tuple[int, ...]]:
+        """The core's answer to ``arrival``, every blend it asks for (checked against the
+        payload bound, none applied) and the segments the robust merge clipped.
 
         ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges nothing).
         """
         try:
             plan = self.core.handle(arrival)
         except Refused as err:
-            raise InvalidFrame(f"{what}: {err}") from None
+            refusal = WeightOverCap if isinstance(err, WeightCapExceeded) else InvalidFrame
+            raise refusal(f"{what}: {err}") from None
         if not merge_new:
             plan = [a for a in plan if isinstance(a, Duplicate)]
         blends: dict[int, torch.Tensor] = {}
+        clipped: list[int] = []
         for action in plan:
             if not isinstance(action, Merge):
                 continue
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
-            blended = self.flat.blend(action.segment, values[action.segment], action.alpha)
+            own = self.flat.buffers[action.segment]
+            incoming, clip = self.bound.admit(own, values[action.segment], what, action.segment)
+            if clip:
+                clipped.append(action.segment)
+            blended = self.flat.blend(action.segment, incoming, action.alpha)
             if blended is None:
                 raise NonFinitePayload(
                     f"merging segment {action.segment} of {what} would make the model "
                     "non-finite; refused, nothing merged"
                 )
             blends[action.segment] = blended
-        return plan, blends
+        return plan, blends, tuple(clipped)
 
 
 def _resolve(reply: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:

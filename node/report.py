@@ -9,6 +9,8 @@ taking the trainer's lock.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +20,8 @@ from gossipd.node.protocols.base import PeerMass
 if TYPE_CHECKING:
     from gossipd.node.replica import Replica
 
+log = logging.getLogger("gossipd.node.report")
+
 
 @dataclass(frozen=True)
 class MergeRecord:
@@ -25,6 +29,7 @@ class MergeRecord:
     sequence: int
     merged_segments: tuple[int, ...]
     duplicate_segments: tuple[int, ...]
+    clipped_segments: tuple[int, ...] = ()  # pulled in by limits.merge_clip, then merged
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class Summary:
     pushes_merged: int
     peers: frozenset[str]
     exchanged: Mapping[str, PeerMass]
+    sinks: frozenset[str] = frozenset()  # peers suspected of sinking weight (no pushes to them)
+    weight_cap: float = math.inf  # the most sum-weight a segment may hold after a merge
 
     @classmethod
     def of(cls, replica: Replica) -> Summary:
@@ -104,4 +111,20 @@ class Summary:
             pushes_merged=replica.pushes_merged,
             peers=core.peers,
             exchanged=core.exchanged,
+            sinks=frozenset(core.extra.get("sinks", ())),
+            weight_cap=float(core.extra.get("weight_cap", math.inf)),
         )
+
+
+def log_sinks(before: Summary, after: Summary) -> None:
+    """Tell the operator when a peer starts or stops being suspected of sinking weight."""
+    for peer in sorted(after.sinks - before.sinks):
+        log.warning(
+            "peer %s took this node's weight and gave none back (sink score over "
+            "limits.sink_score_bound): no more pushes to it until it pushes weight back; "
+            "if it is a member you trust, check its logs: it acknowledges pushes but never "
+            "pushes",
+            peer,
+        )
+    for peer in sorted(before.sinks - after.sinks):
+        log.info("peer %s pushed weight back: no longer suspected of sinking weight", peer)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.protocols.base import Duplicate, FoldBack, Merge, Push, Refused
+from gossipd.node.protocols.base import Duplicate, FoldBack, Merge, Push, Refused, WeightCapExceeded
 from gossipd.node.protocols.ledger import DEDUP_WINDOW, SEQUENCE_AHEAD
 from gossipd.node.protocols.sumweight import SumWeightGossip
 
@@ -986,22 +986,29 @@ def test_zero_weight_message_to_zero_weight_node_leaves_model_unchanged():
 
 
 @pytest.mark.parametrize("weight", [-1e-300, -1.0, math.nan, math.inf, -math.inf, 1e3 + 1e-9])
-def test_weight_not_finite_in_zero_to_max_weight_is_refused_and_changes_nothing(weight):
+def test_weight_not_finite_or_lifting_the_result_over_max_weight_is_refused_and_changes_nothing(
+    weight,
+):
     node = make(max_weight=1e3)
     node.on_step_end()  # something reserved: must stay as it is
     node.on_message("b", 0, 1, 0, 0.5)  # a window exists: must stay as it is
     state = snapshot(node)
     with pytest.raises(Refused, match=str(weight).replace("+", r"\+")):
         node.on_message("b", 0, 2, 0, weight)
-    with pytest.raises(Refused, match="max_sum_weight"):
+    with pytest.raises(Refused, match=r"not a finite number|max_sum_weight"):
         node.plan_receive("b", 0, 2, {1: 0.5, 0: weight})
     assert snapshot(node) == state
     assert isinstance(node.on_message("b", 0, 2, 0, 0.5), Merge)  # not remembered as seen
 
 
-def test_weight_equal_to_max_weight_is_merged():
+def test_merge_whose_result_equals_max_weight_is_merged_and_one_above_is_refused():
+    """Issue 12: 60 pushes of 1e6, each under the per-message cap, gave a node 6.2e7;
+    the cap is on the weight a merge leaves, so the sum of many pushes cannot pass it."""
     node = make(max_weight=1e3, peers=())
-    assert node.on_message("b", 0, 1, 0, 1e3) == Merge(0, 1e3 / 1001.0, 1001.0)
+    assert node.on_message("b", 0, 1, 0, 999.0) == Merge(0, 999.0 / 1000.0, 1000.0)
+    with pytest.raises(WeightCapExceeded, match="max_sum_weight"):
+        node.on_message("b", 0, 2, 0, 1e-9)
+    assert node.weights[0] == 1000.0
 
 
 @pytest.mark.parametrize("segment", [-1, 2, 100])
@@ -1106,7 +1113,8 @@ _receive_ops = st.lists(
 @given(ops=_receive_ops)
 def test_receiver_answers_duplicate_exactly_for_segments_it_merged_before(ops):
     """Reference model: DUPLICATE iff that (sender, incarnation, sequence, segment) was
-    merged; Refused iff a weight is outside [0, max_weight] or the sequence is more than
+    merged; Refused iff a weight is negative, or merging a new segment would lift its weight
+    over max_weight (the cap is on the result, not the message), or the sequence is more than
     SEQUENCE_AHEAD beyond the highest merged from that sender incarnation (0 before the
     first); a refused or abandoned plan changes nothing."""
     node = make(num_segments=3, peers=(), max_weight=8.0)
@@ -1115,8 +1123,15 @@ def test_receiver_answers_duplicate_exactly_for_segments_it_merged_before(ops):
     for sender, incarnation, sequence, weights, apply in ops:
         state = snapshot(node)
         top = highest.get((sender, incarnation))
-        refuse = sequence > (top or 0) + SEQUENCE_AHEAD or not all(
-            0.0 <= w <= 8.0 for w in weights.values()
+        over_cap = any(
+            node.weights[s] + w > 8.0
+            for s, w in weights.items()
+            if (sender, incarnation, sequence, s) not in merged
+        )
+        refuse = (
+            sequence > (top or 0) + SEQUENCE_AHEAD
+            or not all(w >= 0.0 for w in weights.values())
+            or over_cap
         )
         if refuse:
             with pytest.raises(Refused):

@@ -34,6 +34,10 @@ class Refused(ValueError):
     """A payload the core will not merge; nothing was changed."""
 
 
+class WeightCapExceeded(Refused):
+    """A payload whose merge would lift a sum-weight over the cap; nothing was changed."""
+
+
 # -- events ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepEnded:

@@ -83,8 +83,10 @@ from gossipd.node.protocols.base import (
     TrainingEnded,
     View,
     ViewChanged,
+    WeightCapExceeded,
     ranked,
 )
+from gossipd.node.protocols.sinks import SinkWatch
 
 # How many recent sequences are remembered per (sender, incarnation). Sequences are
 # per edge and a sender has at most one push in flight to us, so a retry older
@@ -97,6 +99,8 @@ SEQUENCE_AHEAD = 1024
 # node restarts or drops out of its view, and has one push in flight to it, so
 # only the newest two ever matter; the rest bounds what a lying sender can open.
 NUMBERINGS_KEPT = 4
+# The derived weight cap is this many times the number of founding members (weight_cap).
+FAULT_HEADROOM = 2.0
 # Peers whose exchanged weight is kept (operators' audit; verified peers only).
 EXCHANGED_KEPT = 1024
 
@@ -176,8 +180,14 @@ class SumWeightLedger(GossipProtocol):
         rng: random.Random,
         initial_weight: float = 1.0,
         max_in_flight: int = 2,
-        max_weight: float = math.inf,
+        max_weight: float | None = math.inf,
+        sink_bound: float = 6.0,
+        sink_allowance: float = 0.5,
     ) -> None:
+        """``max_weight``: the most weight a segment may hold after a merge (None: derived
+        from the number of founding members, see :attr:`weight_cap`; the daemon's default);
+        ``sink_bound`` and ``sink_allowance``: when a peer is suspected of sinking weight
+        (:mod:`.sinks`)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -197,6 +207,9 @@ class SumWeightLedger(GossipProtocol):
         self._bases: dict[str, int] = {}  # first sequence of the current numbering to each
         self._seen: dict[tuple[str, int, int], _Window] = {}  # (sender, incarnation, base)
         self._exchanged: dict[str, PeerMass] = {}
+        self.sinks = SinkWatch(sink_bound, sink_allowance)
+        self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
+        self._largest_view = max(1, math.ceil(initial_weight))
 
     # -- the interface ------------------------------------------------------------------
     def handle(self, event: Event) -> list[Action]:
@@ -240,6 +253,7 @@ class SumWeightLedger(GossipProtocol):
             in_flight=len(self.in_flight),
             peers=self.peers,
             exchanged=dict(self._exchanged),
+            extra={"sinks": self.sinks.sinks(), "weight_cap": self.weight_cap},
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -266,6 +280,8 @@ class SumWeightLedger(GossipProtocol):
                 for (s, i, b), w in self._seen.items()
             ],
             "exchanged": {peer: dataclasses.asdict(m) for peer, m in self._exchanged.items()},
+            "sink_scores": self.sinks.state(),
+            "largest_view": self._largest_view,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -299,6 +315,9 @@ class SumWeightLedger(GossipProtocol):
             for w in state.get("windows", ())
         }
         self._exchanged = {peer: PeerMass(**m) for peer, m in state.get("exchanged", {}).items()}
+        self._shares.clear()
+        self.sinks.restore(state.get("sink_scores", {}))
+        self._largest_view = max(self._largest_view, int(state.get("largest_view", 1)))
 
     # -- what subclasses decide ----------------------------------------------------------
     @abstractmethod
@@ -316,6 +335,24 @@ class SumWeightLedger(GossipProtocol):
         for gone in frozenset(self.view.members) - members:
             self.new_numbering(gone)  # it may come back from a checkpoint
         self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
+        self._largest_view = max(self._largest_view, len(self.view.members))
+
+    @property
+    def weight_cap(self) -> float:
+        """The most sum-weight one segment may hold after a merge.
+
+        Founding members start at weight 1 and joiners at 0, so Σw is the number of
+        founding members and no honest weight exceeds it. Unless ``max_weight`` says
+        otherwise, this node takes that number as the largest view it has seen (itself
+        included): a joiner can only raise it (looser, never wrong), and a founder this
+        node never saw makes it tight, which refuses a merge (the sender folds its weight
+        back: nothing is lost) until the view grows. The cap is ``FAULT_HEADROOM`` times
+        that number: faults may create weight (a receiver declared dead after it merged
+        leaves the push's weight twice), and an honest node must not be refused for it.
+        """
+        if self.max_weight is not None:
+            return self.max_weight
+        return FAULT_HEADROOM * float(self._largest_view)
 
     @property
     def peers(self) -> frozenset[str]:
@@ -366,10 +403,12 @@ class SumWeightLedger(GossipProtocol):
         return {peer for peer, _ in self.in_flight}
 
     def can_push(self, peer: str) -> bool:
-        """A free slot, and nothing unacknowledged to ``peer`` already (one per edge)."""
+        """A free slot, nothing unacknowledged to ``peer`` already (one per edge), and
+        ``peer`` not suspected of sinking weight (:mod:`.sinks`)."""
         return (
             peer != self.node_id
             and len(self.in_flight) < self.max_in_flight
+            and not self.sinks.suspected(peer)
             and all(p != peer for p, _ in self.in_flight)
         )
 
@@ -389,10 +428,14 @@ class SumWeightLedger(GossipProtocol):
                 raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")
         sequence = self._sequences.get(peer, 0) + 1
         self._sequences[peer] = sequence
+        shares = {
+            s: w / self.available(s) if self.available(s) > 0 else 1.0 for s, w in weights.items()
+        }
         for s, w in weights.items():
             self.reserved[s] = self.weights[s] if everything else self.reserved[s] + w
         push = Push(peer, sequence, weights, self.round, self._bases.get(peer, 1))
         self.in_flight[push.key] = push
+        self._shares[push.key] = shares
         return push
 
     def push_share(
@@ -405,7 +448,7 @@ class SumWeightLedger(GossipProtocol):
     def hand_off(self, peer: str | None = None) -> Push | None:
         """Hand all available weight to ``peer`` (or a random live one) before leaving."""
         if peer is None:
-            peers = sorted(self.peers)
+            peers = sorted(p for p in self.peers if not self.sinks.suspected(p))
             if not peers:
                 return None
             peer = self.rng.choice(peers)
@@ -424,6 +467,7 @@ class SumWeightLedger(GossipProtocol):
         Σ w·x would drift every time a peer dies mid-push.
         """
         push = self.in_flight.pop(key, None)
+        shares = self._shares.pop(key, {})
         if push is None:
             return []
         acked = set(acked_segments)
@@ -443,6 +487,8 @@ class SumWeightLedger(GossipProtocol):
                 )
         if acked & push.weights.keys():
             self._account(push.peer, sent=sent)
+            taken = sum(f for s, f in shares.items() if s in acked)
+            self.sinks.sent(push.peer, taken / len(self.weights))
         return folds
 
     # -- receiving ----------------------------------------------------------------------
@@ -461,14 +507,21 @@ class SumWeightLedger(GossipProtocol):
         for segment, weight in weights.items():
             if not 0 <= segment < len(self.weights):
                 raise Refused(f"segment {segment} out of range 0..{len(self.weights) - 1}")
-            if not (math.isfinite(weight) and 0 <= weight <= self.max_weight):
+            if not (math.isfinite(weight) and weight >= 0):
                 raise Refused(
-                    f"sum-weight {weight} of segment {segment} is not a finite number in "
-                    f"[0, {self.max_weight}] (limits.max_sum_weight)"
+                    f"sum-weight {weight} of segment {segment} is not a finite number >= 0"
                 )
             if not window.is_new(sequence, segment):
                 actions.append(Duplicate(segment))
                 continue
+            if self.weights[segment] + weight > self.weight_cap:
+                raise WeightCapExceeded(
+                    f"merging sum-weight {weight!r} into segment {segment} would raise it from "
+                    f"{self.weights[segment]:g} to {self.weights[segment] + weight:g}, over the "
+                    f"cap {self.weight_cap:g} (limits.max_sum_weight; unset: the number of "
+                    "founding members, the largest view this node has seen); refused, nothing "
+                    "merged"
+                )
             mine = self.available(segment)
             total = mine + weight
             alpha = weight / total if total > 0 else 0.0
@@ -492,14 +545,19 @@ class SumWeightLedger(GossipProtocol):
             window = self._seen[(sender, incarnation, base)] = _Window(base)
         capacity = DEDUP_WINDOW * len(self.weights)
         received = 0.0
+        share = 0.0
         merged = False
         for action in plan:
             if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
-                received += action.weight_after - self.weights[action.segment]
+                weight = action.weight_after - self.weights[action.segment]
+                mine = self.available(action.segment)
+                received += weight
+                share += weight / mine if mine > 0 else (math.inf if weight > 0 else 0.0)
                 self.weights[action.segment] = action.weight_after
                 merged = True
         if merged:
             self._account(sender, received=received)
+            self.sinks.received(sender, share / len(self.weights))
 
     def on_message(
         self, sender: str, incarnation: int, sequence: int, segment: int, weight: float

@@ -44,7 +44,9 @@ class CoreSettings:
     mesh_seed: int = 0
     initial_weight: float = 1.0
     max_in_flight: int = 4
-    max_weight: float = 1e6
+    max_weight: float | None = None  # None: the number of founding members (largest view)
+    sink_bound: float = 6.0
+    sink_allowance: float = 0.5
     options: Mapping[str, Any] | ProtocolSettings = field(default_factory=dict)
 
     def ledger(self) -> dict[str, Any]:
@@ -56,6 +58,8 @@ class CoreSettings:
             "initial_weight": self.initial_weight,
             "max_in_flight": self.max_in_flight,
             "max_weight": self.max_weight,
+            "sink_bound": self.sink_bound,
+            "sink_allowance": self.sink_allowance,
         }
 
 

@@ -1,0 +1,99 @@
+"""Suspecting a weight sink: a member that takes this node's weight and never gives any back.
+
+mTLS proves who a peer is, not that it is honest. A member that acknowledges every
+push as merged and never pushes back drains the mesh's sum-weights to nothing (a
+3-site mesh lost Σw 2.47e6 → 8e-14 in 8 s and stopped gossiping). This watch keeps,
+per peer, one score of the weight the peer took from this node and did not return,
+and the ledger stops pushing to a peer while its score is over ``bound``.
+
+The score is a one-sided CUSUM over *shares of this node's own weight*, so it does
+not care how much weight the mesh holds (a sink that drains the mesh shrinks every
+push; a score in absolute weight would stop growing before it tripped):
+
+* an acknowledged push to the peer adds ``(1 − allowance)·f``, where ``f`` is the
+  fraction of this node's available weight the push carried (mean over segments;
+  every protocol here pushes halves, f = 1/2);
+* a payload merged from the peer subtracts ``(1 + allowance)·r/a``, where ``r`` is
+  the weight it brought and ``a`` this node's available weight before it (mean over
+  segments); the score never goes below 0.
+
+Honest flows between two peers are a zero-drift random walk in weight, and in these
+shares they drift *down* (r/a averages at least 1/2 when both push halves of
+weights with the same mean, by Jensen), and ``allowance`` adds a drift of
+``−allowance·(f + r/a)`` per event, so an honest peer's score is a reflected walk
+with negative drift: it has a stationary distribution with an exponential tail and
+does not creep up with the length of the run (a cumulative net weight, or a count of
+pushes, does: their excursions grow as √t). A sink returns nothing, so its score
+grows by ``(1 − allowance)·f`` per push and it is suspected after at most
+``ceil(bound / ((1 − allowance)·f))`` acknowledged pushes from this node, plus the
+pushes already in flight to it (one per edge). That is the amount a sink can take:
+that many pushes' worth, each ``f`` of this node's weight at the time (and each below
+``limits.max_sum_weight``). A peer stays suspected until it returns weight (its own
+pushes bring the score down); nothing but that clears it, so waiting does not help a
+sink.
+
+Pure: no clock, no I/O; the simulator drives it through the same cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Peers whose score is kept; beyond this, a peer with score 0 (or the oldest) is forgotten.
+SCORES_KEPT = 1024
+
+
+@dataclass
+class SinkWatch:
+    """Per-peer score of weight taken and not returned; suspected while over ``bound``."""
+
+    bound: float
+    allowance: float
+    scores: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bound) and self.bound > 0):
+            raise ValueError(f"sink bound must be finite and > 0, got {self.bound}")
+        if not 0 <= self.allowance < 1:
+            raise ValueError(f"sink allowance must be in [0, 1), got {self.allowance}")
+
+    def pushes_to_suspect(self, share: float = 0.5) -> int:
+        """How many acknowledged pushes of ``share`` of this node's weight, none returned,
+        make a peer suspected: the stated amount a sink can take (plus one in flight)."""
+        return math.floor(self.bound / ((1 - self.allowance) * share)) + 1
+
+    def sent(self, peer: str, share: float) -> None:
+        """``peer`` acknowledged a push of ``share`` of this node's available weight."""
+        self._move(peer, (1 - self.allowance) * share)
+
+    def received(self, peer: str, share: float) -> None:
+        """A payload of ``share`` (its weight over this node's available weight) merged."""
+        self._move(peer, -(1 + self.allowance) * share)
+
+    def suspected(self, peer: str) -> bool:
+        return self.scores.get(peer, 0.0) > self.bound
+
+    def sinks(self) -> frozenset[str]:
+        """Every peer suspected now."""
+        return frozenset(p for p, s in self.scores.items() if s > self.bound)
+
+    def _move(self, peer: str, delta: float) -> None:
+        score = self.scores.get(peer)
+        if score is None:
+            if delta <= 0:
+                return  # a score of 0 need not be kept
+            if len(self.scores) >= SCORES_KEPT:
+                idle = next((p for p, s in self.scores.items() if s == 0.0), None)
+                self.scores.pop(idle if idle is not None else next(iter(self.scores)))
+            score = 0.0
+        self.scores[peer] = max(0.0, score + delta)
+
+    def state(self) -> dict[str, float]:
+        return dict(self.scores)
+
+    def restore(self, scores: Mapping[str, Any]) -> None:
+        """Scores from a checkpoint: a sink does not escape suspicion by outlasting a restart."""
+        self.scores = {str(p): float(s) for p, s in scores.items() if float(s) > 0}
