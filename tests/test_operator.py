@@ -21,6 +21,7 @@ from tests.conftest import (
     DaemonHandle,
     answering,
     check_alive,
+    scrape_metrics,
     status_of,
     wait_until,
     write_node_config,
@@ -188,3 +189,15 @@ def test_a_taken_port_and_an_unwritable_data_dir_fail_before_torch_is_imported(
     blocker.write_text("not a directory")
     err = _start_failure(tmp_path, data_dir=blocker / "state")
     assert f"data_dir = {blocker / 'state'}: cannot write there" in err
+
+
+def test_metrics_export_the_reserved_weight_beside_the_sum_weight(site: DaemonHandle) -> None:
+    """The dashboard's bracket for the mesh total, Σ(weight − reserved) ≤ total ≤ Σ weight,
+    needs what each node has promised to pushes in flight, per segment."""
+    metrics = scrape_metrics(site.node_json()["metrics_port"])
+    status = status_of(site)
+    segments = len(status["sum_weights"])
+    reserved = [metrics[f'gossipd_sum_weight_reserved{{segment="{i}"}}'] for i in range(segments)]
+    weights = [metrics[f'gossipd_sum_weight{{segment="{i}"}}'] for i in range(segments)]
+    assert reserved == status["reserved_weights"] == [0.0] * segments  # alone: nothing out
+    assert weights == status["sum_weights"] == [1.0] * segments
