@@ -435,3 +435,12 @@ def test_git_ignores_every_file_make_certs_writes(certs: Path) -> None:
     done = _run(["git", "-C", str(REPO), "check-ignore", "--no-index", *paths])
     ignored = set(done.stdout.splitlines())
     assert ignored == set(paths), f"not ignored by git: {sorted(set(paths) - ignored)}"
+
+
+def test_sites_stop_restarting_after_a_few_failed_starts(compose: dict[str, Any]) -> None:
+    """A start-up mistake exits 2 and would again on every restart: a site restarts a few
+    times at most (on-failure:N, never `always`/`unless-stopped`), so its last log line,
+    the reason, stays readable instead of scrolling by forever."""
+    for name, service in _sites(compose).items():
+        policy, _, tries = service["restart"].partition(":")
+        assert policy == "on-failure" and 1 <= int(tries) <= 5, f"{name}: {service['restart']}"
