@@ -6,9 +6,11 @@ INVALID_ARGUMENT instead of grpc's generic UNKNOWN. Every gossipd error maps to
 its status code with the same text the local log gets.
 
 Streams are admitted against the caps in ``limits`` (see :mod:`admission`):
-concurrent pushes and pulls, payload bytes held by unfinished pushes, and how
-long a stream may stay silent. A silent push, or a pull whose reader stopped
-reading, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`, counted).
+concurrent pushes and pulls, pushes per peer (a member with a valid certificate
+still cannot take the slots the others need), payload bytes held by unfinished
+pushes, how long a stream may stay silent and how slowly a push may arrive. A
+silent or trickling push, or a pull whose reader stopped reading, is ended with
+DEADLINE_EXCEEDED (:class:`StreamIdle`, :class:`PushTooSlow`, counted).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gossipd.node import errors
-from gossipd.node.admission import ByteBudget, IdleBounded, Slots
+from gossipd.node.admission import ByteBudget, IdleBounded, PeerSlots, Slots
 from gossipd.node.certs import CertificateError
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
@@ -35,6 +37,7 @@ from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
     from gossipd.node.config import NodeConfig
+    from gossipd.node.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 SERVICE = "gossipd.v1.Gossip"
@@ -57,6 +60,9 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.ForgedLeave: grpc.StatusCode.PERMISSION_DENIED,
     errors.Leaving: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PushTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.PayloadOutOfBounds: grpc.StatusCode.INVALID_ARGUMENT,
     IdentityMismatch: grpc.StatusCode.PERMISSION_DENIED,
     NotAllowed: grpc.StatusCode.PERMISSION_DENIED,
     CertificateError: grpc.StatusCode.UNAUTHENTICATED,
@@ -113,6 +119,15 @@ def _parse_push_frame(data: bytes) -> pb.PushFrame | memoryview | Malformed:
     return _push_frame_parser(data)
 
 
+def _frame_size(frame: pb.PushFrame | memoryview | Malformed) -> int:
+    """Bytes a push frame brought, for the minimum rate (a chunk: its payload)."""
+    if isinstance(frame, memoryview):
+        return len(frame)
+    if isinstance(frame, Malformed):
+        return frame.size
+    return frame.ByteSize()
+
+
 def _require(message: T | Malformed) -> T:
     if isinstance(message, Malformed):
         raise InvalidFrame(
@@ -132,6 +147,7 @@ class Handlers(Protocol):
     protocol: str
     tls: Credentials
     config: NodeConfig
+    metrics: NodeMetrics
 
     def new_assembler(self) -> SegmentAssembler: ...
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
@@ -158,8 +174,15 @@ class GossipServicer:
         self.pulls = Slots(
             limits.max_inbound_pulls, "PullModel streams", "limits.max_inbound_pulls"
         )
+        self.peer_pushes = PeerSlots(
+            limits.max_inbound_pushes_per_peer,
+            "inbound push streams",
+            "limits.max_inbound_pushes_per_peer",
+        )
+        self.min_push_rate = limits.min_push_rate_bytes_s
         self.pending = ByteBudget(limits.max_pending_bytes, "limits.max_pending_bytes")
         self.pending.check_fits(node.new_assembler().plan)
+        node.metrics.inbound_push_streams.set_function(lambda: self.pushes.in_use)
 
     def check_mesh(self, mesh_id: str, who: str) -> None:
         if mesh_id != self.node.mesh_id:
@@ -207,15 +230,28 @@ class GossipServicer:
 
         async def call() -> pb.PushReply:
             who = self.node.tls.peer_id(context)
-            with self.pushes.take(), self.pending.hold() as held:
+            with contextlib.ExitStack() as slots:
+                # A peer's own cap first: over it, a stream never touches the shared one.
+                # In plaintext nobody is known before the open frame names its sender.
+                if who is not None:
+                    slots.enter_context(self.peer_pushes.take(who))
+                slots.enter_context(self.pushes.take())
+                held = slots.enter_context(self.pending.hold())
                 frames = IdleBounded(
-                    aiter(request_iterator), self.idle_s, "limits.stream_idle_timeout_s"
+                    aiter(request_iterator),
+                    self.idle_s,
+                    "limits.stream_idle_timeout_s",
+                    min_rate=self.min_push_rate,
+                    rate_key="limits.min_push_rate_bytes_s",
+                    size=_frame_size,
                 )
                 first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
                 if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
                     raise InvalidFrame("a push stream must start with a PushOpen frame")
                 opened = first.open
                 check_claim(who, opened.sender, "a push")
+                if who is None:
+                    slots.enter_context(self.peer_pushes.take(opened.sender))
                 self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
                 check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
                 self.node.check_sender(opened.sender, opened.incarnation)
