@@ -421,8 +421,8 @@ class SumWeightLedger(GossipProtocol):
         round away from it, leaving a leaving node a crumb it no longer has.
         """
         weights = {s: float(w) for s, w in amounts.items()}
-        if not any(w > 0 for w in weights.values()):
-            return None
+        if not any(w > 0 for w in weights.values()) or self.sinks.suspected(peer):
+            return None  # nothing to send, or nothing more for a suspected sink
         for s, w in weights.items():
             if w > self.available(s) * (1 + 1e-12):
                 raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")

@@ -1,0 +1,162 @@
+"""An insider (a 4th member with its own certificate and TLS server) against a 3-site mesh:
+the weight sink and weight inflation (issue 12, item 3).
+
+Observed on a live mesh: a member that acknowledged every push and never pushed back
+took the honest sites' Σw from 2.47e6 to 8e-14 in 8 s and gossip stopped; 60 pushes
+of 1e6, each under the per-message cap, gave node-0 a weight of 6.2e7 and every push
+it made afterwards was refused. Here the sink must be suspected by every honest site
+after at most the stated number of pushes (``SinkWatch.pushes_to_suspect``, plus one
+in flight), the honest sites keep gossiping, and what they hold plus what the sink took
+is their founding weight, 3; every inflating push is refused (WeightOverCap) and no
+honest weight passes the cap. Rates are printed as ratios of the rate before the
+insider joined (run with ``-s`` for the table).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gossipd.node.protocols.sinks import SinkWatch
+from gossipd.node.tls import Credentials
+from tests.conftest import (
+    DaemonHandle,
+    check_alive,
+    scrape_metrics,
+    status_of,
+    stop_all,
+    wait_until,
+)
+from tests.insider_weight import WeightInsider
+from tests.test_tls import CLIENT, Pki, start_tls_mesh
+
+IDS = ["a", "b", "c"]
+INSIDER = "sink"
+CONFIG = {
+    "gossip": {"push_probability": 0.5},
+    "membership": {"anti_entropy_interval_s": 0.5},
+}
+PROGRESS = 600  # acknowledged pushes, all honest sites together, per measured window
+WINDOW_TIMEOUT_S = 60.0
+INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message cap)
+STATED_PUSHES = SinkWatch(6.0, 0.5).pushes_to_suspect(0.5) + 1  # defaults, plus one in flight
+TOLERANCE = 1e-9
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki.create(tmp_path_factory.mktemp("pki") / "ca", [*IDS, CLIENT, INSIDER])
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[DaemonHandle]]:
+    handles = start_tls_mesh(tmp_path_factory.mktemp("mesh"), pki, IDS, **CONFIG)
+    try:
+        yield handles
+    finally:
+        stop_all(handles)
+
+
+def _acked(mesh: list[DaemonHandle]) -> int:
+    return sum(status_of(h)["pushes_acked"] for h in mesh)
+
+
+def _rate(mesh: list[DaemonHandle], what: str) -> float:
+    """Acknowledged pushes per second over a window that ends after ``PROGRESS`` of them."""
+    start, started = _acked(mesh), time.monotonic()
+    wait_until(
+        lambda: _acked(mesh) - start >= PROGRESS,
+        f"{PROGRESS} acknowledged pushes {what}",
+        WINDOW_TIMEOUT_S,
+        lambda: check_alive(mesh),
+    )
+    return (_acked(mesh) - start) / (time.monotonic() - started)
+
+
+def _mass(mesh: list[DaemonHandle]) -> tuple[float, float]:
+    """(Σw less what pushes in flight reserve, Σw) over the honest sites."""
+    free = held = 0.0
+    for h in mesh:
+        s = status_of(h)
+        held += sum(s["sum_weights"])
+        free += sum(s["sum_weights"]) - sum(s["reserved_weights"])
+    return free, held
+
+
+def _metric(h: DaemonHandle, name: str) -> float:
+    return scrape_metrics(h.node_json()["metrics_port"]).get(name, 0.0)
+
+
+def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amount(
+    mesh: list[DaemonHandle], pki: Pki
+) -> None:
+    segments = len(status_of(mesh[0])["sum_weights"])
+    founding = 3.0 * segments  # Σ over segments of the founding weights
+    before = _rate(mesh, "before the insider joined")
+    tls = Credentials(ca=pki.ca, cert=pki.pem(INSIDER), key=pki.key(INSIDER))
+    with WeightInsider(INSIDER, tls) as insider:
+        for h in mesh:
+            insider.introduce_to(h.address)
+        # -- the sink: every honest site pushes to it until it suspects it --------------
+        started = time.monotonic()
+        acked_at_join = _acked(mesh)
+        wait_until(
+            lambda: all(_metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
+            "every honest site to suspect the sink",
+            120.0,
+            lambda: check_alive(mesh),
+        )
+        during = (_acked(mesh) - acked_at_join) / (time.monotonic() - started)
+        after = _rate(mesh, "after the sink was suspected")
+        taken = dict(insider.pushes_taken)
+        assert set(taken) <= set(IDS)
+        assert max(taken.values()) <= STATED_PUSHES, taken
+        free, held = _mass(mesh)
+        lost = sum(insider.weight_taken.values())
+        assert free - TOLERANCE <= founding - lost <= held + TOLERANCE
+        assert free > 0
+        print(
+            f"\nweight sink: before {before:.1f}/s, during {during / before:.2f}x, after "
+            f"{after / before:.2f}x; pushes taken per site {taken} (stated at most "
+            f"{STATED_PUSHES}); honest Σw in [{free:.4f}, {held:.4f}] of {founding:g}"
+        )
+
+        # -- inflation: pushes of 1e6, each refused on the weight it would leave ---------
+        outcomes: list[grpc.StatusCode] = []
+        stop = threading.Event()
+
+        def inflate() -> None:
+            while not stop.is_set() and len(outcomes) < 600:
+                for h in mesh:
+                    outcome = insider.push(h.address, weight=INFLATE_WEIGHT)
+                    outcomes.append(outcome.code)
+                    assert "WeightOverCap" in outcome.details or "max_sum_weight" in outcome.details
+
+        attacker = threading.Thread(target=inflate)
+        attacker.start()
+        try:
+            inflating = _rate(mesh, "while the insider inflates weight")
+        finally:
+            stop.set()
+            attacker.join(60.0)
+        assert len(outcomes) >= 60
+        assert set(outcomes) == {grpc.StatusCode.INVALID_ARGUMENT}
+        after_inflation = _rate(mesh, "after the inflation")
+        for h in mesh:
+            cap = _metric(h, "gossipd_sum_weight_cap")
+            assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
+            assert max(status_of(h)["sum_weights"]) <= cap
+            assert status_of(h)["rejected"]["WeightOverCap"] >= 1
+        free2, held2 = _mass(mesh)
+        assert (
+            free2 - TOLERANCE <= founding - sum(insider.weight_taken.values()) <= held2 + TOLERANCE
+        )
+        print(
+            f"weight inflation: before {before:.1f}/s, during {inflating / before:.2f}x, after "
+            f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} all "
+            f"refused; honest Σw in [{free2:.4f}, {held2:.4f}] of {founding:g}"
+        )
