@@ -96,4 +96,4 @@ class SinkWatch:
 
     def restore(self, scores: Mapping[str, Any]) -> None:
         """Scores from a checkpoint: a sink does not escape suspicion by outlasting a restart."""
-        self.scores = {str(p): float(s) for p, s in scores.items() if float(s) > 0}
+        self.scores = {str(p): float(s) for p, s in scores.items()}
