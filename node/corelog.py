@@ -125,10 +125,19 @@ class CoreLog:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                self._route(line)
+                self._route_or_pass(line)
         if buffer:
-            self._route(buffer)
+            self._route_or_pass(buffer)
         self._read.close()
+
+    def _route_or_pass(self, line: bytes) -> None:
+        """A line this reader cannot route still reaches the real fd 2: if the reader died,
+        every later write to stderr would block once the pipe is full."""
+        try:
+            self._route(line)
+        except Exception:
+            with contextlib.suppress(OSError):
+                os.write(self._saved, line + b"\n")
 
     def _route(self, line: bytes) -> None:
         match = CORE_LINE.match(line)
