@@ -87,19 +87,27 @@ MESH_OVERVIEW = Row(
         ),
         Panel(
             "Sum of weights per segment (mesh total)",
-            "Σ over the nodes of the mesh (not filtered by $node) of each segment's sum-weight. "
-            "Sum-weight gossip conserves it: at rest it equals the number of nodes that started "
-            "with weight 1 (a joiner starts at 0). While pushes are in flight it wobbles a "
-            "little either way: a share merged but not yet acknowledged counts at both ends, "
-            "each node publishes its weights at its own step boundaries, and Prometheus scrapes "
-            "the nodes at slightly different moments (each node's weight is averaged over the "
-            "rate window to smooth that). A lasting drift means weight was lost or duplicated.",
+            "Σ over the nodes of the mesh (not filtered by $node) of each segment's sum-weight, "
+            "as a bracket. Sum-weight gossip conserves it: at rest it equals the number of nodes "
+            "that started with weight 1 (a joiner starts at 0). A share pushed but not yet "
+            "acknowledged is still counted by its sender (gossipd_sum_weight_reserved) while "
+            "its receiver may have merged it, so the true total lies between the lower line, "
+            "Σ(weight − reserved), and the upper, Σ weight; at rest the two meet. Each node's "
+            "values are averaged over the rate window (nodes publish at their own step "
+            "boundaries and are scraped at slightly different moments). A lasting drift of "
+            "both lines means weight was lost or duplicated.",
             [
                 Query(
                     f"sum by (segment) (avg_over_time(gossipd_sum_weight[{RATE}]) "
                     f"* on (job, instance) group_left () {MESH_INFO})",
-                    "segment {{segment}}",
-                )
+                    "segment {{segment}} Σ weight",
+                ),
+                Query(
+                    f"sum by (segment) ((avg_over_time(gossipd_sum_weight[{RATE}]) "
+                    f"- avg_over_time(gossipd_sum_weight_reserved[{RATE}])) "
+                    f"* on (job, instance) group_left () {MESH_INFO})",
+                    "segment {{segment}} Σ(weight − reserved)",
+                ),
             ],
         ),
         Panel(
