@@ -36,8 +36,9 @@ MESH = "test-mesh"
 SENDER = "attacker"
 INCARNATION = 7
 MAX_CHUNK = 64 << 10
-MAX_SUM_WEIGHT = 1e6  # limits.max_sum_weight, default
-ABOVE_CAP = math.nextafter(MAX_SUM_WEIGHT, math.inf)
+# limits.max_sum_weight unset: the cap is twice the founding members the victim has seen
+# (itself and the attacker), checked on the merge's result, not on the message alone.
+WEIGHT_CAP = 4.0
 # The daemon's own cap on one gRPC message; grpc's default (4 MiB) would also refuse the
 # oversize frame, so the expected message names the daemon's number, not just "too large".
 MAX_MESSAGE = dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
@@ -206,9 +207,9 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, sum_weight=math.inf)],
         ),
-        "sum-weight just above the cap": (
+        "merge that would lift the weight over the cap": (
             "PushSegments",
-            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=ABOVE_CAP)],
+            lambda: [wire.open_frame(), *wire.segment(good, sum_weight=WEIGHT_CAP - 0.5)],
         ),
         "oversize chunk": (
             "PushSegments",
@@ -271,10 +272,9 @@ EXPECTED = {
     "negative sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight -1.0"),
     "huge sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight 1e+300"),
     "infinite sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight inf"),
-    "sum-weight just above the cap": (
+    "merge that would lift the weight over the cap": (
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"sum-weight {ABOVE_CAP!r} for segment 0 is not a finite number between 0 and 1e+06 "
-        "(limits.max_sum_weight)",
+        "merging sum-weight 3.5 into segment 0 would raise it from 1 to 4.5, over the cap 4",
     ),
     "oversize chunk": (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
     "oversize frame": (
