@@ -135,14 +135,15 @@ def test_status_prints_a_table_and_json_on_request(site: DaemonHandle, pki: Pki)
     table = subprocess.run(
         [sys.executable, "-m", "gossipd.node.cli", *argv], capture_output=True, text=True
     )
-    assert table.returncode == 0, table.stderr
+    assert table.returncode == 0, (table.stdout, table.stderr)
     assert re.search(r"^node\s+site \(mesh test-mesh, sumweight\)$", table.stdout, re.M)
     assert re.search(r"^sum-weight\s+1 \(all \d+ segments\)$", table.stdout, re.M)
     assert "{" not in table.stdout and "[" not in table.stdout, table.stdout  # no reprs
     as_json = subprocess.run(
         [sys.executable, "-m", "gossipd.node.cli", *argv, "--json"], capture_output=True, text=True
     )
-    assert as_json.returncode == 0, as_json.stderr
+    assert as_json.returncode == 0, (as_json.stdout, as_json.stderr)
+    assert as_json.stdout.lstrip().startswith("{"), (as_json.stdout, as_json.stderr)
     assert json.loads(as_json.stdout)["node_id"] == "site"
 
 
