@@ -32,7 +32,7 @@ from gossipd.node.progress import MeshProgress
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TIMEOUT_S = 420.0  # two runs of 4 nodes; about 1 min 40 s on an idle 2-core VM
 DEMO_NODES = 4
-DEMO_DURATION_S = 15
+DEMO_STEPS = 12_000  # per node and run: steps, not seconds, so a loaded machine trains as far
 SKEWED = {"partition": "by_label"}
 SPHINX = re.compile(r"``|:(func|class|meth|mod|attr|exc|data|obj):`")
 
@@ -85,7 +85,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     tmp_path = tmp_path_factory.mktemp("demo")
     workdir, plot = tmp_path / "mesh", tmp_path / "demo.png"
     cmd = [sys.executable, "-m", "gossipd.node.cli", "demo", "--nodes", str(DEMO_NODES)]
-    cmd += ["--duration-s", str(DEMO_DURATION_S), "--job-option", "model=mlp"]
+    cmd += ["--duration-s", "0", "--max-steps", str(DEMO_STEPS), "--job-option", "model=mlp"]
     cmd += ["--json", "--workdir", str(workdir), "--plot", str(plot)]
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -164,12 +164,10 @@ def _global_accuracy() -> float:
     return job.evaluate()["test_accuracy"]
 
 
-def _late(node_dir: Path, result: dict[str, Any], fraction: float) -> list[float]:
-    """A node's test accuracies over the last ``fraction`` of its run's training time."""
+def _late(node_dir: Path, fraction: float) -> list[float]:
+    """A node's test accuracies over the last ``fraction`` of its steps."""
     rows = read_history(node_dir)
-    start = result["start_unix_s"] + result["ready_s"]
-    stop = rows[-1]["unix_s"]
-    return [r["test_accuracy"] for r in rows if r["unix_s"] >= stop - fraction * (stop - start)]
+    return [r["test_accuracy"] for r in rows if r["step"] >= (1 - fraction) * DEMO_STEPS]
 
 
 def test_demo_sites_alone_stay_at_their_classes_share_and_with_gossip_reach_the_global_accuracy(
@@ -178,18 +176,20 @@ def test_demo_sites_alone_stay_at_their_classes_share_and_with_gossip_reach_the_
     """The demo's claim, on its own numbers: a site alone recognises only its own classes;
     with gossip every site gets close to a model trained on all the data.
 
-    Thresholds from measured runs (4 sites, 15 s each, a loaded 2-core VM): alone the sites
-    sat at 0.29, 0.30, 0.37 and 0.29 from the first second on, against shares of 0.30, 0.30,
-    0.40 and 0.30; with gossip the medians of the last third were 0.92 to 0.96, single
-    evaluations dipping to 0.69 when a site just stepped on its own classes (so the medians,
-    not the last values, are held to the bar); the global model reaches 0.975.
+    Thresholds from measured runs (4 sites, 10,000 steps each, a 2-core VM): alone the sites
+    sat at 0.294, 0.300, 0.372 and 0.294 from their first second on, against shares of 0.297,
+    0.300, 0.403 and 0.297; with gossip the medians of the last third were 0.91 to 0.96, single
+    evaluations dipping to 0.69 when a site has just stepped on its own classes (so medians,
+    not last values, meet the bar); the model trained on all the data reaches 0.975, the bar
+    (with 12,000 steps, where the medians were 0.93 to 0.96) is 0.855. Steps, not seconds: 15 s
+    on a heavily loaded VM gave fewer steps and medians of 0.876 to 0.899.
     """
     shares, best = _shares(), _global_accuracy()
     local, gossip = demo.result["local_only"], demo.result
     numbers = []
     for i, share in enumerate(shares):
-        alone = _late(demo.workdir / "local-only" / f"node-{i}", local, 0.5)
-        together = _late(demo.workdir / "gossip" / f"node-{i}", gossip, 1 / 3)
+        alone = _late(demo.workdir / "local-only" / f"node-{i}", 0.5)
+        together = _late(demo.workdir / "gossip" / f"node-{i}", 1 / 3)
         numbers.append(
             f"node-{i}: share {share:.3f}, alone {min(alone):.3f}..{max(alone):.3f}, "
             f"with gossip median {statistics.median(together):.3f} (final "
@@ -198,7 +198,7 @@ def test_demo_sites_alone_stay_at_their_classes_share_and_with_gossip_reach_the_
         print(numbers[-1])
         assert share - 0.15 <= min(alone) and max(alone) <= share + 0.05, numbers[-1]
         assert max(alone) <= best - 0.4, numbers[-1]
-        assert statistics.median(together) >= best - 0.1, numbers[-1]
+        assert statistics.median(together) >= best - 0.12, numbers[-1]
     for run in (local, gossip):  # no weight lost or made in either run
         assert abs(run["sum_weight_end"] - run["sum_weight_start"]) < 1e-9, run
         assert run["sum_weight_start"] == DEMO_NODES and run["exit_codes"] == [0] * DEMO_NODES
