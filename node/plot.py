@@ -6,7 +6,8 @@ each node's ``history.jsonl`` rows (one per evaluation, the last one written whe
 the node stopped training); :func:`plot_mesh` reads those rows and writes the PNG.
 Time on every panel is seconds since training started (``ready_s`` after the
 launcher started the nodes: all of them up and in touch), or since the start
-when a result has no ``ready_s``.
+when a result has no ``ready_s``. The demo's picture holds two runs of the same
+sites, each on its own clock: alone (dashed) and with gossip (solid).
 """
 
 from __future__ import annotations
