@@ -219,6 +219,21 @@ def test_readme_install_is_one_pip_command_that_ci_runs_verbatim() -> None:
     assert installs == ["python -m pip install --quiet --upgrade pip", pip], installs
 
 
+def test_readme_quickstart_shows_the_demos_picture_of_both_runs() -> None:
+    section = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    images = re.findall(r"!\[[^\]]+\]\((docs/[^)]+\.png)\)", section)
+    assert len(images) == 1, images
+    with Image.open(ROOT / images[0]) as image:
+        runs = json.loads(image.text["Description"])  # written by plot_mesh with both runs
+    assert set(runs) == {"gossip", LOCAL_ONLY_LABEL}
+    assert len(runs["gossip"]) == len(runs[LOCAL_ONLY_LABEL]) == 4
+    # The numbers the text quotes are the picture's.
+    assert max(runs[LOCAL_ONLY_LABEL].values()) < 0.4 < 0.9 < min(runs["gossip"].values())
+    for name, accuracy in runs["gossip"].items():
+        assert f"{name}              {runs[LOCAL_ONLY_LABEL][name]:.4f}" in section, name
+        assert f"{accuracy:.4f}" in section, name
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["mesh", "up", "--help"]])
 def test_help_runs_as_a_user_types_it(argv: list[str]) -> None:
     shown = subprocess.run(
