@@ -144,7 +144,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
-    from gossipd.node.mesh import print_table, run_mesh
+    from gossipd.node.launcher import print_table, run_mesh
 
     result = run_mesh(_mesh_spec(args))  # type: ignore[arg-type]
     print_table(result, file=sys.stderr if args.json else sys.stdout)

@@ -22,7 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from gossipd.node.mesh import MeshSpec, check_spec, print_table, run_mesh_in
+from gossipd.node.launcher import check_spec, print_table, run_mesh_in
+from gossipd.node.mesh import MeshSpec
 
 # The options the demo gives a job unless --job-option says otherwise.
 DEMO_JOB_OPTIONS: dict[str, dict[str, Any]] = {"digits": {"partition": "by_label"}}

@@ -1,10 +1,10 @@
-"""`gossipd mesh up` and `gossipd demo`: N real daemons on loopback, watched from outside.
+"""A local mesh: N real daemons on loopback, their configs, processes and public RPCs.
 
-The launcher only does what an operator would: write one config per site,
+:class:`LocalMesh` only does what an operator would: write one config per site,
 start ``gossipd node`` processes, and talk to them over their public RPCs
-(Status, PullModel). Consensus distance is max over nodes of ‖x_i − x̄‖/‖x̄‖,
-computed from the models the nodes serve; the start value comes from each
-node's ``initial.pt``.
+(Status, PullModel). `gossipd mesh up` and `gossipd demo` run one through
+:mod:`gossipd.node.launcher`; the tests drive it directly. Consensus distance is
+max over nodes of ‖x_i − x̄‖/‖x̄‖, computed from the models the nodes serve.
 """
 
 from __future__ import annotations
@@ -14,17 +14,14 @@ import json
 import os
 import random
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -40,7 +37,6 @@ STARTUP_TIMEOUT_S = 120.0
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 SETTLE_TIMEOUT_S = 60.0
 STATUS_PATIENCE_S = 60.0
-SAMPLE_PATIENCE_S = 10.0  # a progress sample is skipped, not waited for, past this
 
 
 @dataclass
@@ -382,157 +378,3 @@ def consensus_distance(models: list[torch.Tensor]) -> float:
     mean = torch.stack(models).mean(0)
     norm = float(mean.norm()) or 1.0
     return max(float((m - mean).norm()) / norm for m in models)
-
-
-def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
-    path = mesh.node_dir(index) / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
-    from gossipd.node.progress import MeshProgress
-
-    timeline: list[dict[str, float]] = []
-    display = MeshProgress(progress, spec, root)
-    display.starting()  # before the CA and the processes: a person sees at once what runs
-    with display, LocalMesh(spec, root) as mesh:
-        t0 = display.t0 = time.monotonic()
-        start_unix_s = time.time()
-        for i in range(spec.nodes):
-            mesh.start(i)
-        watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
-        try:
-            # Building the job takes seconds of CPU: off the loop, so progress keeps coming.
-            await asyncio.gather(asyncio.to_thread(mesh.load_plan), mesh.wait_ready())
-        finally:
-            watcher.cancel()
-        initial = mesh.initial()
-        distance_start = consensus_distance([as_vector(c.segments) for c in initial])
-        sum_weight_start = _mean_weight_sum(c.weights for c in initial)
-        timeline.append({"t": 0.0, "consensus_distance": distance_start})
-        display.ready(distance_start)
-        skipped = 0
-        while True:
-            mesh.check_alive()
-            states = await mesh.statuses()
-            if all(s["training_done"] for s in states):
-                break
-            try:
-                dist = consensus_distance(await mesh.pull_all(SAMPLE_PATIENCE_S))
-            except GossipdError:
-                mesh.check_alive()  # a node that died fails the run; a lost sample does not
-                skipped += 1
-            else:
-                t = time.monotonic() - t0
-                timeline.append({"t": t, "consensus_distance": dist})
-                display.sample(t, states, dist)
-            if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
-                raise GossipdError("nodes did not finish training in time; see node logs")
-            await asyncio.sleep(spec.sample_interval_s)
-        display.training_done()
-        states = await mesh.wait_settled()
-        try:
-            end_models: list[torch.Tensor] | None = await mesh.pull_all()
-        except GossipdError as err:
-            mesh.check_alive()
-            end_models = None  # read from the final checkpoints once the nodes have stopped
-            progress.write(f"final pull failed ({err}); reading the nodes' final checkpoints\n")
-        end_t = time.monotonic() - t0
-        sum_weight_end = _mean_weight_sum(s["sum_weights"] for s in states)
-        exit_codes = [mesh.stop(i) for i in sorted(mesh.procs)]
-        distance_end = consensus_distance(end_models or mesh.final_models())
-        timeline.append({"t": end_t, "consensus_distance": distance_end})
-        nodes = []
-        for i, state in enumerate(states):
-            summary = _summary(mesh, i)
-            entry = {
-                "node_id": state["node_id"],
-                "steps": state["step"],
-                "round": state["round"],
-                "loss": state["loss"],
-            }
-            entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
-            nodes.append(entry)
-    result = {
-        "mesh_id": mesh.mesh_id,
-        "job": spec.job,
-        "protocol": spec.protocol,
-        "nodes": nodes,
-        "consensus_distance_start": distance_start,
-        "consensus_distance_end": distance_end,
-        "sum_weight_start": sum_weight_start,
-        "sum_weight_end": sum_weight_end,
-        "wall_s": time.monotonic() - t0,
-        "start_unix_s": start_unix_s,
-        "ready_s": display.ready_s,
-        "exit_codes": exit_codes,
-        "ok": all(c == 0 for c in exit_codes),
-        "workdir": str(root),
-        "timeline": timeline,
-        "samples_skipped": skipped,
-    }
-    if spec.plot_path is not None:
-        from gossipd.node.plot import plot_mesh
-
-        plot_mesh(result, [mesh.node_dir(i) for i in range(spec.nodes)], spec.plot_path)
-        result["plot"] = str(spec.plot_path)
-    return result
-
-
-def check_spec(spec: MeshSpec) -> None:
-    """What can be found wrong before any node starts: too few nodes, a bad job option."""
-    from gossipd.node.joboptions import check_job_options
-
-    if spec.nodes < 2:
-        raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
-    check_job_options(spec.job, spec.job_options)
-
-
-def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
-    check_spec(spec)
-    progress = progress or (sys.stderr if spec.quiet else sys.stdout)
-    if spec.workdir is not None:
-        spec.workdir.mkdir(parents=True, exist_ok=True)
-        return run_mesh_in(spec, spec.workdir, progress)
-    root = Path(tempfile.mkdtemp(prefix="gossipd-mesh-"))
-    try:
-        return run_mesh_in(spec, root, progress)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def run_mesh_in(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
-    """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
-    caller owns and removes (the demo keeps its two runs side by side under one directory)."""
-    return asyncio.run(_run(spec, root, progress))
-
-
-def print_table(result: dict[str, Any], file: TextIO) -> None:
-    keys = sorted({k for n in result["nodes"] for k in n if k.startswith("test_")})
-    header = f"{'node':<10}{'steps':>8}{'loss':>10}" + "".join(f"{k:>16}" for k in keys)
-    print(header, file=file)
-    for n in result["nodes"]:
-        row = f"{n['node_id']:<10}{n['steps']:>8}{n['loss']:>10.4f}"
-        row += "".join(f"{n.get(k, float('nan')):>16.4f}" for k in keys)
-        print(row, file=file)
-    start, end = result["sum_weight_start"], result["sum_weight_end"]
-    weights = (
-        f"sum of weights {start:.6f} -> {end:.6f}"
-        if start is not None and end is not None
-        else "no sum-weights (protocol without them)"
-    )
-    print(
-        f"consensus distance {result['consensus_distance_start']:.3e} -> "
-        f"{result['consensus_distance_end']:.3e}; {weights}; {result['wall_s']:.1f} s",
-        file=file,
-    )
-    if "plot" in result:
-        print(f"plot: {result['plot']}", file=file)
-
-
-def _mean_weight_sum(per_node: Iterable[Sequence[float]]) -> float | None:
-    """Σ over nodes of each node's mean segment weight; None for a protocol without weights."""
-    weights = [list(w) for w in per_node]
-    if not all(weights):
-        return None
-    return sum(sum(w) / len(w) for w in weights)
