@@ -1,3 +1,7 @@
 """gossipd's wire schema (``gossip.proto``) and its generated, committed stubs."""
 
-SCHEMA_VERSION = 4
+# Peers of different schema versions refuse each other at the handshake, naming both.
+# 4: PushOpen.sequence_base (a new numbering per receiver incarnation); 5: PullRequest
+# names its segments and round (a schema-4 server would answer with the whole model,
+# which a schema-5 puller refuses as segments it did not ask for).
+SCHEMA_VERSION = 5
