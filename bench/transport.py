@@ -150,10 +150,12 @@ eval_every_steps = 0
 options = {options}
 
 [gossip]
-push_probability = 0.0
 segment_bytes = {setting.segment_mb * MiB}
 chunk_bytes = {setting.chunk_kb * 1024}
 push_timeout_s = {TIMEOUT_S}
+
+[gossip.sumweight]
+push_probability = 0.0
 
 [membership]
 anti_entropy_interval_s = 3600.0
@@ -193,7 +195,10 @@ async def _sender_node(flat: FlatModel, setting: Setting, tls: dict[str, Any]) -
             "mesh_id": MESH,
             "node_id": "sender",
             "metrics": {"listen": ""},
-            "gossip": {"push_probability": 0.0, "segment_bytes": setting.segment_mb * MiB},
+            "gossip": {
+                "segment_bytes": setting.segment_mb * MiB,
+                "sumweight": {"push_probability": 0.0},
+            },
             "membership": {"anti_entropy_interval_s": 3600.0},
             "tls": tls,
         },
