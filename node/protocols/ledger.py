@@ -57,7 +57,7 @@ import random
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from gossipd.node.protocols.base import (
     Action,
@@ -172,6 +172,13 @@ class SumWeightLedger(GossipProtocol):
     merging, is handled here identically for every protocol.
     """
 
+    # Whether an honest peer returns, over time, about the weight it takes from this node
+    # (the sink watch assumes it). True where a node picks its peers at random or swaps
+    # with a whole group; a protocol that pushes along a fixed directed graph sends each
+    # out-neighbour weight that comes back only by way of other nodes, so every honest
+    # out-neighbour would look like a sink: it sets this False and has no sink watch.
+    returns_weight_per_peer: ClassVar[bool] = True
+
     def __init__(
         self,
         node_id: str,
@@ -207,7 +214,9 @@ class SumWeightLedger(GossipProtocol):
         self._bases: dict[str, int] = {}  # first sequence of the current numbering to each
         self._seen: dict[tuple[str, int, int], _Window] = {}  # (sender, incarnation, base)
         self._exchanged: dict[str, PeerMass] = {}
-        self.sinks = SinkWatch(sink_bound, sink_allowance)
+        self.sinks = SinkWatch(
+            sink_bound if self.returns_weight_per_peer else math.inf, sink_allowance
+        )
         self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
         self._largest_view = max(1, math.ceil(initial_weight))
 

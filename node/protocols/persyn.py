@@ -62,6 +62,9 @@ class PerSynSettings(ProtocolSettings):
 
 class PerSyn(SumWeightLedger):
     name = "persyn"
+    # Pushes go along the exponential graph: rank i sends to i + 2^k and hears from
+    # i - 2^k, so an honest out-neighbour returns nothing directly (see the ledger).
+    returns_weight_per_peer = False
     Settings = PerSynSettings
 
     @classmethod

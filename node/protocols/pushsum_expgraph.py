@@ -42,6 +42,9 @@ class PushSumExpGraphSettings(ProtocolSettings):
 
 class PushSumExpGraph(SumWeightLedger):
     name = "pushsum-expgraph"
+    # Pushes go along the exponential graph: rank i sends to i + 2^k and hears from
+    # i - 2^k, so an honest out-neighbour returns nothing directly (see the ledger).
+    returns_weight_per_peer = False
     Settings = PushSumExpGraphSettings
 
     @classmethod

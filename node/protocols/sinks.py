@@ -55,14 +55,17 @@ class SinkWatch:
     scores: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bound) and self.bound > 0):
-            raise ValueError(f"sink bound must be finite and > 0, got {self.bound}")
+        if not self.bound > 0:  # inf: no peer is ever suspected (a directed protocol)
+            raise ValueError(f"sink bound must be > 0, got {self.bound}")
         if not 0 <= self.allowance < 1:
             raise ValueError(f"sink allowance must be in [0, 1), got {self.allowance}")
 
-    def pushes_to_suspect(self, share: float = 0.5) -> int:
+    def pushes_to_suspect(self, share: float = 0.5) -> float:
         """How many acknowledged pushes of ``share`` of this node's weight, none returned,
-        make a peer suspected: the stated amount a sink can take (plus one in flight)."""
+        make a peer suspected: the stated amount a sink can take (plus one in flight);
+        inf when the watch is off."""
+        if math.isinf(self.bound):
+            return math.inf
         return math.floor(self.bound / ((1 - self.allowance) * share)) + 1
 
     def sent(self, peer: str, share: float) -> None:
