@@ -1,0 +1,159 @@
+"""A member of the mesh for insider tests: a valid certificate, its own TLS server, no honesty.
+
+Daemons accept a member only after dialling it back and checking the node id in its
+certificate, so an insider really serves TLS (Handshake, Peers) on its own event
+loop in a background thread; what it does with the pushes honest sites make to it is
+its subclass's :meth:`Member.on_push`. It can introduce itself to a daemon and push
+any values at any weight under its own name. ``tests/insider_streams.py`` (slots and
+values) and ``tests/insider_weight.py`` (sinking and inflating weight) build on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine
+from typing import Any, Self, TypeVar
+
+import grpc
+import torch
+
+from gossipd.node.tls import Credentials
+from gossipd.proto import SCHEMA_VERSION
+from gossipd.proto import gossip_pb2 as pb
+from tests.fakepeer import MESH, PushOutcome, _push, push_frames, synthetic_plan
+
+T = TypeVar("T")
+
+
+class Member(ABC):
+    """A member with a valid certificate for ``node_id``; subclasses decide how it misbehaves."""
+
+    def __init__(self, node_id: str, tls: Credentials, *, incarnation: int = 1) -> None:
+        self.node_id = node_id
+        self.tls = tls
+        self.incarnation = incarnation
+        plan = synthetic_plan()
+        self.fingerprint = plan.fingerprint
+        self.numel = plan.segments[0].numel
+        self._sequence = 1  # pushes are numbered 2, 3, ...; 1 is left to hand-made streams
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        # What a subclass runs on the member's loop; cancelled at close.
+        self.tasks: list[asyncio.Task[None]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server: grpc.aio.Server | None = None
+        self.address = self.run(self._start())
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        """Run ``coro`` on the member's loop (where its channels live) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def info(self) -> pb.NodeInfo:
+        return pb.NodeInfo(node_id=self.node_id, address=self.address, incarnation=self.incarnation)
+
+    @abstractmethod
+    async def on_push(self, request_iterator: Any, context: Any) -> pb.PushReply:
+        """What the member does with a push an honest site makes to it."""
+
+    async def _start(self) -> str:
+        async def handshake(request: pb.HandshakeRequest, context: Any) -> pb.HandshakeReply:
+            return pb.HandshakeReply(
+                schema_version=SCHEMA_VERSION,
+                node=self.info(),
+                fingerprint=self.fingerprint,
+                step=0,
+                protocol="sumweight",
+            )
+
+        async def peers(request: pb.PeersRequest, context: Any) -> pb.PeersReply:
+            return pb.PeersReply(peers=[self.info()])
+
+        handlers = {
+            "Handshake": grpc.unary_unary_rpc_method_handler(
+                handshake, pb.HandshakeRequest.FromString, pb.HandshakeReply.SerializeToString
+            ),
+            "Peers": grpc.unary_unary_rpc_method_handler(
+                peers, pb.PeersRequest.FromString, pb.PeersReply.SerializeToString
+            ),
+            "PushSegments": grpc.stream_unary_rpc_method_handler(
+                self.on_push, pb.PushFrame.FromString, pb.PushReply.SerializeToString
+            ),
+        }
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("gossipd.v1.Gossip", handlers),)
+        )
+        port = self.tls.add_port(server, "127.0.0.1:0")
+        await server.start()
+        self._server = server
+        return f"127.0.0.1:{port}"
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.tls.channel(address, [])
+        return self._channels[address]
+
+    def introduce_to(self, address: str, timeout_s: float = 10.0) -> None:
+        """Handshake with a daemon over TLS; it dials back, checks the certificate, admits us."""
+        request = pb.HandshakeRequest(
+            schema_version=SCHEMA_VERSION,
+            mesh_id=MESH,
+            node=self.info(),
+            fingerprint=self.fingerprint,
+            protocol="sumweight",
+        )
+
+        async def call() -> None:
+            rpc = self._channel(address).unary_unary(
+                "/gossipd.v1.Gossip/Handshake",
+                pb.HandshakeRequest.SerializeToString,
+                pb.HandshakeReply.FromString,
+            )
+            await rpc(request, timeout=timeout_s)
+
+        self.run(call())
+
+    def push(
+        self, address: str, *, weight: float, values: torch.Tensor | None = None
+    ) -> PushOutcome:
+        """One whole push of ``values`` (zeros by default) at ``weight`` to a daemon, as this
+        member, over TLS."""
+        self._sequence += 1
+        sequence = self._sequence
+
+        async def call() -> PushOutcome:
+            frames = push_frames(
+                sender=self.node_id,
+                incarnation=self.incarnation,
+                sequence=sequence,
+                weight=weight,
+                values=torch.zeros(self.numel) if values is None else values,
+                fingerprint=self.fingerprint,
+            )
+            return await _push(self._channel(address), frames, 20.0)
+
+        return self.run(call())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for channel in self._channels.values():
+                await channel.close()
+            if self._server is not None:
+                await self._server.stop(0)
+
+        self.run(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10.0)
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
