@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine
 from typing import Any, Self, TypeVar
@@ -22,6 +23,7 @@ import torch
 from gossipd.node.tls import Credentials
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
+from tests.conftest import DaemonHandle, check_alive, status_of, wait_until
 from tests.fakepeer import MESH, PushOutcome, _push, push_frames, synthetic_plan
 
 T = TypeVar("T")
@@ -157,3 +159,28 @@ class Member(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def acked(mesh: list[DaemonHandle]) -> int:
+    """Pushes the honest sites have had acknowledged, all together."""
+    return sum(status_of(h)["pushes_acked"] for h in mesh)
+
+
+def ack_rate(mesh: list[DaemonHandle], progress: int, what: str, timeout_s: float) -> float:
+    """Acknowledged pushes per second over a window that ends after ``progress`` of them:
+    the window follows the mesh's progress, so a slow machine stretches it instead of
+    failing it, and a stalled mesh fails after ``timeout_s`` saying how far it got."""
+    start, started = acked(mesh), time.monotonic()
+    latest = [start]
+
+    def grown() -> bool:
+        latest[0] = acked(mesh)
+        return latest[0] - start >= progress
+
+    try:
+        wait_until(
+            grown, f"{progress} acknowledged pushes {what}", timeout_s, lambda: check_alive(mesh)
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}: only {latest[0] - start} in {timeout_s:g} s") from None
+    return (latest[0] - start) / (time.monotonic() - started)

@@ -17,7 +17,6 @@ sum of weights is exactly 3 after every attack.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from tests.conftest import (
     stop_in_turn,
     wait_until,
 )
+from tests.insider import ack_rate
 from tests.insider_streams import Insider
 from tests.test_tls import CLIENT, Pki, start_tls_mesh
 
@@ -90,26 +90,6 @@ def insider(pki: Pki, mesh: list[DaemonHandle]) -> Iterator[Insider]:
         yield member
 
 
-def _acked(mesh: list[DaemonHandle]) -> int:
-    return sum(status_of(h)["pushes_acked"] for h in mesh)
-
-
-def _rate(mesh: list[DaemonHandle], what: str) -> float:
-    """Acknowledged pushes per second over a window that ends after ``PROGRESS`` of them."""
-    start, started = _acked(mesh), time.monotonic()
-    latest = [start]
-
-    def grown() -> bool:
-        latest[0] = _acked(mesh)
-        return latest[0] - start >= PROGRESS
-
-    try:
-        wait_until(grown, f"{PROGRESS} acknowledged pushes {what}", WINDOW_TIMEOUT_S)
-    except AssertionError as err:
-        raise AssertionError(f"{err}: only {latest[0] - start} in {WINDOW_TIMEOUT_S:g} s") from None
-    return (latest[0] - start) / (time.monotonic() - started)
-
-
 def _live_mass(mesh: list[DaemonHandle]) -> tuple[float, float]:
     """Σ sum-weights less the weight reserved by pushes in flight, and Σ sum-weights: the
     mass (3) lies between them while pushes are in flight, and equals both once none is."""
@@ -140,7 +120,7 @@ def test_one_insider_holding_push_streams_never_stops_the_honest_sites_gossip(
     sites to 1% of their acknowledged pushes. The insider now holds at most its own share
     of the slots and the honest pushes go on during the attack and after it."""
     check_alive(mesh)
-    before = _rate(mesh, "before the attack")
+    before = ack_rate(mesh, PROGRESS, "before the attack", WINDOW_TIMEOUT_S)
     refused_before = insider.ended["RESOURCE_EXHAUSTED"]
     insider.start_attack([h.address for h in mesh], streams, every_s)
     try:
@@ -151,10 +131,10 @@ def test_one_insider_holding_push_streams_never_stops_the_honest_sites_gossip(
             60.0,
             lambda: check_alive(mesh),
         )
-        during = _rate(mesh, "during the attack")
+        during = ack_rate(mesh, PROGRESS, "during the attack", WINDOW_TIMEOUT_S)
     finally:
         insider.stop_attack()
-    after = _rate(mesh, "after the attack")
+    after = ack_rate(mesh, PROGRESS, "after the attack", WINDOW_TIMEOUT_S)
     _row(name, before, during, after, mesh)
     check_alive(mesh)
 
@@ -166,13 +146,13 @@ def test_values_far_from_the_receivers_model_are_refused_and_spread_nowhere(
     mean 2.6e29. Refused as out of bounds (the sender keeps its weight); the honest
     models stay small and finite while the mesh goes on gossiping."""
     numel = insider.numel
-    before = _rate(mesh, "before the poisoned pushes")
+    before = ack_rate(mesh, PROGRESS, "before the poisoned pushes", WINDOW_TIMEOUT_S)
     outcomes = [
         insider.push(h.address, weight=w, values=torch.full((numel,), 1e30))
         for h in mesh
         for w in (1.0, 1e-3)
     ]
-    during = _rate(mesh, "after the poisoned pushes")
+    during = ack_rate(mesh, PROGRESS, "after the poisoned pushes", WINDOW_TIMEOUT_S)
     largest = max(float(seg.abs().max()) for h in mesh for seg in insider.pull(h.address))
     _row("poison 1e30", before, during, during, mesh)
     assert not any(o.merged for o in outcomes), outcomes

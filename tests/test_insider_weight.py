@@ -31,6 +31,7 @@ from tests.conftest import (
     stop_all,
     wait_until,
 )
+from tests.insider import ack_rate, acked
 from tests.insider_weight import WeightInsider
 from tests.test_tls import CLIENT, Pki, start_tls_mesh
 
@@ -61,22 +62,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[Da
         stop_all(handles)
 
 
-def _acked(mesh: list[DaemonHandle]) -> int:
-    return sum(status_of(h)["pushes_acked"] for h in mesh)
-
-
-def _rate(mesh: list[DaemonHandle], what: str) -> float:
-    """Acknowledged pushes per second over a window that ends after ``PROGRESS`` of them."""
-    start, started = _acked(mesh), time.monotonic()
-    wait_until(
-        lambda: _acked(mesh) - start >= PROGRESS,
-        f"{PROGRESS} acknowledged pushes {what}",
-        WINDOW_TIMEOUT_S,
-        lambda: check_alive(mesh),
-    )
-    return (_acked(mesh) - start) / (time.monotonic() - started)
-
-
 def _mass(mesh: list[DaemonHandle]) -> tuple[float, float]:
     """(Σw less what pushes in flight reserve, Σw) over the honest sites."""
     free = held = 0.0
@@ -96,22 +81,22 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
 ) -> None:
     segments = len(status_of(mesh[0])["sum_weights"])
     founding = 3.0 * segments  # Σ over segments of the founding weights
-    before = _rate(mesh, "before the insider joined")
+    before = ack_rate(mesh, PROGRESS, "before the insider joined", WINDOW_TIMEOUT_S)
     tls = Credentials(ca=pki.ca, cert=pki.pem(INSIDER), key=pki.key(INSIDER))
     with WeightInsider(INSIDER, tls) as insider:
         for h in mesh:
             insider.introduce_to(h.address)
         # -- the sink: every honest site pushes to it until it suspects it --------------
         started = time.monotonic()
-        acked_at_join = _acked(mesh)
+        acked_at_join = acked(mesh)
         wait_until(
             lambda: all(_metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
             "every honest site to suspect the sink",
             120.0,
             lambda: check_alive(mesh),
         )
-        during = (_acked(mesh) - acked_at_join) / (time.monotonic() - started)
-        after = _rate(mesh, "after the sink was suspected")
+        during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
+        after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
         taken = dict(insider.pushes_taken)
         assert set(taken) <= set(IDS)
         assert max(taken.values()) <= STATED_PUSHES, taken
@@ -139,13 +124,15 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
         attacker = threading.Thread(target=inflate)
         attacker.start()
         try:
-            inflating = _rate(mesh, "while the insider inflates weight")
+            inflating = ack_rate(
+                mesh, PROGRESS, "while the insider inflates weight", WINDOW_TIMEOUT_S
+            )
         finally:
             stop.set()
             attacker.join(60.0)
         assert len(outcomes) >= 60
         assert set(outcomes) == {grpc.StatusCode.INVALID_ARGUMENT}
-        after_inflation = _rate(mesh, "after the inflation")
+        after_inflation = ack_rate(mesh, PROGRESS, "after the inflation", WINDOW_TIMEOUT_S)
         for h in mesh:
             cap = _metric(h, "gossipd_sum_weight_cap")
             assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
