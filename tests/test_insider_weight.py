@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -72,6 +72,24 @@ def _mass(mesh: list[DaemonHandle]) -> tuple[float, float]:
     return free, held
 
 
+def _wait_accounted(mesh: list[DaemonHandle], expected: Callable[[], float]) -> tuple[float, float]:
+    """The honest sites' (free, held) once ``expected()`` lies between them.
+
+    The sites are read one after another while gossip goes on, so a push that settles
+    between two reads can be counted at neither end (under load it was: 1.6e-5 short
+    of 4.5e-4); a later read sees it. Weight really lost stays missing, and this fails
+    after the timeout with the last reading."""
+    seen: list[tuple[float, float, float]] = []
+
+    def accounted() -> bool:
+        free, held = _mass(mesh)
+        seen.append((free, expected(), held))
+        return free - TOLERANCE <= seen[-1][1] <= held + TOLERANCE
+
+    wait_until(accounted, f"the honest Σw to account for the founding weight: {seen[-3:]}", 30.0)
+    return seen[-1][0], seen[-1][2]
+
+
 def _metric(h: DaemonHandle, name: str) -> float:
     return scrape_metrics(h.node_json()["metrics_port"]).get(name, 0.0)
 
@@ -100,9 +118,7 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
         taken = dict(insider.pushes_taken)
         assert set(taken) <= set(IDS)
         assert max(taken.values()) <= STATED_PUSHES, taken
-        free, held = _mass(mesh)
-        lost = sum(insider.weight_taken.values())
-        assert free - TOLERANCE <= founding - lost <= held + TOLERANCE
+        free, held = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
         assert free > 0
         print(
             f"\nweight sink: before {before:.1f}/s, during {during / before:.2f}x, after "
@@ -138,10 +154,7 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
             assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
             assert max(status_of(h)["sum_weights"]) <= cap
             assert status_of(h)["rejected"]["WeightOverCap"] >= 1
-        free2, held2 = _mass(mesh)
-        assert (
-            free2 - TOLERANCE <= founding - sum(insider.weight_taken.values()) <= held2 + TOLERANCE
-        )
+        free2, held2 = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
         print(
             f"weight inflation: before {before:.1f}/s, during {inflating / before:.2f}x, after "
             f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} all "
