@@ -16,6 +16,11 @@ A site certificate names two DNS names:
   certificate from the mesh CA passes that check: trust comes from the CA, the node id
   from the certificate.
 
+A coordinator certificate (``issue(..., coordinator=True)``) names only
+``gossipd-coordinator`` (``COORDINATOR_DNS_NAME``), its name in the common name. Nodes dial
+the coordinator checking that name, so a site certificate cannot pose as the coordinator;
+it carries no node id, so the coordinator's certificate cannot pose as a site either.
+
 Keys are EC P-256, written with mode 0600 from the moment the file exists. Nothing here
 shells out to openssl.
 """
@@ -38,6 +43,7 @@ from gossipd.node.config import NodeConfig
 from gossipd.node.errors import GossipdError
 
 MESH_DNS_NAME = "gossipd-node"
+COORDINATOR_DNS_NAME = "gossipd-coordinator"
 CA_CERT_FILE = "ca.pem"
 CA_KEY_FILE = "ca.key"
 CA_DAYS = 3650
@@ -193,8 +199,10 @@ def issue(
     *,
     days: float = SITE_DAYS,
     not_before: dt.datetime | None = None,
+    coordinator: bool = False,
 ) -> tuple[Path, Path]:
-    """Write ``<node_id>.pem`` and ``<node_id>.key``, signed by the CA in ``directory``.
+    """Write ``<node_id>.pem`` and ``<node_id>.key``, signed by the CA in ``directory``:
+    a site's certificate, or with ``coordinator`` the mesh coordinator's (named ``node_id``).
 
     The certificate is valid from ``not_before`` (default: now, less a few minutes of clock
     skew) for ``days``. Tests pass a ``not_before`` in the past with a short ``days`` for an
@@ -205,6 +213,11 @@ def issue(
         raise CertificateError(
             f"node id {node_id!r} is reserved: its files would be the CA's {CA_CERT_FILE} and "
             f"{CA_KEY_FILE}; pick another node id"
+        )
+    if node_id in (MESH_DNS_NAME, COORDINATOR_DNS_NAME):
+        raise CertificateError(
+            f"name {node_id!r} is reserved: every certificate of its kind carries it, so it "
+            "names no one; pick another name"
         )
     directory = Path(directory)
     ca_cert_path, ca_key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
@@ -234,7 +247,11 @@ def issue(
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(node_id), x509.DNSName(MESH_DNS_NAME)]),
+            x509.SubjectAlternativeName(
+                [x509.DNSName(COORDINATOR_DNS_NAME)]
+                if coordinator
+                else [x509.DNSName(node_id), x509.DNSName(MESH_DNS_NAME)]
+            ),
             critical=False,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -269,14 +286,30 @@ def issue(
     return cert_path, key_path
 
 
-def _node_id_of_cert(cert: x509.Certificate) -> str | None:
+def _dns_names(cert: x509.Certificate) -> list[str]:
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = [n for n in san.get_values_for_type(x509.DNSName) if n != MESH_DNS_NAME]
     except x509.ExtensionNotFound:
-        names = []
-    if not names:
-        names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        return []
+    return list(san.get_values_for_type(x509.DNSName))
+
+
+def _common_names(cert: x509.Certificate) -> list[str]:
+    return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+
+
+def _coordinator_name_of_cert(cert: x509.Certificate) -> str | None:
+    dns = _dns_names(cert)
+    if COORDINATOR_DNS_NAME not in dns or MESH_DNS_NAME in dns or _is_ca(cert):
+        return None
+    return next((n for n in _common_names(cert) if NODE_ID_RE.fullmatch(n)), None)
+
+
+def _node_id_of_cert(cert: x509.Certificate) -> str | None:
+    dns = _dns_names(cert)
+    if COORDINATOR_DNS_NAME in dns:
+        return None  # the coordinator's certificate never speaks for a site
+    names = [n for n in dns if n != MESH_DNS_NAME] or _common_names(cert)
     # Only a name the config would accept as a node_id counts: a CA's CN has spaces.
     return next((n for n in names if NODE_ID_RE.fullmatch(n)), None)
 
@@ -309,6 +342,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "subject": cert.subject.rfc4514_string(),
         "issuer": cert.issuer.rfc4514_string(),
         "node_id": None if _is_ca(cert) else _node_id_of_cert(cert),
+        "coordinator": _coordinator_name_of_cert(cert),
         "dns_names": dns_names,
         "serial": f"{cert.serial_number:x}",
         "not_before": start.isoformat(),
@@ -332,13 +366,28 @@ def _check_time(cert: x509.Certificate, path: Path, now: dt.datetime) -> None:
         )
 
 
+def coordinator_name_of(cert_pem: bytes) -> str | None:
+    """The coordinator name a coordinator certificate carries; None for any other certificate."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as err:
+        raise CertificateError(f"peer certificate is not PEM: {err}") from err
+    return _coordinator_name_of_cert(cert)
+
+
 def check_pair(
-    ca: str | Path, cert: str | Path, key: str | Path, *, now: dt.datetime | None = None
+    ca: str | Path,
+    cert: str | Path,
+    key: str | Path,
+    *,
+    now: dt.datetime | None = None,
+    coordinator: bool = False,
 ) -> str | None:
     """Check a site's files before it listens, so a bad file fails at start, not at a handshake.
 
     Verifies that ``cert`` is signed by ``ca``, that both are valid at ``now``, and that
-    ``key`` is the certificate's key. Returns the node id the certificate names.
+    ``key`` is the certificate's key. Returns the node id the certificate names (with
+    ``coordinator``, the coordinator name; None when it is not that kind of certificate).
     """
     ca_path, cert_path, key_path = Path(ca), Path(cert), Path(key)
     now = _now() if now is None else now
@@ -360,4 +409,4 @@ def check_pair(
             f"{key_path} does not match {cert_path} (key does not match the certificate); "
             "use the .key written next to that .pem"
         )
-    return _node_id_of_cert(site_cert)
+    return (_coordinator_name_of_cert if coordinator else _node_id_of_cert)(site_cert)

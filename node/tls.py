@@ -11,6 +11,10 @@ dial checks the mesh-wide name every site certificate carries
 (``gossipd-node``) and membership then proves the node id the peer claims with
 a second dial that checks that id. Relayed peers stay candidates until then.
 
+The mesh coordinator serves with ``Credentials(..., coordinator=True)`` (a coordinator
+certificate, :mod:`gossipd.node.certs`); nodes dial it expecting
+``certs.COORDINATOR_DNS_NAME``, and its callers are sites, named by :meth:`peer_id` as here.
+
 ``Credentials`` re-reads the files on :meth:`Credentials.reload` (SIGHUP): the
 server hands the new certificate to the next connection through gRPC's
 dynamic server credentials, and channels opened afterwards present it too.
@@ -61,8 +65,10 @@ class Credentials:
         key: Path | None = None,
         allow: frozenset[str] | None = None,
         insecure: bool = False,
+        coordinator: bool = False,
     ) -> None:
         self.insecure = insecure
+        self.coordinator = coordinator
         self.allow = allow
         self.files = (ca, cert, key)
         self._lock = threading.Lock()
@@ -86,7 +92,12 @@ class Credentials:
     def _read(self) -> Material:
         ca, cert, key = self.files
         assert ca is not None and cert is not None and key is not None
-        node_id = certs.check_pair(ca, cert, key)
+        node_id = certs.check_pair(ca, cert, key, coordinator=self.coordinator)
+        if node_id is None and self.coordinator:
+            raise certs.CertificateError(
+                f"{cert} is not a coordinator certificate; issue one with: gossipd certs issue "
+                "NAME --coordinator --dir CA_DIR"
+            )
         if node_id is None:
             raise certs.CertificateError(f"{cert} names no node id; issue a site certificate")
         info = certs.describe(cert)

@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC stubs from ``gossip.proto``.
+"""Regenerate the committed gRPC stubs from ``gossip.proto`` and ``coordinator.proto``.
 
 The stubs are committed so that installing gossipd never needs protoc; a test
 runs this into a temporary folder and fails when the committed files drift.
@@ -12,11 +12,14 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-GENERATED = ("gossip_pb2.py", "gossip_pb2.pyi", "gossip_pb2_grpc.py")
+PROTOS = ("gossip", "coordinator")
+GENERATED = tuple(
+    f"{name}{suffix}" for name in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+)
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the stubs for ``gossip.proto`` into ``out_dir`` and return their paths."""
+    """Write the stubs for every file of ``PROTOS`` into ``out_dir`` and return their paths."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -30,10 +33,10 @@ def generate(out_dir: Path) -> list[Path]:
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
-            "gossipd/proto/gossip.proto",
+            *(f"gossipd/proto/{name}.proto" for name in PROTOS),
         ]
         if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed on {PROTO_DIR / 'gossip.proto'}")
+            raise RuntimeError(f"protoc failed on {', '.join(PROTOS)} in {PROTO_DIR}")
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for name in GENERATED:

@@ -1,4 +1,5 @@
-"""The committed gRPC stubs are exactly what ``gossip.proto`` generates (DESIGN.md §1)."""
+"""The committed gRPC stubs are exactly what ``gossip.proto`` and ``coordinator.proto``
+generate (DESIGN.md §1)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ from gossipd.proto import regenerate
 COMMITTED_DIR = Path(__file__).resolve().parents[1] / "proto"
 
 
-def test_stub_set_is_the_three_committed_files():
-    assert regenerate.GENERATED == ("gossip_pb2.py", "gossip_pb2.pyi", "gossip_pb2_grpc.py")
+def test_stub_set_is_three_committed_files_per_proto():
+    assert regenerate.GENERATED == (
+        "gossip_pb2.py",
+        "gossip_pb2.pyi",
+        "gossip_pb2_grpc.py",
+        "coordinator_pb2.py",
+        "coordinator_pb2.pyi",
+        "coordinator_pb2_grpc.py",
+    )
     for name in regenerate.GENERATED:
         assert (COMMITTED_DIR / name).is_file(), f"committed stub {name} is missing"
 
@@ -35,7 +43,7 @@ def test_committed_stub_is_byte_identical_to_regenerated(regenerated, name):
     committed = (COMMITTED_DIR / name).read_bytes()
     fresh = regenerated[name].read_bytes()
     assert fresh == committed, (
-        f"proto/{name} drifted from gossip.proto; run `python -m gossipd.proto.regenerate` "
+        f"proto/{name} drifted from its .proto; run `python -m gossipd.proto.regenerate` "
         "and commit the result"
     )
 
@@ -43,3 +51,5 @@ def test_committed_stub_is_byte_identical_to_regenerated(regenerated, name):
 def test_generated_stubs_import_from_the_installed_package_name(regenerated):
     grpc_stub = regenerated["gossip_pb2_grpc.py"].read_text()
     assert "from gossipd.proto import gossip_pb2" in grpc_stub
+    coordinator_stub = regenerated["coordinator_pb2_grpc.py"].read_text()
+    assert "from gossipd.proto import coordinator_pb2" in coordinator_stub
