@@ -223,10 +223,11 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _certs_issue(args: argparse.Namespace) -> int:
     from gossipd.node.certs import CA_CERT_FILE, issue
 
-    cert, key = issue(args.node_id, args.dir, days=args.days)
-    print(f"wrote {cert} (certificate of site {args.node_id})")
+    cert, key = issue(args.node_id, args.dir, days=args.days, coordinator=args.coordinator)
+    what = "the mesh coordinator" if args.coordinator else "site"
+    print(f"wrote {cert} (certificate of {what} {args.node_id})")
     print(f"wrote {key} (its private key, mode 0600)")
-    print(f"next: copy {cert.name}, {key.name} and {CA_CERT_FILE} to site {args.node_id}")
+    print(f"next: copy {cert.name}, {key.name} and {CA_CERT_FILE} to {what} {args.node_id}")
     return 0
 
 
@@ -261,6 +262,11 @@ def _add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("node_id", metavar="NODE_ID", help="the site's node_id, as in its config")
     p.add_argument("--dir", required=True, type=Path, help="directory of the CA (required)")
     p.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="a certificate for the mesh coordinator named NODE_ID, not for a site",
+    )
+    p.add_argument(
         "--days", type=int, default=SITE_DAYS, help="validity in days (default: %(default)s)"
     )
     p.set_defaults(func=_certs_issue)
@@ -269,6 +275,12 @@ def _add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("file", metavar="FILE", type=Path, help="a PEM certificate")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: table)")
     p.set_defaults(func=_certs_show)
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from gossipd.coordinator.server import run
+
+    return run(args)
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -465,6 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_bench, takes_extra=True)
 
+    p = sub.add_parser(
+        "coordinator",
+        help="run the mesh coordinator (membership view, overlap scheduling)",
+        description="Serve the Coordinator gRPC service for one mesh until SIGTERM or Ctrl-C.",
+    )
+    p.add_argument("--config", required=True, type=Path, help="its TOML config file (required)")
+    p.set_defaults(func=_run_coordinator)
+
     _add_certs_commands(sub)
     return parser
 
@@ -477,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     # A daemon's operator reads its INFO lines (start-up, progress, peers); a command run
     # by hand prints its own answer and only warnings besides.
-    level = args.log_level or ("INFO" if args.command == "node" else "WARNING")
+    level = args.log_level or ("INFO" if args.command in ("node", "coordinator") else "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if getattr(args, "plot_default", None) and args.plot is None:
         args.plot = args.plot_default

@@ -406,12 +406,14 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
-def _explain(err: ValidationError, source: str) -> ConfigError:
+def explain(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> ConfigError:
+    """One line per mistake of ``err`` (key, value, fix); ``root`` is the model validated
+    (default ``NodeConfig``), whose keys a misspelt one is compared with."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            hint = did_you_mean(str(e["loc"][-1]), _known_keys(NodeConfig, e["loc"]))
+            hint = did_you_mean(str(e["loc"][-1]), _known_keys(root or NodeConfig, e["loc"]))
             lines.append(f"  {key}: unknown key; {hint}")
         elif e["type"] == "missing":
             lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")
@@ -427,17 +429,21 @@ def parse_config(data: dict[str, Any], source: str = "<dict>") -> NodeConfig:
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as err:
-        raise _explain(err, source) from None
+        raise explain(err, source) from None
 
 
 def load_config(path: str | Path) -> NodeConfig:
+    return parse_config(read_toml(path), str(path))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's TOML, or a :class:`ConfigError` naming the file and what is wrong."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config {path} is not valid TOML: {err}") from None
-    return parse_config(data, str(path))

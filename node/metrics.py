@@ -9,11 +9,26 @@ per model segment, which the model fixes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gossipd.node.errors import ConfigError
 from gossipd.node.report import StepReport, Summary
+
+
+def serve_registry(registry: CollectorRegistry, host: str, port: int) -> Any:
+    """Serve ``registry`` as Prometheus text on ``host:port`` (a daemon thread); returns the
+    HTTP server (``server_port``, ``shutdown()``). A taken port is a :class:`ConfigError`
+    naming ``metrics.listen``, the key of both the node's and the coordinator's config."""
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as err:
+        raise ConfigError(
+            f"metrics.listen {host}:{port}: {err.strerror or err}; pick another port, "
+            "stop the other process, or leave metrics.listen empty to turn metrics off"
+        ) from None
+    return server
 
 
 class NodeMetrics:
@@ -165,13 +180,7 @@ class NodeMetrics:
         self._server = None
 
     def serve(self, host: str, port: int) -> int:
-        try:
-            server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as err:
-            raise ConfigError(
-                f"metrics.listen {host}:{port}: {err.strerror or err}; pick another port, "
-                "stop the other process, or leave metrics.listen empty to turn metrics off"
-            ) from None
+        server = serve_registry(self.registry, host, port)
         self._server = server
         self.port = server.server_port
         return self.port
