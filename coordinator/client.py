@@ -157,6 +157,7 @@ class CoordinatorClient:
                 retry_s = min(retry_s * 2, self.retry_max_s)
                 continue
             retry_s = FIRST_RETRY_S
+            self._misses = 0
             self.seed, self.coordinator = reply.shared_seed, reply.coordinator
             if reply.heartbeat_interval_s > 0 and math.isfinite(reply.heartbeat_interval_s):
                 self.heartbeat_interval_s = reply.heartbeat_interval_s
@@ -211,12 +212,20 @@ class CoordinatorClient:
         """Count one failed call; True once that makes the coordinator unavailable."""
         self._misses += 1
         reason = f"{method}: {err.code().name}: {err.details()}"
-        if self._misses == 1 or not self._available:
-            log.debug("coordinator %s %s", self.address, reason)
-        if self._available and self._misses >= self.missed_heartbeats:
+        log.debug("coordinator %s %s", self.address, reason)
+        if self._misses < self.missed_heartbeats:
+            return False
+        if self._available:
             await self._set_available(False, reason)
-            return True
-        return not self._available
+        elif self._misses == self.missed_heartbeats:  # never registered: say so once
+            log.warning(
+                "coordinator %s unreachable (%d calls failed, last %s); scheduling "
+                "decentralized until it answers",
+                self.address,
+                self._misses,
+                reason,
+            )
+        return True
 
     async def _set_available(self, value: bool, reason: str) -> None:
         if value == self._available:
@@ -238,7 +247,8 @@ class CoordinatorClient:
                 self._misses,
                 reason,
             )
-        self._misses = 0
+        if value:
+            self._misses = 0
         async with self._changed:
             self._available = value
             self._changed.notify_all()

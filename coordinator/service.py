@@ -80,13 +80,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             address = request.address
             try:
                 if len(address) > MAX_ADDRESS_CHARS:
-                    raise ValueError(f"is longer than {MAX_ADDRESS_CHARS} characters")
+                    raise ValueError(
+                        f"{address[:64]!r}... is longer than {MAX_ADDRESS_CHARS} characters"
+                    )
                 _check_address(address)
             except ValueError as err:
                 raise Refused(
                     "bad_address",
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"address {address[:64]!r} {err}; register the address other sites dial "
+                    f"address {err}; register the address other sites dial "
                     "(the node's advertise, or listen)",
                 ) from None
             if not self.members.known(node) and len(self.members.addresses) >= self.max_members:
@@ -167,7 +169,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _checked(self, context: grpc.aio.ServicerContext, mesh_id: str) -> _Checked:
         return _Checked(self, context, mesh_id)
 
-    def caller(self, context: grpc.aio.ServicerContext, mesh_id: str) -> str:
+    def caller(self, context: grpc.aio.ServicerContext) -> str:
         """The node id of the caller's certificate, once it may speak to this coordinator."""
         try:
             node = self.tls.peer_id(context)
@@ -179,6 +181,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 "coordinator",
             ) from None
         assert node is not None  # the coordinator always serves with mutual TLS
+        return node
+
+    def check_mesh(self, node: str, mesh_id: str) -> None:
         if mesh_id != self.mesh_id:
             raise Refused(
                 "wrong_mesh",
@@ -186,7 +191,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 f"{node} asks for mesh {mesh_id[:64]!r}, this coordinator serves "
                 f"{self.mesh_id!r}; point the node at its own mesh's coordinator",
             )
-        return node
 
     def _member(self, node: str) -> None:
         if not self.members.known(node):
@@ -220,11 +224,11 @@ class _Checked:
 
     async def __aenter__(self) -> str:
         try:
-            node = self.servicer.caller(self.context, self.mesh_id)
+            self.who = self.servicer.caller(self.context)
+            self.servicer.check_mesh(self.who, self.mesh_id)
         except Refused as err:
             await self._abort(err)
-        self.who = node
-        return node
+        return self.who
 
     async def __aexit__(self, kind: object, err: BaseException | None, tb: object) -> None:
         if isinstance(err, Refused):

@@ -157,3 +157,139 @@ async def test_two_nodes_pull_from_each_other_and_a_third_is_told_to_wait(
         assert samples["gossipd_coordinator_pairings_total{node=c,peer=b}"] == 1
         assert samples["gossipd_coordinator_grants_total{result=wait}"] == 1
         assert samples["gossipd_coordinator_members{}"] == 2
+
+
+async def expect_refused(call: Any, code: grpc.StatusCode, *words: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call
+    assert refused.value.code() == code, refused.value
+    for word in words:
+        assert word in (refused.value.details() or ""), refused.value.details()
+
+
+async def test_bad_requests_get_a_clear_status_a_counted_reason_and_service_goes_on(
+    pki: Path, coordinator: CoordinatorServer
+) -> None:
+    address = coordinator.address
+    async with Node(pki, "a", address, 7001) as a, Node(pki, "b", address, 7002):
+        tls = creds(pki, "a")
+        channel = tls.channel(address, [], expected=certs.COORDINATOR_DNS_NAME)
+        stub = pb_grpc.CoordinatorStub(channel)
+        start = pb.StartTimeRequest
+        bad = [
+            (stub.StartTime(start(mesh_id="other", end_in_s=1)), "FAILED_PRECONDITION", "other"),
+            (stub.StartTime(start(mesh_id=MESH, end_in_s=-1)), "INVALID_ARGUMENT", "-1"),
+            (stub.StartTime(start(mesh_id=MESH, end_in_s=math.nan)), "INVALID_ARGUMENT", "nan"),
+            (
+                stub.StartTime(start(mesh_id=MESH, end_in_s=1e12)),
+                "INVALID_ARGUMENT",
+                "1000000000000.0",
+            ),
+            (
+                stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="a", transfer_s=1)),
+                "INVALID_ARGUMENT",
+                "itself",
+            ),
+            (
+                stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="b", transfer_s=1)),
+                "FAILED_PRECONDITION",
+                "not granted",
+            ),
+            (
+                stub.Register(pb.RegisterRequest(mesh_id=MESH, address="no-port")),
+                "INVALID_ARGUMENT",
+                "HOST:PORT",
+            ),
+        ]
+        for call, code, word in bad:
+            await expect_refused(call, grpc.StatusCode[code], word)
+            assert await a.start_time(10.0) == ("b", 0.0)  # the next good request is served
+            await a.report("b", math.inf)
+        # Registered nowhere: d holds a valid site certificate but never registered.
+        d = pb_grpc.CoordinatorStub(
+            creds(pki, "d").channel(address, [], expected=certs.COORDINATOR_DNS_NAME)
+        )
+        await expect_refused(
+            d.StartTime(start(mesh_id=MESH, end_in_s=1)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "Register",
+        )
+        # The coordinator's own certificate posing as a node.
+        impostor = pb_grpc.CoordinatorStub(
+            creds(pki, "coord", coordinator=True).channel(
+                address, [], expected=certs.COORDINATOR_DNS_NAME
+            )
+        )
+        await expect_refused(
+            impostor.Register(pb.RegisterRequest(mesh_id=MESH, address="127.0.0.1:1")),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "site certificates",
+        )
+        assert await a.start_time(10.0) == ("b", 0.0)
+        samples = scrape(coordinator.metrics.port or 0)
+        for reason, count in {
+            "wrong_mesh": 1,
+            "bad_time": 3,
+            "self": 1,
+            "scheduler": 1,
+            "bad_address": 1,
+            "unknown_node": 1,
+            "not_a_node": 1,
+        }.items():
+            assert samples[f"gossipd_coordinator_rejected_total{{reason={reason}}}"] == count
+        assert samples["gossipd_coordinator_reports_total{result=failed}"] == len(bad)
+        assert samples["gossipd_coordinator_busy_peers{}"] == 1
+        assert samples["gossipd_coordinator_epoch{}"] == 2
+        await channel.close()
+
+
+async def test_a_site_certificate_cannot_pose_as_the_coordinator(pki: Path, tmp_path: Path) -> None:
+    with pytest.raises(certs.CertificateError, match="not a coordinator certificate"):
+        CoordinatorServer(
+            parse_coordinator_config(
+                config(
+                    pki,
+                    tmp_path,
+                    tls={
+                        "ca": str(pki / "ca.pem"),
+                        "cert": str(pki / "d.pem"),
+                        "key": str(pki / "d.key"),
+                    },
+                )
+            )
+        )
+    # Serve the real service with a site's certificate, as a stolen site key would.
+    server = CoordinatorServer(parse_coordinator_config(config(pki, tmp_path)))
+    server.tls = server.servicer.tls = creds(pki, "d")
+    await server.start()
+    try:
+        node = Node(pki, "a", server.address, 7001)
+        await node.client.start()
+        await until(lambda: node.client._misses >= 3, "three refused handshakes")
+        assert not node.client.available and not server.members.addresses
+        with pytest.raises(CoordinatorUnavailable, match="not available"):
+            await node.client.start_time(1.0)
+        await node.client.close()
+    finally:
+        await server.close(0)
+
+
+def test_config_and_state_errors_name_the_key_or_file(pki: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"heartbeat_intervl_s: unknown key; did you mean"):
+        parse_coordinator_config(config(pki, tmp_path, heartbeat_intervl_s=1))
+    with pytest.raises(ConfigError, match=r"drop_after_s 1.0 must be longer"):
+        parse_coordinator_config(config(pki, tmp_path, heartbeat_interval_s=2))
+    (tmp_path / STATE_FILE).write_text("{not json")
+    with pytest.raises(StateError, match=rf"{tmp_path / STATE_FILE} is corrupt.*move"):
+        CoordinatorServer(parse_coordinator_config(config(pki, tmp_path)))
+
+
+def test_certs_issue_coordinator_writes_a_certificate_only_the_coordinator_accepts(
+    pki: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["certs", "issue", "coord2", "--coordinator", "--dir", str(pki)]) == 0
+    assert "mesh coordinator coord2" in capsys.readouterr().out
+    pem = (pki / "coord2.pem").read_bytes()
+    assert certs.coordinator_name_of(pem) == "coord2" and certs.node_id_of(pem) is None
+    assert certs.coordinator_name_of((pki / "a.pem").read_bytes()) is None
+    assert certs.describe(pki / "coord2.pem")["dns_names"] == [certs.COORDINATOR_DNS_NAME]
