@@ -7,10 +7,11 @@ person reading it is an operator at another site with no access to our logs.
 from __future__ import annotations
 
 import logging
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -308,6 +309,39 @@ class LimitsConfig(_Section):
     )
 
 
+class LinkConfig(_Section):
+    """``[link]``: slow this node's sends down, for tests and benchmarks only (off by default).
+
+    Real processes on one machine can then show slow and distant links; see
+    :mod:`gossipd.node.shaping` for what is delayed and how. Never for production.
+    """
+
+    latency_ms: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="one-way delay before each push stream, pull request and served pull "
+        "this node sends; 0: none",
+    )
+    jitter_ms: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="each delay adds a uniform random 0..jitter_ms (seeded by gossip.seed)",
+    )
+    rate_mbit: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="cap on this node's payload send rate in Mbit/s, shared by all its pushes "
+        "and served pulls; 0: no cap",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.latency_ms or self.jitter_ms or self.rate_mbit)
+
+
 class CheckpointConfig(_Section):
     every_steps: int = Field(200, ge=0, description="0: only at shutdown")
 
@@ -356,12 +390,69 @@ class TlsConfig(_Section):
         return self
 
 
+class MqttConfig(_Section):
+    """``[mqtt]``: find peers through an MQTT broker and take control commands from it.
+
+    Presence messages give candidate addresses only (a peer is still whoever this
+    node's own handshake proves); nothing of the model travels over MQTT."""
+
+    broker: str = Field(description="HOST:PORT of the MQTT broker")
+    topic_prefix: str = Field("gossipd", description="topics are PREFIX/MESH_ID/...")
+    username: str | None = Field(None, min_length=1)
+    password: str | None = Field(None, description="broker password (or password_file)")
+    password_file: Path | None = Field(None, description="file whose first line is the password")
+    tls: bool = Field(False, description="TLS to the broker with the system CAs (or ca)")
+    ca: Path | None = Field(None, description="CA certificate of the broker (implies TLS)")
+    cert: Path | None = Field(None, description="client certificate for the broker (implies TLS)")
+    key: Path | None = Field(None, description="client certificate key for the broker")
+    keepalive_s: int = Field(
+        15, ge=1, le=65535, description="MQTT keepalive: the broker fires the last will after 1.5x"
+    )
+    reconnect_max_s: float = Field(
+        30.0, gt=0, description="longest wait between attempts to reach the broker"
+    )
+
+    @field_validator("broker")
+    @classmethod
+    def _broker_address(cls, v: str) -> str:
+        return _check_address(v)
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _topic_prefix(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*", v):
+            raise ValueError(
+                "a topic prefix is one or more levels of [A-Za-z0-9._-] joined by '/', with no "
+                "wildcards (+ #) and no empty level; for example gossipd or lab/gossipd"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _credentials(self) -> MqttConfig:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("mqtt.password and mqtt.password_file are both set; keep one")
+        if (self.password is not None or self.password_file is not None) and not self.username:
+            raise ValueError("mqtt.password without mqtt.username; set the broker user name")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("mqtt.cert and mqtt.key go together; set both or neither")
+        return self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.ca is not None or self.cert is not None
+
+
 class NodeConfig(_Section):
     mesh_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     node_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     listen: str = "127.0.0.1:0"
     advertise: str | None = Field(None, description="address peers dial; default: listen")
     seeds: list[str] = Field(default_factory=list)
+    coordinator: str | None = Field(
+        None,
+        description="HOST:PORT of the mesh's coordinator (gossipd coordinator); it schedules "
+        "the overlap protocol's pulls and hands out the view; none: decentralized",
+    )
     data_dir: Path = Path("gossipd-state")
     join: bool = Field(
         False, description="start at weight 0 and copy a live peer's model before training"
@@ -377,10 +468,14 @@ class NodeConfig(_Section):
     limits: LimitsConfig = LimitsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    link: LinkConfig = LinkConfig()
     # No silent default: a site states how it is secured (certificates, or insecure).
     tls: TlsConfig = Field(default=TlsConfig.model_construct(), validate_default=True)
+    mqtt: MqttConfig | None = Field(
+        None, description="discovery and control through an MQTT broker; unset: off"
+    )
 
-    @field_validator("listen", "advertise")
+    @field_validator("listen", "advertise", "coordinator")
     @classmethod
     def _addresses(cls, v: str | None) -> str | None:
         return None if v is None else _check_address(v)
@@ -390,6 +485,28 @@ class NodeConfig(_Section):
     def _seed_addresses(cls, v: list[str]) -> list[str]:
         return [_check_address(s) for s in v]
 
+    @model_validator(mode="after")
+    def _link_fits_timeouts(self) -> NodeConfig:
+        """A shaped link that every push or pull would time out on is refused up front."""
+        link, gossip, limits = self.link, self.gossip, self.limits
+        bound_s = min(gossip.progress_timeout_s, limits.stream_idle_timeout_s)
+        if (link.latency_ms + link.jitter_ms) / 1000 >= bound_s:
+            raise ValueError(
+                f"link.latency_ms + link.jitter_ms = {link.latency_ms + link.jitter_ms:g} ms "
+                f"is not below min(gossip.progress_timeout_s, limits.stream_idle_timeout_s) = "
+                f"{bound_s:g} s, so every shaped push would time out; lower the latency or "
+                "raise those timeouts"
+            )
+        rate_bytes_s = link.rate_mbit * 1e6 / 8
+        if link.rate_mbit and rate_bytes_s < limits.min_push_rate_bytes_s:
+            raise ValueError(
+                f"link.rate_mbit = {link.rate_mbit:g} ({rate_bytes_s:g} bytes/s) is below "
+                f"limits.min_push_rate_bytes_s = {limits.min_push_rate_bytes_s:g}, so peers "
+                "would end this node's pushes as too slow; raise the rate or lower "
+                "min_push_rate_bytes_s on every site"
+            )
+        return self
+
 
 def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     for part in loc[:-1]:
@@ -398,6 +515,8 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
             continue
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
+        # An optional section (``X | None``): its keys are X's.
+        annotation = next((a for a in get_args(annotation) if a is not type(None)), annotation)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

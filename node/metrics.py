@@ -176,6 +176,18 @@ class NodeMetrics:
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
+        self.mqtt_connected = Gauge(
+            "gossipd_mqtt_connected",
+            "1 while connected to the MQTT broker of [mqtt], else 0 (training never waits on it)",
+            registry=r,
+        )
+        self.mqtt_rejected = Counter(
+            "gossipd_mqtt_rejected_total",
+            "MQTT messages ignored, by reason (oversize, bad_json, bad_field, wrong_mesh, "
+            "unknown_command, topic_mismatch)",
+            ["reason"],
+            registry=r,
+        )
         self.port: int | None = None
         self._server = None
 

@@ -32,6 +32,10 @@ def check_site(config: NodeConfig) -> None:
     if config.metrics.listen:
         check_port("metrics.listen", config.metrics.listen)
     check_data_dir(Path(config.data_dir))
+    if config.mqtt is not None:
+        from gossipd.node.mqtt import BrokerLogin
+
+        BrokerLogin.from_config(config.mqtt)  # reads mqtt.password_file, ca, cert and key
 
 
 def check_port(key: str, address: str) -> None:

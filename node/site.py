@@ -30,6 +30,7 @@ from gossipd.node.config import NodeConfig
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs import Job, JobSpec, build_job
 from gossipd.node.metrics import NodeMetrics
+from gossipd.node.mqtt import MqttAgent, start_mqtt
 from gossipd.node.network import Network
 from gossipd.node.progress_log import ProgressLog
 from gossipd.node.replica import Replica
@@ -96,6 +97,10 @@ class TrainingLoop(threading.Thread):
         # Set once start-up (join bootstrap, start_after_peers) is done: until then the
         # thread only drives the replica, so the bootstrap model is loaded here too.
         self.go = threading.Event()
+        # Cleared by the `pause` control command: the thread stops stepping at the next step
+        # boundary and only drives the replica (merges, settlements) until it is set again.
+        self.resumed = threading.Event()
+        self.resumed.set()
         self.stepped = False
         self.error: BaseException | None = None
 
@@ -106,7 +111,7 @@ class TrainingLoop(threading.Thread):
                 site.replica.idle(0.05)
             started = time.monotonic()
             while not self.halt.is_set():
-                if self.finished.is_set():
+                if self.finished.is_set() or not self.resumed.is_set():
                     site.replica.idle(0.05)
                     continue
                 self.stepped = True
@@ -167,6 +172,7 @@ class Site:
         self.restored_weights: list[float] = []
         self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
         self.final_checkpoint_error: CheckpointError | None = None
+        self.mqtt: MqttAgent | None = None
         self.last_eval: dict[str, float] = {}
         once = "free space (or fix the disk) under data_dir; logged once until a write succeeds"
         self.checkpoint_streak = FailureStreak(
@@ -324,6 +330,7 @@ class Site:
                 self.write_node_json()
             except OSError as err:
                 log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
+            self.mqtt = start_mqtt(self, stop)
             loop = asyncio.get_running_loop()
             self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
             self.loop_thread.start()
@@ -370,6 +377,8 @@ class Site:
         """
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         try:
+            if self.mqtt is not None:  # first: nobody should be pointed here any more
+                await self.mqtt.close()
             self.loop_thread.halt.set()
             driver = self.loop_thread
             if not driver.is_alive():  # never started, or died: something must drive

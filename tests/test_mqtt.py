@@ -1,0 +1,262 @@
+"""MQTT discovery and control against real brokers (Mosquitto, and the embedded amqtt).
+
+Three daemons with mutual TLS and no seeds find each other only through the
+broker's presence messages, gossip, answer control commands, shrug off junk and
+forged presences, and one leaves on command: the mesh's Σw is checked at the end.
+The tests of one broker share its mesh and run in file order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gossipd.node import certs
+from gossipd.node.mesh import free_ports
+from gossipd.node.tls import Credentials
+from tests.conftest import (
+    DaemonHandle,
+    check_alive,
+    scrape_metrics,
+    start_daemon,
+    status_of,
+    stop_all,
+    stop_in_turn,
+    wait_counters_grow,
+    wait_mesh_live,
+    wait_until,
+)
+from tests.mqttbrokers import ask, broker, publish, wait_message
+
+MESH = "test-mesh"
+NODES = ["a", "b", "c"]
+
+
+class Mesh:
+    def __init__(self, port: int, handles: list[DaemonHandle]) -> None:
+        self.port = port
+        self.handles = handles
+        self.by_id = {h.node_id: h for h in handles}
+
+
+@pytest.fixture(scope="module", params=["mosquitto", "amqtt"])
+def mesh(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
+    root = tmp_path_factory.mktemp(f"mqtt-{request.param}")
+    tls_dir = root / "tls"
+    certs.init_ca(tls_dir, mesh_id=MESH)
+    for node_id in [*NODES, "tester", "mallory"]:
+        certs.issue(node_id, tls_dir)
+    with broker(request.param, root) as port:
+        ports = free_ports(len(NODES))
+
+        def start(i: int) -> DaemonHandle:
+            node_id = NODES[i]
+            return start_daemon(
+                root,
+                node_id,
+                ports[i],
+                client_tls=_tls(tls_dir, "tester"),
+                job={"seed": i},
+                gossip={"seed": i, "push_probability": 0.5},
+                tls={
+                    "insecure": False,
+                    "ca": str(tls_dir / certs.CA_CERT_FILE),
+                    "cert": str(tls_dir / f"{node_id}.pem"),
+                    "key": str(tls_dir / f"{node_id}.key"),
+                },
+                mqtt={"broker": f"127.0.0.1:{port}", "keepalive_s": 5},
+            )
+
+        handles: list[DaemonHandle] = []
+        try:
+            with ThreadPoolExecutor(len(NODES)) as pool:
+                futures = [pool.submit(start, i) for i in range(len(NODES))]
+                for future in futures:
+                    with contextlib.suppress(Exception):
+                        handles.append(future.result())
+            assert len(handles) == len(NODES), [f.exception() for f in futures]
+            yield Mesh(port, handles)
+        finally:
+            stop_all(handles)
+
+
+def _tls(tls_dir: Path, node_id: str) -> Credentials:
+    return Credentials(
+        ca=tls_dir / certs.CA_CERT_FILE,
+        cert=tls_dir / f"{node_id}.pem",
+        key=tls_dir / f"{node_id}.key",
+    )
+
+
+def _metrics(handle: DaemonHandle) -> dict[str, float]:
+    return scrape_metrics(handle.node_json()["metrics_port"])
+
+
+def test_nodes_with_no_seeds_find_each_other_through_the_broker_and_gossip(mesh: Mesh) -> None:
+    for h in mesh.handles:
+        assert "seeds" not in h.config_path.read_text()
+    wait_mesh_live(mesh.handles, 120.0)
+    wait_counters_grow(mesh.handles, ("pushes_acked",), 5, "pushes acknowledged on every node")
+    for h in mesh.handles:
+        assert _metrics(h)["gossipd_mqtt_connected"] == 1.0
+    presence = json.loads(
+        wait_message(mesh.port, f"gossipd/{MESH}/presence/a", bool, "a's retained presence")
+    )
+    a = mesh.by_id["a"]
+    assert presence["node_id"] == "a" and presence["address"] == a.address
+    assert presence["mesh_id"] == MESH
+    assert presence["fingerprint"] == certs.describe(a.data_dir.parent / "tls" / "a.pem")["sha256"]
+
+
+def test_pause_resume_and_checkpoint_take_effect_and_are_answered(mesh: Mesh) -> None:
+    c, others = mesh.by_id["c"], [mesh.by_id["a"], mesh.by_id["b"]]
+    reply = ask(mesh.port, MESH, "c", "pause")
+    assert reply["ok"] and reply["node_id"] == "c" and reply["command"] == "pause", reply
+    paused_at = status_of(c)["step"]
+    # The other nodes' steps are the clock: while they take 30 more, c takes at most
+    # the one it was in when the command came.
+    wait_counters_grow(others, ("step",), 30, "steps on the nodes not paused")
+    assert status_of(c)["step"] <= paused_at + 1
+    assert set(status_of(c)["live_peers"]) == {"a", "b"}  # still serving gossip
+    assert ask(mesh.port, MESH, "c", "resume")["ok"]
+    wait_counters_grow([c], ("step",), 20, "steps on c after resume")
+
+    checkpoint = c.data_dir / "checkpoint.pt"
+    assert not checkpoint.exists()  # checkpoint.every_steps = 0: only on command or at exit
+    reply = ask(mesh.port, MESH, "c", "checkpoint")
+    assert reply["ok"] and str(checkpoint) in reply["detail"], reply
+    assert checkpoint.exists()
+
+
+class FakeListener:
+    """A TCP port that accepts connections and counts them (and never speaks gossip)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(10)
+
+
+def test_a_forged_presence_for_another_nodes_id_never_makes_a_live_peer(mesh: Mesh) -> None:
+    fake = FakeListener()
+    try:
+        forged = {
+            "node_id": "b",
+            "address": fake.address,
+            "fingerprint": None,
+            "mesh_id": MESH,
+            "version": "0.1.0",
+        }
+        # On b's own topic (b puts its own presence back) and as a retained presence
+        # of a node that does not exist.
+        publish(mesh.port, f"gossipd/{MESH}/presence/b", json.dumps(forged).encode())
+        ghost = {**forged, "node_id": "ghost"}
+        publish(
+            mesh.port, f"gossipd/{MESH}/presence/ghost", json.dumps(ghost).encode(), retain=True
+        )
+        # a and c dial the forged address (the hint is taken) and the handshake fails.
+        wait_until(lambda: fake.accepted >= 2, "a and c to dial the forged address", 60.0)
+        wait_counters_grow(mesh.handles, ("pushes_acked",), 3, "gossip after the forgery")
+        for h in mesh.handles:
+            s = status_of(h)
+            peers = {p["node_id"]: p["address"] for p in s["peers"]}
+            assert "ghost" not in peers and "ghost" not in s["live_peers"]
+            assert fake.address not in peers.values()
+            for node_id, address in peers.items():
+                assert address == mesh.by_id[node_id].address
+            assert set(s["exchanged"]) <= set(NODES) - {h.node_id}  # nothing from others
+    finally:
+        publish(mesh.port, f"gossipd/{MESH}/presence/ghost", b"", retain=True)
+        fake.close()
+
+
+JUNK: list[tuple[str, bytes, str]] = [
+    ("control", b"{not json", "bad_json"),
+    ("control", json.dumps({"command": 7, "request_id": "x"}).encode(), "bad_field"),
+    ("control/a", json.dumps({"command": "reboot", "request_id": "r"}).encode(), "unknown_command"),
+    ("presence/zz", b"[1, 2]", "bad_json"),
+    ("presence/zz", b"x" * 5000, "oversize"),
+    (
+        "presence/zz",
+        json.dumps(
+            {"node_id": "zz", "address": "127.0.0.1:1", "mesh_id": "other", "version": "1"}
+        ).encode(),
+        "wrong_mesh",
+    ),
+    (
+        "presence/zz",
+        json.dumps({"node_id": "yy", "address": "127.0.0.1:1", "mesh_id": MESH}).encode(),
+        "topic_mismatch",
+    ),
+]
+
+
+def test_junk_on_the_topics_is_counted_and_the_node_keeps_working(mesh: Mesh) -> None:
+    a = mesh.by_id["a"]
+    before = _metrics(a)
+    reasons = sorted({reason for _, _, reason in JUNK})
+    for topic, payload, _ in JUNK:
+        publish(mesh.port, f"gossipd/{MESH}/{topic}", payload)
+    reply = ask(mesh.port, MESH, "a", "resume")  # after the junk, in order on one broker
+    assert reply["ok"], reply
+
+    def counted() -> bool:
+        now = _metrics(a)
+        return all(
+            now.get(f'gossipd_mqtt_rejected_total{{reason="{r}"}}', 0)
+            - before.get(f'gossipd_mqtt_rejected_total{{reason="{r}"}}', 0)
+            >= sum(1 for _, _, reason in JUNK if reason == r)
+            for r in reasons
+        )
+
+    wait_until(counted, "each kind of junk counted on a", 30.0, lambda: check_alive(mesh.handles))
+    assert "refused a request from MQTT" in a.log()
+    wait_counters_grow(mesh.handles, ("step", "pushes_acked"), 3, "training and gossip after junk")
+
+
+def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: Mesh) -> None:
+    b = mesh.by_id["b"]
+    replies: list[dict[str, Any]] = []
+    # Subscribed before the leave: a cleared retained message is not sent to later subscribers.
+    wait_message(
+        mesh.port,
+        f"gossipd/{MESH}/presence/b",
+        lambda p: p == b"",
+        "b's presence cleared as it leaves",
+        action=lambda: replies.append(ask(mesh.port, MESH, "b", "leave")),
+    )
+    assert replies[0]["ok"] and replies[0]["command"] == "leave", replies
+    assert b.proc.wait(timeout=60) == 0, b.log()[-3000:]
+    left = json.loads((b.data_dir / "summary.json").read_text())["sum_weights"]
+    assert sum(left) == pytest.approx(0.0, abs=1e-9)  # all of it handed to a or c
+    rest = [mesh.by_id["a"], mesh.by_id["c"]]
+    wait_until(lambda: all("b" not in status_of(h)["live_peers"] for h in rest), "b gone", 60.0)
+    weights = stop_in_turn(rest)
+    segments = len(weights[0])
+    totals = [sum(w[i] for w in [*weights, left]) for i in range(segments)]
+    assert totals == pytest.approx([3.0] * segments, abs=1e-6)
