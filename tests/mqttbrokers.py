@@ -4,6 +4,7 @@ test's own MQTT client: subscribe-and-wait, publish, ask a node a command."""
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import shutil
 import socket
@@ -40,7 +41,8 @@ def mosquitto(
     (name -> password); yields the port, always stopped and reaped."""
     port = port or free_ports(1)[0]
     directory.mkdir(parents=True, exist_ok=True)
-    lines = [f"listener {port} 127.0.0.1", "persistence false"]
+    # Started as root, mosquitto would switch to user mosquitto, who cannot read tmp_path.
+    lines = [f"listener {port} 127.0.0.1", "persistence false", f"user {getpass.getuser()}"]
     if users:
         passwords = directory / "passwords"
         passwords.write_text("")
