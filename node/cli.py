@@ -145,8 +145,10 @@ def _run_mesh(args: argparse.Namespace) -> int:
         flush=True,
     )
     from gossipd.node.launcher import print_table, run_mesh
+    from gossipd.node.shaping import link_tables
 
-    result = run_mesh(_mesh_spec(args))  # type: ignore[arg-type]
+    link = link_tables(args.nodes, latency_ms=args.link_latency_ms, rate_mbit=args.link_rate_mbit)
+    result = run_mesh(_mesh_spec(args, link=link))  # type: ignore[arg-type]
     print_table(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -417,6 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
         "per-node table, stop them.",
     )
     _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    p.add_argument(
+        "--link-latency-ms",
+        metavar="MS[,MS...]",
+        help="test/benchmark knob: [link] latency_ms of every node, or one value per node "
+        "separated by commas (default: none)",
+    )
+    p.add_argument(
+        "--link-rate-mbit",
+        metavar="MBIT[,MBIT...]",
+        help="test/benchmark knob: [link] rate_mbit (send-rate cap) of every node, or one "
+        "value per node separated by commas (default: no cap)",
+    )
     p.set_defaults(func=_run_mesh)
 
     p = sub.add_parser(

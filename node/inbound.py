@@ -18,6 +18,7 @@ from gossipd.node.errors import Busy, InvalidFrame
 from gossipd.node.messages import InboundPush, ReceivedSegment
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.replica import Replica
+from gossipd.node.shaping import LinkShaper
 from gossipd.node.wire import segment_frames
 from gossipd.proto import gossip_pb2 as pb
 
@@ -33,9 +34,11 @@ class Inbound:
         check_sender: Callable[[str, int], None],
         succeeded: Callable[[str], None],
         leaving: Callable[[], bool],
+        shaper: LinkShaper | None = None,
     ) -> None:
         """``check_sender`` raises unless the sender is a verified peer; ``succeeded`` tells
-        membership it answered; ``leaving`` says whether this node is leaving the mesh."""
+        membership it answered; ``leaving`` says whether this node is leaving the mesh;
+        ``shaper`` is the node's ``[link]`` shaping of what it sends (None: off)."""
         self.config = config
         self.replica = replica
         self.metrics = metrics
@@ -43,6 +46,7 @@ class Inbound:
         self.check_sender = check_sender
         self.succeeded = succeeded
         self.leaving = leaving
+        self.shaper = shaper
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
@@ -103,7 +107,12 @@ class Inbound:
         self, request: pb.PullRequest
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """Headers and chunk views of a snapshot of the requested segments (all when none
-        are named); closing the generator drops the snapshot."""
+        are named); closing the generator drops the snapshot.
+
+        With ``[link]`` shaping the reply waits its latency once, after the snapshot
+        (the replica's lock is released by then), and each chunk waits for its turn at
+        the rate this node's pushes share.
+        """
         count = len(self.replica.flat.plan)
         wanted = list(request.segments) or list(range(count))
         if len(set(wanted)) != len(wanted) or not all(0 <= s < count for s in wanted):
@@ -112,6 +121,11 @@ class Inbound:
             )
         snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
         codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
+        shaper = self.shaper
+        chunk_bytes = self.config.gossip.chunk_bytes
+        if shaper:
+            chunk_bytes = shaper.chunk_bytes(chunk_bytes)
+            await shaper.delay()
         for index, flat in snapshot.items():
             for frame in segment_frames(
                 sender=self.config.node_id,
@@ -120,9 +134,11 @@ class Inbound:
                 sum_weight=weights[index] if weights else 0.0,  # a core without weights
                 flat=flat,
                 codec=codec,
-                chunk_bytes=self.config.gossip.chunk_bytes,
+                chunk_bytes=chunk_bytes,
                 copy=False,
             ):
+                if shaper and isinstance(frame, memoryview):
+                    await shaper.pace(frame.nbytes)
                 yield frame
         self.metrics.messages.labels("sent", "pull", "ok").inc()
         nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]

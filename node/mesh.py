@@ -59,6 +59,7 @@ class MeshSpec:
     job_options: dict[str, Any] = field(default_factory=dict)
     eval_every_steps: int = 100
     checkpoint_every_steps: int = 200
+    link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
 
 
 def free_ports(count: int) -> list[int]:
@@ -152,6 +153,9 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         "",
         "[checkpoint]",
         f"every_steps = {spec.checkpoint_every_steps}",
+        "",
+        "[link]",
+        *(f"{k} = {json.dumps(v)}" for k, v in (spec.link[index] if spec.link else {}).items()),
         "",
         "[tls]",
         *tls,

@@ -31,6 +31,7 @@ from gossipd.node.errors import (
 )
 from gossipd.node.messages import Ack, OutboundPush, Pulled
 from gossipd.node.segments import SegmentPlan
+from gossipd.node.shaping import LinkShaper
 from gossipd.node.tls import Credentials, NotAllowed
 from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -126,13 +127,16 @@ class PeerClient:
         streams: int = 4,
         tls: Credentials,
         expected: str | None = None,
+        shaper: LinkShaper | None = None,
     ) -> None:
         """``expected``: the node id the server's certificate must name (with TLS);
-        None accepts any site of the mesh, whose claimed id the caller then proves."""
+        None accepts any site of the mesh, whose claimed id the caller then proves.
+        ``shaper``: the node's ``[link]`` shaping of pushes and pull requests (None: off)."""
         self.address = address
         self.identity = identity
         self.codec = codec
-        self.chunk_bytes = chunk_bytes
+        self.shaper = shaper
+        self.chunk_bytes = shaper.chunk_bytes(chunk_bytes) if shaper else chunk_bytes
         self.streams = max(1, streams)
         self.expected = expected
         self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
@@ -249,8 +253,11 @@ class PeerClient:
         A chunk frame is encoded by hand, byte for byte what protobuf writes for
         ``PushFrame(chunk=data)`` (field tag, varint length, payload), straight from
         a view of the tensor: one copy instead of three (bytes, message, encoding).
+        With ``[link]`` shaping the stream waits its latency once, before the open
+        frame, and each chunk waits for its turn at the node's rate.
         """
-
+        if self.shaper:
+            await self.shaper.delay()
         yield pb.PushFrame(
             open=pb.PushOpen(
                 mesh_id=self.identity.mesh_id,
@@ -275,6 +282,8 @@ class PeerClient:
                 copy=False,
             ):
                 if isinstance(frame, memoryview):
+                    if self.shaper:
+                        await self.shaper.pace(frame.nbytes)
                     yield push_chunk_frame(frame)
                 else:
                     yield pb.PushFrame(header=frame).SerializeToString()
@@ -308,6 +317,8 @@ class PeerClient:
         assembler = SegmentAssembler(plan, limits)
         pulled = Pulled()
         progress_s = progress_timeout_s or timeout_s
+        if self.shaper:
+            await self.shaper.delay()  # the request's one-way latency; the reply is the server's
         try:
             async with asyncio.timeout(progress_s) as watchdog:
                 async for frame in self.stub.PullModel(request, timeout=timeout_s):
