@@ -2,18 +2,20 @@
 # The test command (README "Test"): the Debian packages the tests start for real, then pytest.
 #
 # Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
-# compose files. They are installed when missing and apt-get can run (root, or sudo
-# without a password); otherwise this says which are missing and how to install them,
+# compose files; Mosquitto is the MQTT broker of the discovery tests. They are
+# installed when missing and apt-get can run (root, or sudo without a password); otherwise this says which are missing and how to install them,
 # and stops before pytest, since the tests that need them would fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(prometheus docker-compose)
-commands=(prometheus docker-compose)
+# mosquitto lands in /usr/sbin, outside a normal user's PATH: looked for there too.
+packages=(prometheus docker-compose mosquitto)
+commands=(prometheus docker-compose mosquitto)
 
 missing=()
 for i in "${!commands[@]}"; do
-  command -v "${commands[$i]}" >/dev/null || missing+=("${packages[$i]}")
+  command -v "${commands[$i]}" >/dev/null || [ -x "/usr/sbin/${commands[$i]}" ] \
+    || missing+=("${packages[$i]}")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
