@@ -3,8 +3,9 @@
 #
 # Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
 # compose files; Mosquitto is the MQTT broker of the discovery tests. They are
-# installed when missing and apt-get can run (root, or sudo without a password); otherwise this says which are missing and how to install them,
-# and stops before pytest, since the tests that need them would fail.
+# installed when missing and apt-get can run (root, or sudo without a password);
+# otherwise this says which are missing and how to install them, and stops before
+# pytest, since the tests that need them would fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
