@@ -47,6 +47,7 @@ from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.replica import Replica
 from gossipd.node.segments import model_checksum
 from gossipd.node.servicer import SERVICE, GossipServicer, add_to_server
+from gossipd.node.shaping import LinkShaper
 from gossipd.node.tls import Credentials
 from gossipd.node.transport import CHANNEL_OPTIONS, Identity, PeerClient
 from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler
@@ -132,6 +133,7 @@ class Network:
         self.stopping = asyncio.Event()
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.tls = Credentials.from_config(config.tls)
+        self.shaper = LinkShaper.from_config(config.link, config.node_id, config.gossip.seed)
         if self.tls.node_id not in (None, self.node_id):
             raise ConfigError(
                 f"tls.cert {config.tls.cert} is for node {self.tls.node_id!r}, but node_id is "
@@ -186,6 +188,7 @@ class Network:
             check_sender=self.check_sender,
             succeeded=self.peering.succeeded,
             leaving=lambda: self.outbound.leaving,
+            shaper=self.shaper,
         )
         self._checksum_lock = asyncio.Lock()
         self._checksum_at = -math.inf
@@ -308,6 +311,7 @@ class Network:
                 chunk_bytes=self.config.gossip.chunk_bytes,
                 tls=self.tls,
                 expected=node_id,
+                shaper=self.shaper,
             )
         return client
 
