@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -130,7 +131,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     from gossipd.node.demo import demo_job_options, print_demo, run_demo
 
     options = demo_job_options(args.job, parse_job_options(args.job_option))
-    result = run_demo(_mesh_spec(args, job_options=options))  # type: ignore[arg-type]
+    with contextlib.ExitStack() as stack:
+        broker = None
+        if args.discovery == "mqtt":
+            from gossipd.node.broker import EmbeddedBroker
+
+            broker = stack.enter_context(EmbeddedBroker()).address
+            print(
+                f"gossipd: the sites have no seeds; they find each other through an MQTT "
+                f"broker (amqtt) started in this process on {broker}",
+                file=sys.stderr if args.json else sys.stdout,
+                flush=True,
+            )
+        spec = _mesh_spec(args, job_options=options, mqtt_broker=broker)
+        result = run_demo(spec)  # type: ignore[arg-type]
     print_demo(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -443,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with gossip, and writes gossipd-demo.png with both runs.",
     )
     _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    p.add_argument(
+        "--discovery",
+        choices=("seeds", "mqtt"),
+        default="seeds",
+        help="how the sites find each other: seeds (each is given the others' addresses) or "
+        "mqtt (no seeds; an MQTT broker started in this process) (default: %(default)s)",
+    )
     p.set_defaults(func=_run_demo, plot_default="gossipd-demo.png")
 
     p = sub.add_parser(

@@ -60,6 +60,8 @@ class MeshSpec:
     eval_every_steps: int = 100
     checkpoint_every_steps: int = 200
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
+    # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
+    mqtt_broker: str | None = None
 
 
 def free_ports(count: int) -> list[int]:
@@ -103,7 +105,7 @@ def _listen_range() -> tuple[int, int]:
 
 def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: Path) -> str:
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    seeds = [a for i, a in enumerate(addresses) if i != index]
+    seeds = [] if spec.mqtt_broker else [a for i, a in enumerate(addresses) if i != index]
     job = {
         "name": spec.job,
         "seed": spec.seed + index,
@@ -160,6 +162,8 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         "[tls]",
         *tls,
     ]
+    if spec.mqtt_broker:
+        lines += ["", "[mqtt]", f"broker = {json.dumps(spec.mqtt_broker)}"]
     return "\n".join(lines) + "\n"
 
 

@@ -114,19 +114,20 @@ class MqttAgent:
         config: NodeConfig,
         *,
         address: str,
-        hear: Callable[[str, str], None],
+        incarnation: int,
+        hear: Callable[[Presence], None],
         controls: Controls,
         metrics: NodeMetrics,
     ) -> None:
-        """``hear(node_id, address)`` hands a candidate to peering; ``address`` is this
-        node's advertised one."""
+        """``hear`` hands another node's presence to peering as a candidate; ``address``
+        and ``incarnation`` are this node's, as its handshake gives them."""
         assert config.mqtt is not None
         self.config = config.mqtt
         self.login = BrokerLogin.from_config(config.mqtt)
         self.topics = Topics(config.mqtt.topic_prefix, config.mesh_id, config.node_id)
         fingerprint = None if config.tls.insecure else certs.describe(config.tls.cert)["sha256"]
         self.presence = Presence(
-            config.node_id, address, fingerprint, config.mesh_id, _version()
+            config.node_id, address, incarnation, fingerprint, config.mesh_id, _version()
         ).payload()
         self.hear = hear
         self.controls = controls
@@ -248,7 +249,7 @@ class MqttAgent:
                 await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
             return
         if presence is not None:
-            self.hear(presence.node_id, presence.address)
+            self.hear(presence)
 
     async def _on_command(self, client: aiomqtt.Client, command: Command) -> None:
         log.info("MQTT control: %s (request %r)", command.command, command.request_id)
@@ -301,13 +302,20 @@ def start_mqtt(site: Any, stop: asyncio.Event) -> MqttAgent | None:
 
     peering = site.network.peering
 
-    def hear(node_id: str, address: str) -> None:
-        peering.hear(pb.NodeInfo(node_id=node_id, address=address, incarnation=0))
+    def hear(presence: Presence) -> None:
+        peering.hear(
+            pb.NodeInfo(
+                node_id=presence.node_id,
+                address=presence.address,
+                incarnation=presence.incarnation,
+            )
+        )
         peering.kick()
 
     agent = MqttAgent(
         site.config,
         address=site.network.address,
+        incarnation=site.network.incarnation,
         hear=hear,
         controls=site_controls(site, stop),
         metrics=site.metrics,

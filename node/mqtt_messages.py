@@ -2,8 +2,8 @@
 
 Topics, under ``PREFIX/MESH_ID/``:
 
-* ``presence/NODE_ID`` (retained): ``{node_id, address, fingerprint, mesh_id,
-  version}``; an empty payload clears it (the last will, or a graceful leave);
+* ``presence/NODE_ID`` (retained): ``{node_id, address, incarnation, fingerprint,
+  mesh_id, version}``; an empty payload clears it (the last will, or a graceful leave);
 * ``control`` (every node) and ``control/NODE_ID`` (one node):
   ``{"command": "pause"|"resume"|"checkpoint"|"leave", "request_id": "..."}``;
 * ``reply/NODE_ID``: ``{request_id, node_id, command, ok, detail}``.
@@ -87,6 +87,7 @@ class Topics:
 class Presence:
     node_id: str
     address: str
+    incarnation: int  # as in its handshake: a candidate must answer with the same
     fingerprint: str | None  # SHA-256 of the certificate (DER, hex); None in plaintext
     mesh_id: str
     version: str
@@ -140,9 +141,13 @@ def parse_presence(topics: Topics, topic_node: str, payload: bytes) -> Presence 
         raise Junk(
             "bad_field", f"fingerprint must be 64 hex digits or null, got {fingerprint!r:.80}"
         )
+    incarnation = data.get("incarnation")
+    if not isinstance(incarnation, int) or isinstance(incarnation, bool) or incarnation < 0:
+        raise Junk("bad_field", f"incarnation must be an integer >= 0, got {incarnation!r:.60}")
     return Presence(
         node_id=node_id,
         address=_text(data, "address", _ADDRESS),
+        incarnation=incarnation,
         fingerprint=fingerprint,
         mesh_id=mesh_id,
         version=_text(data, "version"),

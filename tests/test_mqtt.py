@@ -115,6 +115,10 @@ def test_nodes_with_no_seeds_find_each_other_through_the_broker_and_gossip(mesh:
     a = mesh.by_id["a"]
     assert presence["node_id"] == "a" and presence["address"] == a.address
     assert presence["mesh_id"] == MESH
+    seen_by_b = {p["node_id"]: p["incarnation"] for p in status_of(mesh.by_id["b"])["peers"]}
+    assert presence["incarnation"] == seen_by_b["a"]
+    for h in mesh.handles:  # each presence was taken as it is: no claim refused
+        assert "was said to be" not in h.log(), h.log()
     assert presence["fingerprint"] == certs.describe(a.data_dir.parent / "tls" / "a.pem")["sha256"]
 
 
@@ -168,6 +172,7 @@ def test_a_forged_presence_for_another_nodes_id_never_makes_a_live_peer(mesh: Me
         forged = {
             "node_id": "b",
             "address": fake.address,
+            "incarnation": 1,
             "fingerprint": None,
             "mesh_id": MESH,
             "version": "0.1.0",
