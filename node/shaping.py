@@ -14,8 +14,10 @@ payload bytes thus takes about ``latency + S / rate``.
 
 The rate is one link per node: every push this node sends and every pull it
 serves draw on the same clock, so two transfers at once share the rate the way
-two flows share a real uplink. The clock has no burst allowance (a link that was
-idle cannot send faster afterwards), so S bytes never go out in less than S/rate.
+two flows share a real uplink. The clock forgives a sender that comes back to it
+up to CHUNK_TIME_S late (a busy event loop wakes sleepers late, and a real link
+would have kept sending meanwhile), and no more: S bytes never go out in less than
+S/rate − CHUNK_TIME_S, and a long transfer averages the rate.
 
 Everything here sleeps on the event loop (``asyncio.sleep``); nothing blocks the
 loop's thread, and nothing is called with the replica's lock held.
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Chunks on a shaped link are cut to about this much transmission time, so a slow link
-# still shows progress to the receiver's idle timeout and the rate is paced smoothly.
+# still shows progress to the receiver's idle timeout and the rate is paced smoothly;
+# it is also the most idle time the rate clock gives back (its burst allowance).
 CHUNK_TIME_S = 0.05
 MIN_CHUNK_BYTES = 4096
 
@@ -104,7 +107,7 @@ class LinkShaper:
         if not self.rate_bytes_s:
             return
         now = asyncio.get_running_loop().time()
-        self._free_at = max(self._free_at, now) + nbytes / self.rate_bytes_s
+        self._free_at = max(self._free_at, now - CHUNK_TIME_S) + nbytes / self.rate_bytes_s
         wait_s = self._free_at - now
         if wait_s > 0:
             await asyncio.sleep(wait_s)
