@@ -132,18 +132,36 @@ def print_table(rows: list[dict[str, Any]], file: Any = sys.stdout) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gossipd.bench.shaping",
         description="Push a model of known size through a [link]-shaped sender: off, "
         "latency only, rate only, both; print each median next to unshaped + L + S/R.",
     )
-    parser.add_argument("--size-mb", type=float, default=16.0, help="model MiB (default: 16)")
-    parser.add_argument("--latency-ms", type=float, default=100.0, help="L (default: 100)")
-    parser.add_argument("--rate-mbit", type=float, default=80.0, help="R (default: 80)")
+    parser.add_argument(
+        "--size-mb", type=float, default=16.0, help="model size S in MiB (default: 16)"
+    )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=100.0,
+        help="the sender's [link] latency_ms, L (default: 100)",
+    )
+    parser.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=80.0,
+        help="the sender's [link] rate_mbit, R (default: 80)",
+    )
     parser.add_argument("--reps", type=int, default=3, help="timed pushes per row (default: 3)")
-    parser.add_argument("--json", action="store_true", help="one JSON line on stdout too")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--json", action="store_true", help="the table to stderr, one JSON line to stdout"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = run(args.size_mb, args.latency_ms, args.rate_mbit, args.reps)
     print_table(rows, file=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -23,6 +23,7 @@ import torch
 
 from gossipd.node import certs
 from gossipd.node.api import GossipNode
+from gossipd.node.cli import build_parser
 from gossipd.node.config import parse_config
 from gossipd.node.errors import ConfigError
 from gossipd.node.mesh import MeshSpec, free_ports, node_toml
@@ -213,7 +214,19 @@ def test_the_config_refuses_bad_link_values_with_the_key_and_the_fix(
 
 def test_mesh_up_flags_give_each_node_its_own_link_table(tmp_path: Path) -> None:
     """One value for all, or one per node (two fast, two slow); written into each config."""
-    tables = link_tables(4, latency_ms="50", rate_mbit="100,100,10,10")
+    args = build_parser().parse_args(
+        [
+            "mesh",
+            "up",
+            "--nodes",
+            "4",
+            "--link-latency-ms",
+            "50",
+            "--link-rate-mbit",
+            "100,100,10,10",
+        ]
+    )
+    tables = link_tables(args.nodes, latency_ms=args.link_latency_ms, rate_mbit=args.link_rate_mbit)
     spec = MeshSpec(nodes=4, insecure=True, link=tables)
     ports = free_ports(4)
     configs = [

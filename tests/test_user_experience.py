@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from gossipd.bench import protocols as bench_protocols
+from gossipd.bench import shaping as bench_shaping
 from gossipd.bench import transport as bench_transport
 from gossipd.node.cli import build_parser
 from gossipd.node.plot import LOCAL_ONLY_LABEL, STOP_LABEL, mesh_figure, plot_mesh
@@ -39,6 +40,7 @@ def _all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
         *_parsers(build_parser(), "gossipd"),
         ("gossipd bench transport (its own parser)", bench_transport.build_parser()),
         ("python -m gossipd.bench.protocols", bench_protocols.build_parser()),
+        ("python -m gossipd.bench.shaping", bench_shaping.build_parser()),
     ]
 
 
