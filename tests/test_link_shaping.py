@@ -24,7 +24,7 @@ import torch
 from gossipd.node import certs
 from gossipd.node.api import GossipNode
 from gossipd.node.cli import build_parser
-from gossipd.node.config import parse_config
+from gossipd.node.config import LinkConfig, parse_config
 from gossipd.node.errors import ConfigError
 from gossipd.node.mesh import MeshSpec, free_ports, node_toml
 from gossipd.node.protocols import PROTOCOLS
@@ -325,8 +325,11 @@ def test_a_shaper_waits_its_latency_and_books_concurrent_bytes_on_one_clock() ->
 
 
 def test_the_readme_link_example_is_a_valid_config() -> None:
-    """The ``[link]`` block in the README parses as a node's config and turns shaping on."""
+    """The ``[link]`` block in the README parses as a node's config and turns shaping on;
+    every ``[link]`` key has its row in the config reference, with its default."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for key in LinkConfig.model_fields:
+        assert f"| `link.{key}` | `0`" in readme, f"link.{key} is not in the config reference"
     [block] = [b for b in readme.split("```toml\n")[1:] if b.startswith("[link]")]
     table = tomllib.loads(block.split("```")[0])
     config = parse_config({"mesh_id": MESH, "node_id": "n0", "tls": {"insecure": True}, **table})
