@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
+from collections.abc import Iterator
 
 
 class FairLock:
@@ -53,3 +55,25 @@ class FairLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Give the lock up entirely (every level this thread holds) for the block, and
+        take it back, in arrival order, at the same depth afterwards.
+
+        For a trainer that waits at a step boundary while holding the lock around its
+        whole step: peers' pulls must snapshot the model meanwhile.
+        """
+        with self._guard:
+            depth = self._depth if self._owner == threading.get_ident() else 0
+            if depth:
+                self._depth = 1
+        if depth:
+            self.release()
+        try:
+            yield
+        finally:
+            if depth:
+                self.acquire()
+                with self._guard:
+                    self._depth = depth

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from gossipd.node.errors import Busy, GossipdError
-from gossipd.node.protocols.base import Pull, Push
+from gossipd.node.protocols.base import AskPeer, PeerGranted, Pull, Push, ReportTransfer
 
 
 # -- payloads ---------------------------------------------------------------------------
@@ -144,7 +144,24 @@ class Barrier:
     reply: concurrent.futures.Future[None]
 
 
-Event = PushOutcome | PullOutcome | ViewChange | PeerRestart | Rejected | HandOffRequest | Barrier
+@dataclass(frozen=True)
+class Granted:
+    """The answer to the core's ``AskPeer`` (applied at a step boundary, or at once by
+    :meth:`~gossipd.node.replica.Replica.grant` when the loop can call it)."""
+
+    granted: PeerGranted
+
+
+Event = (
+    PushOutcome
+    | PullOutcome
+    | ViewChange
+    | PeerRestart
+    | Rejected
+    | HandOffRequest
+    | Barrier
+    | Granted
+)
 
 
 class EventQueue:
@@ -181,9 +198,13 @@ class EventQueue:
     def pending(self) -> int:
         return self._items.qsize()
 
-    def get(self) -> Event | None:
+    def get(self, timeout_s: float | None = None) -> Event | None:
+        """The next event; None if there is none (after ``timeout_s``, if given)."""
         try:
-            event = self._items.get_nowait()
+            if timeout_s is None:
+                event = self._items.get_nowait()
+            else:
+                event = self._items.get(timeout=timeout_s)
         except queue.Empty:
             return None
         if isinstance(event, ViewChange):
@@ -228,6 +249,15 @@ class LoopPort(Protocol):
     def wake_at(self, at_s: float) -> None:
         """Call the replica's ``fire_due_timers`` at ``at_s`` (its clock), mid-step or not."""
 
+    def hurry_pull(self, out: OutboundPull) -> None:
+        """Start ``out`` now if it is still waiting for its ``at_s``."""
+
+    def ask_peer(self, ask: AskPeer) -> None:
+        """Ask the coordinator; answer exactly once with the replica's ``grant``."""
+
+    def report_transfer(self, report: ReportTransfer) -> None:
+        """Tell the coordinator (best effort: a lost report only delays its lease)."""
+
 
 class Detached:
     """The port of a replica no network carries: every push and pull fails at once."""
@@ -243,3 +273,13 @@ class Detached:
 
     def wake_at(self, at_s: float) -> None:
         """Nothing to wake: timers fire at the caller's step boundaries."""
+
+    def hurry_pull(self, out: OutboundPull) -> None:
+        """Its pull failed already."""
+
+    def ask_peer(self, ask: AskPeer) -> None:
+        error = "no network is attached to reach a coordinator"
+        self.events.put(Granted(PeerGranted(ask.round, None, 0.0, error)))
+
+    def report_transfer(self, report: ReportTransfer) -> None:
+        """Nobody to tell."""

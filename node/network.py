@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
 from gossipd.node.errors import (
+    Busy,
     ConfigError,
     GossipdError,
     Leaving,
@@ -40,7 +41,7 @@ from gossipd.node.messages import (
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.outbound import Outbound
 from gossipd.node.peering import Peering
-from gossipd.node.port import NetworkPort
+from gossipd.node.port import NetworkPort, PeerScheduler
 from gossipd.node.protocols.base import Pull
 from gossipd.node.pulling import Puller
 from gossipd.node.rejections import RejectionLog, peer_host
@@ -131,6 +132,9 @@ class Network:
         self.clients: dict[str, PeerClient] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
+        # The coordinator client, once the site starts one (None: decentralized).
+        self.coordinator: PeerScheduler | None = None
+        self._serving_pull: str | None = None  # whom a one-pull-at-a-time protocol serves
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.tls = Credentials.from_config(config.tls)
         self.shaper = LinkShaper.from_config(config.link, config.node_id, config.gossip.seed)
@@ -249,6 +253,8 @@ class Network:
                 replica=self.replica,
                 outbound=self.outbound,
                 start_pull=lambda out: self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}"),
+                hurry_pull=self.puller.hurry,
+                coordinator=lambda: self.coordinator,
                 spawn=self.spawn,
                 stopping=self.stopping,
             )
@@ -403,7 +409,27 @@ class Network:
         return await self.inbound.on_push(open_, segments, deadline_s)
 
     def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        if request.round and getattr(self.replica.core, "serves_one_pull", False):
+            return self._serve_one_pull(request)
         return self.inbound.on_pull(request)
+
+    async def _serve_one_pull(
+        self, request: pb.PullRequest
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
+        when several nodes scheduling alone pick this one, it serves one and the others
+        hear at once that it is busy and pick another peer (DESIGN §5)."""
+        if self._serving_pull is not None:
+            raise Busy(
+                f"serving a pull to {self._serving_pull} already; this protocol serves one "
+                "pull at a time: pick another peer"
+            )
+        self._serving_pull = request.requester or "a peer"
+        try:
+            async for item in self.inbound.on_pull(request):
+                yield item
+        finally:
+            self._serving_pull = None
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         await self.peering.on_peer_left(

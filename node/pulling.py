@@ -12,12 +12,13 @@ whatever ends it, cancellation included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol
 
 from gossipd.node.config import GossipConfig
-from gossipd.node.errors import GossipdError
+from gossipd.node.errors import Busy, GossipdError
 from gossipd.node.membership import Membership
 from gossipd.node.messages import OutboundPull, Pulled, PullOutcome
 from gossipd.node.metrics import NodeMetrics
@@ -54,6 +55,7 @@ class Puller:
         self.metrics = metrics
         self.gossip = gossip
         self.limits = limits
+        self._waiting: dict[int, asyncio.Event] = {}  # id(out) -> wakes it before at_s
 
     async def pull(self, out: OutboundPull) -> None:
         """Wait for ``at_s`` on the replica's clock, pull, post the result exactly once."""
@@ -63,10 +65,22 @@ class Puller:
         try:
             delay_s = out.pull.at_s - clock()
             if delay_s > 0:
-                await asyncio.sleep(delay_s)  # the start time the core chose, not a wait-and-see
+                # The start time the core chose, unless the trainer reaches the step
+                # that merges this pull first (hurry): then now.
+                hurry = self._waiting.setdefault(id(out), asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(hurry.wait(), delay_s)
+            self._waiting.pop(id(out), None)
             pulled, error = await self._pull(out)
         finally:
+            self._waiting.pop(id(out), None)
             self.replica.post(PullOutcome(out, pulled, error))
+
+    def hurry(self, out: OutboundPull) -> None:
+        """Start ``out`` now if it is still waiting for its start time (on the loop)."""
+        waiting = self._waiting.get(id(out))
+        if waiting is not None:
+            waiting.set()
 
     async def _pull(self, out: OutboundPull) -> tuple[Pulled | None, str | None]:
         peer = out.pull.peer
@@ -86,7 +100,8 @@ class Puller:
             )
         except GossipdError as err:
             self.metrics.messages.labels("received", "pull", "failed").inc()
-            self.failed(peer, err)
+            if not isinstance(err, Busy):  # a busy peer answered: it is alive
+                self.failed(peer, err)
             log.debug("pull from %s failed: %s", peer, err)
             return None, str(err)
         self.succeeded(peer)

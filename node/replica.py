@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from gossipd.node.messages import (
     Barrier,
     Detached,
     EventQueue,
+    Granted,
     HandOffRequest,
     InboundPush,
     Inbox,
@@ -52,10 +54,14 @@ from gossipd.node.messages import (
     Rejected,
     ViewChange,
 )
+from gossipd.node.messages import (
+    Event as LoopEvent,
+)
 from gossipd.node.payload_bound import PayloadBound
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     Action,
+    AskPeer,
     Duplicate,
     Event,
     FoldBack,
@@ -64,6 +70,7 @@ from gossipd.node.protocols.base import (
     Merge,
     PayloadArrived,
     PayloadMerged,
+    PeerGranted,
     PeerRestarted,
     Pull,
     PullArrived,
@@ -72,6 +79,7 @@ from gossipd.node.protocols.base import (
     Push,
     PushSettled,
     Refused,
+    ReportTransfer,
     StartTimer,
     StepEnded,
     TimerFired,
@@ -96,6 +104,8 @@ from gossipd.node.segments import FlatModel
 # (dropped beyond this; counted where they were refused).
 EVENT_QUEUE_SIZE = 4096
 
+log = logging.getLogger(__name__)
+
 
 class Replica:
     """A site's copy of the model and its protocol core; call :meth:`step` after each step.
@@ -114,12 +124,17 @@ class Replica:
         inbox_size: int = 16,
         clock: Callable[[], float] = time.monotonic,
         bound: PayloadBound | None = None,
+        max_wait_s: float = 60.0,
     ) -> None:
-        """``bound``: what a payload may do to the model (the config's defaults if None)."""
+        """``bound``: what a payload may do to the model (the config's defaults if None);
+        ``max_wait_s``: the
+        longest the trainer waits at a step boundary for a pull due there (the pull's
+        own deadlines end it sooner; this only guards against a driver bug)."""
         self.flat = FlatModel(model, segment_bytes)
         self.bound = bound or PayloadBound()
         self.core: GossipProtocol = build(
-            protocol, CoreSettings(node_id, len(self.flat.plan), **(settings or {}))
+            protocol,
+            CoreSettings(node_id, len(self.flat.plan), **(settings or {})),
         )
         self.inbox = Inbox(inbox_size)
         self.events = EventQueue(EVENT_QUEUE_SIZE)
@@ -130,6 +145,13 @@ class Replica:
         self.training_done = False
         self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
         self._pulls_out = 0  # pulls started, not yet merged or failed
+        # Pulls to merge at a given step's boundary: those still out (the trainer waits
+        # for them there), and those that landed early (held until then).
+        self._due: dict[int, tuple[OutboundPull, int]] = {}  # id(out) -> (out, step)
+        self._held: list[PullOutcome] = []
+        self.max_wait_s = max_wait_s
+        self.wait_s = 0.0  # time the trainer spent waiting for due pulls
+        self.started_s: float | None = None  # the first step's end (wall time counts from it)
         self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         # Held by whoever reads or writes parameters: the trainer while stepping,
         # the loop while snapshotting for PullModel or checkpoints.
@@ -161,10 +183,12 @@ class Replica:
                 "max_weight": config.limits.max_sum_weight,
                 "sink_bound": config.limits.sink_score_bound,
                 "sink_allowance": config.limits.sink_allowance,
+                "coordinator": config.coordinator is not None,
                 "options": gossip.options,  # the protocol's own [gossip.<protocol>] table
             },
             inbox_size=config.limits.inbox_size,
             bound=PayloadBound.from_limits(config.limits),
+            max_wait_s=2 * gossip.push_timeout_s,
         )
 
     @property
@@ -212,18 +236,81 @@ class Replica:
 
     # -- called from the trainer thread ----------------------------------------------
     def step(self, loss: float | None = None) -> StepReport:
-        """Close one local step: merge what arrived, settle push outcomes, maybe push."""
+        """Close one local step: merge what arrived, settle push outcomes, maybe push.
+
+        A pull the core wants merged at this boundary (``Pull.merge_at_step``) that
+        has not landed yet is waited for here, outside the locks (so this node still
+        serves pulls meanwhile), before the core hears that the step ended, and again
+        after if the core asks for one due at once.
+        """
         with self.lock, self.core_lock:
             self.steps += 1
             if loss is not None:
                 self.last_loss = float(loss)
+            if self.started_s is None:
+                self.started_s = self.clock()
             report = StepReport(self.steps)
             self.drain(report)
-            for push in self._handle(StepEnded(self.steps, self.clock())):
-                report.started_push_to = push.peer
-            before, self.summary = self.summary, Summary.of(self)
-            log_sinks(before, self.summary)
-            return report
+            ended = not self._due_now() and self._end_step(report)
+        if not ended:
+            self._wait_for_due(report)
+            with self.lock, self.core_lock:
+                ended = self._end_step(report)
+        if not ended:
+            self._wait_for_due(report)
+            with self.lock, self.core_lock:
+                self._publish()
+        return report
+
+    def _end_step(self, report: StepReport) -> bool:
+        """Tell the core the step ended; False if it asked for a pull due at once."""
+        for push in self._handle(StepEnded(self.steps, self.clock())):
+            report.started_push_to = push.peer
+        if self._due_now():
+            return False
+        self._publish()
+        return True
+
+    def _publish(self) -> None:
+        before, self.summary = self.summary, Summary.of(self)
+        log_sinks(before, self.summary)
+
+    def _due_now(self) -> bool:
+        return any(step <= self.steps for _, step in self._due.values())
+
+    def _wait_for_due(self, report: StepReport) -> None:
+        """Wait, holding no lock, until every pull due by this step merged or failed."""
+        started = self.clock()
+        with self.core_lock:
+            due = [out for out, step in self._due.values() if step <= self.steps]
+        for out in due:
+            self.port.hurry_pull(out)  # the steps ended sooner than predicted: start now
+        try:
+            while True:
+                left = started + self.max_wait_s - self.clock()
+                if left <= 0:
+                    with self.core_lock:
+                        late = [k for k, (_, step) in self._due.items() if step <= self.steps]
+                        for key in late:
+                            del self._due[key]  # merged whenever it lands
+                    log.warning(
+                        "step %d: a pull due here did not land within %.0f s; training on "
+                        "without it (it merges when it lands)",
+                        self.steps,
+                        self.max_wait_s,
+                    )
+                    return
+                with self.lock.suspended():  # a caller may hold it around the whole step
+                    event = self.events.get(min(left, 1.0))
+                with self.lock, self.core_lock:
+                    if event is not None:
+                        self._apply(event, report)
+                    self._apply_events(report)
+                    self._release_held(report)
+                    if not self._due_now():
+                        return
+        finally:
+            self.wait_s += self.clock() - started
 
     def finish_training(self) -> None:
         """No more steps: a protocol may still owe the mesh a final exchange."""
@@ -247,6 +334,7 @@ class Replica:
             return not (
                 self._outstanding
                 or self._pulls_out
+                or self._held
                 or self._timers
                 or self.inbox.pending()
                 or self.events.pending()
@@ -273,28 +361,46 @@ class Replica:
             self._merge(item, report)
             item = self.inbox.get(None)
         self._apply_events(report)
+        self._release_held(report)
         self._fire_due(mid_step=False)
 
     def _apply_events(self, report: StepReport) -> None:
         while (event := self.events.get()) is not None:
-            match event:
-                case PushOutcome(out=out, acks=acks, error=error):
-                    self.settle_push(out, acks, error, report)
-                case PullOutcome(out=out, pulled=pulled, error=error):
-                    self._pulled(out, pulled, error, report)
-                case ViewChange(members=members):
-                    self._handle(ViewChanged(members))
-                case PeerRestart(peer=peer, incarnation=incarnation):
-                    self._handle(PeerRestarted(peer, incarnation))
-                case Rejected(peer=peer, reason=reason, detail=detail):
-                    report.rejected.append(Rejection(peer, reason, detail))
-                case HandOffRequest(peer=peer, reply=reply):
-                    _resolve(reply, lambda: self.hand_off(peer))
-                case Barrier(reply=reply):
-                    # What the waiter reads next (the peers to hand off to) must include
-                    # every event before the barrier, not the previous boundary's copy.
-                    self.summary = Summary.of(self)
-                    _resolve(reply, lambda: None)
+            self._apply(event, report)
+
+    def _release_held(self, report: StepReport) -> None:
+        """Merge the pulls that landed early, once their step's boundary is reached."""
+        ready = [o for o in self._held if self.training_done or _due_step(o) <= self.steps]
+        if ready:
+            self._held = [o for o in self._held if o not in ready]
+            for outcome in ready:
+                self._pulled(outcome.out, outcome.pulled, outcome.error, report)
+
+    def _apply(self, event: LoopEvent, report: StepReport) -> None:
+        match event:
+            case PushOutcome(out=out, acks=acks, error=error):
+                self.settle_push(out, acks, error, report)
+            case PullOutcome(out=out):
+                self._due.pop(id(out), None)
+                if not self.training_done and _due_step(event) > self.steps:
+                    self._held.append(event)  # landed early: merge at its step's boundary
+                else:
+                    self._pulled(out, event.pulled, event.error, report)
+            case Granted(granted=granted):
+                self._carry_out(self.core.handle(granted))
+            case ViewChange(members=members):
+                self._handle(ViewChanged(members))
+            case PeerRestart(peer=peer, incarnation=incarnation):
+                self._handle(PeerRestarted(peer, incarnation))
+            case Rejected(peer=peer, reason=reason, detail=detail):
+                report.rejected.append(Rejection(peer, reason, detail))
+            case HandOffRequest(peer=peer, reply=reply):
+                _resolve(reply, lambda: self.hand_off(peer))
+            case Barrier(reply=reply):
+                # What the waiter reads next (the peers to hand off to) must include
+                # every event before the barrier, not the previous boundary's copy.
+                self.summary = Summary.of(self)
+                _resolve(reply, lambda: None)
 
     def hand_off(self, peer: str | None = None) -> OutboundPush | None:
         """The push that hands all weight to ``peer`` when leaving; the caller delivers it."""
@@ -345,6 +451,12 @@ class Replica:
         with self.core_lock:
             self._fire_due(mid_step=True)
 
+    def grant(self, granted: PeerGranted) -> None:
+        """The coordinator's answer to the core's ``AskPeer``, applied at once, even
+        mid-step (like a timer: only the core is touched)."""
+        with self.core_lock:
+            self._carry_out(self.core.handle(granted), mid_step=True)
+
     def _fire_due(self, *, mid_step: bool) -> None:
         now = self.clock()
         while self._timers and self._timers[0][0] <= now:
@@ -378,7 +490,14 @@ class Replica:
                     self.port.wake_at(action.at_s)
                 case Pull():
                     self._pulls_out += 1
-                    self.port.start_pull(OutboundPull(action))
+                    out = OutboundPull(action)
+                    if action.merge_at_step is not None:
+                        self._due[id(out)] = (out, action.merge_at_step)
+                    self.port.start_pull(out)
+                case AskPeer():
+                    self.port.ask_peer(action)
+                case ReportTransfer():
+                    self.port.report_transfer(action)
                 case _:
                     raise GossipdError(
                         f"protocol {self.core.name} returned {action!r} outside a payload or a "
@@ -532,6 +651,11 @@ class Replica:
                 )
             blends[action.segment] = blended
         return plan, blends, tuple(clipped)
+
+
+def _due_step(outcome: PullOutcome) -> int:
+    """The step whose boundary merges this pull (0: the next boundary)."""
+    return outcome.out.pull.merge_at_step or 0
 
 
 def _resolve(reply: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:

@@ -168,6 +168,16 @@ class Scheduler:
                     self.estimate(*pair), transfer_s, self.threshold
                 )
 
+    def observe(self, node: str, peer: str, transfer_s: float) -> None:
+        """Learn a transfer time this scheduler did not grant (a node keeps its own c_ij
+        while a coordinator schedules it, to schedule alone the moment it is gone)."""
+        if node == peer or not (0.0 <= transfer_s <= MAX_TIME_S):
+            return
+        for pair in ((node, peer), (peer, node)):
+            self._estimates[pair] = update_estimate(
+                self.estimate(*pair), transfer_s, self.threshold
+            )
+
     def estimate(self, node: str, peer: str) -> float:
         """c_ij: the learned transfer time of the pair, ``initial_estimate_s`` if unknown."""
         return self._estimates.get((node, peer), self.initial_estimate_s)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gossipd.node import checkpoint
-from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.protocols import PROTOCOLS, keeps_weights
 from tests.conftest import (
     kill_hard,
     restart_daemon,
@@ -35,7 +35,7 @@ GOSSIP: dict[str, Any] = {"push_probability": 0.5, "round_steps": 1, "average_ev
 TOLERANCE = 1e-9
 
 
-@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(p for p in PROTOCOLS if keeps_weights(p)))
 def test_kill_9_of_every_site_resumes_with_exactly_the_checkpoints_weight(
     tmp_path: Path, protocol: str
 ) -> None:

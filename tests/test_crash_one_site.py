@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gossipd.node import checkpoint
-from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.protocols import PROTOCOLS, keeps_weights
 from tests.conftest import (
     kill_hard,
     restart_daemon,
@@ -55,7 +55,7 @@ def crash_bound(crashed: str, saved: checkpoint.Checkpoint, peers: list[dict[str
     return bound
 
 
-@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(p for p in PROTOCOLS if keeps_weights(p)))
 def test_kill_9_and_restart_of_one_site_costs_at_most_what_its_checkpoint_lacks(
     tmp_path: Path, protocol: str
 ) -> None:

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from gossipd.node.protocols.base import GossipProtocol
 from gossipd.node.protocols.crossover import CrossoverGossip
+from gossipd.node.protocols.overlap import OverlapGossip
 from gossipd.node.protocols.persyn import PerSyn
 from gossipd.node.protocols.pushsum_expgraph import PushSumExpGraph
 from gossipd.node.protocols.settings import CoreSettings, NoSettings, ProtocolSettings, explain
@@ -35,6 +36,7 @@ __all__ = [
     "CoreSettings",
     "ProtocolSettings",
     "build",
+    "keeps_weights",
     "protocol_settings",
     "settings_class",
 ]
@@ -47,6 +49,7 @@ PROTOCOLS: dict[str, type[GossipProtocol] | Callable[[CoreSettings], GossipProto
     "pushsum-expgraph": PushSumExpGraph,
     "shuffle-exchange": ShuffleExchange,
     "persyn": PerSyn,
+    "overlap": OverlapGossip,
 }
 
 
@@ -57,6 +60,12 @@ def _entry(protocol: str) -> Any:
         raise ValueError(
             f"unknown protocol {protocol!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
         ) from None
+
+
+def keeps_weights(protocol: str) -> bool:
+    """Whether ``protocol``'s cores keep sum-weights the mesh conserves (the push
+    protocols), so mass checks apply to it."""
+    return bool(getattr(_entry(protocol), "keeps_weights", True))
 
 
 def settings_class(protocol: str) -> type[ProtocolSettings]:

@@ -16,6 +16,12 @@ What a driver promises:
   the segments the receiver acknowledged, possibly none), whatever happens to it.
 * ``StartTimer`` is answered by ``TimerFired`` at or after ``at_s`` (same clock as
   ``StepEnded.time_s``); ``Pull`` by ``PullArrived`` or ``PullFailed``.
+* A ``Pull`` with ``merge_at_step`` is held until the boundary that ends that step
+  (one that lands earlier waits there); if it has not landed by then, the trainer
+  waits at that boundary until it merges or fails, and the wait is measured. The
+  core sees ``PullArrived`` at that boundary, before ``StepEnded`` of the step.
+* ``AskPeer`` is answered by exactly one ``PeerGranted`` (a peer, none free, or an
+  error when no coordinator can answer); ``ReportTransfer`` by nothing.
 * ``ViewChanged`` carries the whole current view of live members (this node
   included), so a core that ranks nodes needs no bookkeeping of ups and downs.
 """
@@ -145,6 +151,18 @@ class PullFailed:
     error: str
 
 
+@dataclass(frozen=True)
+class PeerGranted:
+    """The coordinator's answer to ``AskPeer``: pull from ``peer`` starting at ``start_s``
+    (driver's clock); ``peer`` None means none is free now (ask again), unless ``error``
+    says no coordinator could answer (schedule without it)."""
+
+    round: int
+    peer: str | None
+    start_s: float = 0.0
+    error: str | None = None
+
+
 Event = (
     StepEnded
     | TrainingEnded
@@ -158,6 +176,7 @@ Event = (
     | PullArrived
     | PullMerged
     | PullFailed
+    | PeerGranted
 )
 
 
@@ -210,12 +229,36 @@ class FoldBack:
 
 @dataclass(frozen=True)
 class Pull:
-    """Fetch ``segments`` of ``peer``'s model, starting at ``at_s`` (driver's clock)."""
+    """Fetch ``segments`` of ``peer``'s model, starting at ``at_s`` (driver's clock).
+
+    With ``merge_at_step`` the model merges at the boundary that ends that step, not
+    earlier, and the trainer waits there for it (scheduled overlap: the pull is timed
+    to land as the period's steps end).
+    """
 
     peer: str
     round: int
     segments: tuple[int, ...]
     at_s: float
+    merge_at_step: int | None = None
+
+
+@dataclass(frozen=True)
+class AskPeer:
+    """Ask the mesh's coordinator which peer to pull from, and when, for a period that
+    ends at ``end_s`` (driver's clock)."""
+
+    round: int
+    end_s: float
+
+
+@dataclass(frozen=True)
+class ReportTransfer:
+    """Tell the coordinator a pull it granted from ``peer`` took ``transfer_s`` (inf: it
+    failed), so the peer is free again and the pair's estimate learns."""
+
+    peer: str
+    transfer_s: float
 
 
 @dataclass(frozen=True)
@@ -224,7 +267,7 @@ class StartTimer:
     tag: str
 
 
-Action = Push | Merge | Duplicate | FoldBack | Pull | StartTimer
+Action = Push | Merge | Duplicate | FoldBack | Pull | StartTimer | AskPeer | ReportTransfer
 
 
 @dataclass(frozen=True)
@@ -262,6 +305,9 @@ class GossipProtocol(ABC):
     """One node's protocol state. Subclasses live one per file, each naming its paper."""
 
     name: ClassVar[str]
+    # Sum-weights whose total the mesh conserves (the push protocols); False for a core
+    # that only averages with pulled models: its status has no weights to check.
+    keeps_weights: ClassVar[bool] = True
 
     @abstractmethod
     def handle(self, event: Event) -> list[Action]:

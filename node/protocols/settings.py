@@ -47,6 +47,9 @@ class CoreSettings:
     max_weight: float | None = None  # None: the number of founding members (largest view)
     sink_bound: float = 6.0
     sink_allowance: float = 0.5
+    # A coordinator schedules this node's pulls (a core that schedules asks it with
+    # AskPeer, and schedules alone while it cannot answer); False: decentralized.
+    coordinator: bool = False
     options: Mapping[str, Any] | ProtocolSettings = field(default_factory=dict)
 
     def ledger(self) -> dict[str, Any]:
