@@ -100,6 +100,9 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
                 "steps": state["step"],
                 "round": state["round"],
                 "loss": state["loss"],
+                # As training ended (the share falls while a node only serves afterwards).
+                "wait_fraction": summary.get("wait_fraction", state["wait_fraction"]),
+                "wait_s": summary.get("wait_s", state["wait_s"]),
             }
             entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
             nodes.append(entry)

@@ -149,6 +149,17 @@ class NodeMetrics:
             registry=r,
         )
         self.round = Gauge("gossipd_round", "The protocol core's current round", registry=r)
+        self.wait_seconds = Gauge(
+            "gossipd_trainer_wait_seconds",
+            "Seconds the trainer waited at step boundaries for pulls due there, since start "
+            "(a gauge that only grows: rate() it for the waiting share)",
+            registry=r,
+        )
+        self.wait_fraction = Gauge(
+            "gossipd_trainer_wait_fraction",
+            "Share of wall time since the first step that the trainer spent waiting for pulls",
+            registry=r,
+        )
         self.dial_failures = Counter(
             "gossipd_dial_failures_total",
             "Handshakes this node made that failed, by reason (tls: certificate refused or "
@@ -224,6 +235,8 @@ class NodeMetrics:
         a node that stopped training still merges, settles and hands off weight."""
         self.step.set_function(lambda: summary().steps)
         self.round.set_function(lambda: summary().round)
+        self.wait_seconds.set_function(lambda: summary().wait_s)
+        self.wait_fraction.set_function(lambda: summary().wait_fraction)
         self.membership_epoch.set_function(lambda: summary().epoch)
         self.pushes_in_flight.set_function(lambda: summary().in_flight)
         self.weight_sinks.set_function(lambda: len(summary().sinks))

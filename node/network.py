@@ -473,6 +473,9 @@ class Network:
                 for peer, mass in sorted(s.exchanged.items())
             ],
             mass_inconsistencies=self.outbound.mass_inconsistencies,
+            wait_s=s.wait_s,
+            wait_fraction=s.wait_fraction,
+            scheduling=s.scheduling,
         )
 
     async def _checksum(self) -> str:

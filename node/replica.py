@@ -191,6 +191,14 @@ class Replica:
             max_wait_s=2 * gossip.push_timeout_s,
         )
 
+    def wait_fraction(self) -> float:
+        """The share of wall time since the first step ended that the trainer spent
+        waiting for pulls due at its step boundaries."""
+        if self.started_s is None:
+            return 0.0
+        wall = self.clock() - self.started_s
+        return min(self.wait_s / wall, 1.0) if wall > 0 else 0.0
+
     @property
     def fingerprint(self) -> str:
         return self.flat.fingerprint

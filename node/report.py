@@ -93,6 +93,9 @@ class Summary:
     exchanged: Mapping[str, PeerMass]
     sinks: frozenset[str] = frozenset()  # peers suspected of sinking weight (no pushes to them)
     weight_cap: float = math.inf  # the most sum-weight a segment may hold after a merge
+    wait_s: float = 0.0  # the trainer's waits at step boundaries for due pulls
+    wait_fraction: float = 0.0  # wait_s over the wall time since the first step ended
+    scheduling: str = ""  # who picks this node's pulls: coordinator, decentralized, or ""
 
     @classmethod
     def of(cls, replica: Replica) -> Summary:
@@ -113,6 +116,9 @@ class Summary:
             exchanged=core.exchanged,
             sinks=frozenset(core.extra.get("sinks", ())),
             weight_cap=float(core.extra.get("weight_cap", math.inf)),
+            wait_s=replica.wait_s,
+            wait_fraction=replica.wait_fraction(),
+            scheduling=str(core.extra.get("scheduling", "")),
         )
 
 

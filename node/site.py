@@ -244,6 +244,8 @@ class Site:
                     "steps": s.steps,
                     "loss": s.loss,
                     "sum_weights": s.weights,
+                    "wait_s": s.wait_s,
+                    "wait_fraction": s.wait_fraction,
                     "training_done": training_done,
                     "resumed_from_step": self.resumed_from,
                     **self.last_eval,

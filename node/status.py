@@ -51,6 +51,9 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
             for m in reply.exchanged
         },
         "mass_inconsistencies": reply.mass_inconsistencies,
+        "wait_s": reply.wait_s,
+        "wait_fraction": reply.wait_fraction,
+        "scheduling": reply.scheduling,
     }
 
 

@@ -209,7 +209,7 @@ class StatusRequest(_message.Message):
     def __init__(self, checksum: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,9 @@ class StatusReply(_message.Message):
     TRANSPORT_SECURITY_FIELD_NUMBER: _ClassVar[int]
     EXCHANGED_FIELD_NUMBER: _ClassVar[int]
     MASS_INCONSISTENCIES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -263,7 +266,10 @@ class StatusReply(_message.Message):
     transport_security: str
     exchanged: _containers.RepeatedCompositeFieldContainer[PeerMass]
     mass_inconsistencies: int
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ...) -> None: ...
+    wait_s: float
+    wait_fraction: float
+    scheduling: str
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ...) -> None: ...
 
 class PeerMass(_message.Message):
     __slots__ = ("node_id", "sent", "received", "sent_before", "received_before")

@@ -128,6 +128,8 @@ class OverlapGossip(GossipProtocol):
         self.step_s: float | None = None  # moving average of step time
         self._last_step_at: float | None = None
         self.period: _Period | None = None
+        # Who picked the last period's peer: the coordinator, or this node alone.
+        self.scheduling = "coordinator" if common.coordinator else "decentralized"
         self.counts = dict.fromkeys(
             ("merged", "failed", "repicked", "skipped", "coordinator", "alone", "fallback"), 0
         )
@@ -222,6 +224,7 @@ class OverlapGossip(GossipProtocol):
         if grant is None:
             return [StartTimer(now_s + self.retry_s, f"ask-{period.round}")]
         self.counts["alone"] += 1
+        self.scheduling = "decentralized"
         return self._pull(period, grant.peer, grant.start_s, via_coordinator=False)
 
     def _granted(self, event: PeerGranted) -> list[Action]:
@@ -235,6 +238,7 @@ class OverlapGossip(GossipProtocol):
         if event.peer is None or event.peer == self.node_id:
             return [StartTimer(event.start_s + self.retry_s, f"ask-{period.round}")]
         self.counts["coordinator"] += 1
+        self.scheduling = "coordinator"
         return self._pull(period, event.peer, event.start_s, via_coordinator=True)
 
     def _pull(self, period: _Period, peer: str, start_s: float, *, via_coordinator: bool) -> list:
@@ -287,6 +291,7 @@ class OverlapGossip(GossipProtocol):
                 "step_time_s": self.step_s,
                 "pulls": dict(self.counts),
                 "pulling_from": self.period.peer if self.period else None,
+                "scheduling": self.scheduling,
             },
         )
 
