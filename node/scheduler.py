@@ -17,6 +17,14 @@ times are passed in, on whatever clock the caller uses consistently.
 
 Departures from the paper, each for a fault the paper does not consider:
 - j is never i (the paper's queue holds every node, i included);
+- i gets the free peer it pulled from least recently, not the front one: with
+  equal periods the nodes ask in the same order every period, and taking the front
+  then pairs them off the same way for ever (0↔1, 2↔3, …): the mesh splits into
+  pairs that never mix (the simulator, 8 nodes: no consensus). With every peer
+  free, i pulls from each of the others once in any N − 1 of its requests, so a
+  peer waits at most (N − 1)(N − 2) requests of the others (the queue's own bound
+  was N − 1); and i waits rather than take its last peer again while another is
+  busy (nodes that report and ask at once would re-pull the peer they just freed);
 - a peer handed out is held under a lease of ``lease_s``: a requester that
   crashes before it reports must not take j out of the queue for ever;
 - requests and reports are validated (unknown ids, i == j, a report with no
@@ -84,6 +92,9 @@ class Scheduler:
         self._members: set[str] = set()
         self._leases: dict[tuple[str, str], float] = {}  # (i, j) -> lease expiry
         self._estimates: dict[tuple[str, str], float] = {}
+        self._last_pull: dict[tuple[str, str], int] = {}  # (i, j) -> number of that grant
+        self._grants = 0
+        self._last_peer: dict[str, str] = {}
         for node in nodes:
             self.add(node)
 
@@ -107,6 +118,9 @@ class Scheduler:
         self._members.discard(node)
         if node in self._queue:
             self._queue.remove(node)
+        for pair in [p for p in self._last_pull if node in p]:
+            del self._last_pull[pair]
+        self._last_peer = {i: j for i, j in self._last_peer.items() if node not in (i, j)}
         for pair in [p for p in self._leases if node in p]:
             del self._leases[pair]
             if pair[1] != node and pair[1] in self._members and pair[1] not in self._queue:
@@ -132,11 +146,20 @@ class Scheduler:
         self._expire(now_s)
         if any(i == node for i, _ in self._leases):
             raise SchedulerError(f"{node} asked for a peer while its pull is not reported yet")
-        for peer in self._queue:
-            if peer != node:
-                break
-        else:
+        candidates = [p for p in self._queue if p != node]
+        if not candidates:
             return None
+        # The free peer this node pulled from least recently (the queue's order breaks
+        # ties, so it is the front one the first time round).
+        peer = min(candidates, key=lambda p: self._last_pull.get((node, p), -1))
+        if self._last_peer.get(node) == peer and self.busy() - {node, peer}:
+            # Its last peer again, only because the others are still busy: wait for one
+            # (a node that reports and asks at once would otherwise re-pull the peer it
+            # just freed, period after period).
+            return None
+        self._grants += 1
+        self._last_pull[(node, peer)] = self._grants
+        self._last_peer[node] = peer
         self._queue.remove(peer)
         self._leases[(node, peer)] = now_s + self.lease_s
         estimate = self.estimate(node, peer)

@@ -173,23 +173,47 @@ def test_any_schedule_never_pairs_a_node_with_itself_nor_hands_a_busy_peer_out(
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(NODES), min_size=1, max_size=300))
-def test_every_peer_is_chosen_within_n_minus_1_requests_of_the_others(
+def test_every_peer_is_chosen_within_a_bound_and_every_node_pulls_from_all_in_turn(
     requesters: list[str],
 ) -> None:
-    """Reports come at once: between two choices of j, at most N − 1 requests by nodes
-    other than j (a request by j itself may skip it, and never starves anyone)."""
+    """Reports come at once, so every peer is free at each request. Each node pulls
+    from each of the others once in any N − 1 of its own requests (least recently
+    pulled first), hence between two choices of j at most (N − 1)(N − 2) requests by
+    nodes other than j: each of them asks at most N − 2 times without choosing j."""
+    n = len(NODES)
     s = Scheduler(NODES)
     waiting = dict.fromkeys(NODES, 0)  # requests by others since j was last chosen
+    history: dict[str, list[str]] = {node: [] for node in NODES}
     for now, node in enumerate(requesters):
         grant = s.start_time(node, now + 1.0, float(now))
         assert grant is not None  # everyone else is free
+        mine = history[node]
+        mine.append(grant.peer)
+        window = mine[-(n - 1) :]
+        assert len(set(window)) == len(window), (node, mine)  # no repeat within N − 1
         for j in NODES:
             if j == grant.peer:
                 waiting[j] = 0
             elif j != node:
                 waiting[j] += 1
-                assert waiting[j] <= len(NODES) - 1, (j, requesters[: now + 1])
+                assert waiting[j] <= (n - 1) * (n - 2), (j, requesters[: now + 1])
         s.report(node, grant.peer, 1.0)
+
+
+def test_nodes_asking_in_lockstep_do_not_pair_off_for_ever() -> None:
+    """Equal periods: every node asks in the same order each period and reports in
+    that order. Taking the front of the queue paired 0↔1, 2↔3, … for ever (a mesh of
+    pairs that never mix); within N − 1 periods the pulls must connect the whole mesh."""
+    s = Scheduler(NODES)
+    reached = {NODES[0]}  # whose model can have reached NODES[0]'s, through pulls
+    for period in range(len(NODES) - 1):
+        grants = [s.start_time(node, period + 1.0, float(period)) for node in NODES]
+        for node, grant in zip(NODES, grants, strict=True):
+            if grant is not None:
+                if grant.peer in reached or node in reached:
+                    reached |= {node, grant.peer}
+                s.report(node, grant.peer, 0.5)
+    assert reached == set(NODES), f"after {len(NODES) - 1} periods only {sorted(reached)}"
 
 
 @settings(max_examples=200, deadline=None)

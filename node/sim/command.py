@@ -139,6 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="one coordinator schedules the pulls of cores that ask one (overlap); unset: "
+        "every node schedules alone (default: %(default)s)",
+    )
+    p.add_argument(
         "--check-invariants",
         action="store_true",
         help="check sum-weight mass and sum of w*x at every round; O(N) per round "
@@ -181,6 +187,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         target_error=args.target_error,
         predict=args.predict,
         check_invariants=args.check_invariants,
+        coordinator=args.coordinator,
     )
 
 

@@ -46,6 +46,9 @@ class SimSpec:
     target_error: float = 0.0  # > 0: stop once both the error and its prediction are at most this
     predict: bool | None = None  # None: N ≤ 256; True: N ≤ 1024 (vectors, no membership changes)
     check_invariants: bool = False  # Σw and Σw·x at every probe (O(N) status calls each)
+    # A coordinator schedules the cores that ask one (overlap): one scheduler for the whole
+    # simulated mesh, answering at once; False: every node schedules alone.
+    coordinator: bool = False
     # Replaying a real mesh: its node ids and mesh id (the daemon seeds every shared
     # topology with shared_seed(mesh_id)) and its nodes' initial vectors.
     node_ids: tuple[str, ...] = ()
@@ -89,6 +92,7 @@ def core_settings(
         initial_weight=initial_weight,
         max_in_flight=spec.max_in_flight
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
+        coordinator=spec.coordinator,
         options=core_options(spec),
     )
 
@@ -96,7 +100,22 @@ def core_settings(
 class SimNode:
     """A simulated node: its core and what the driver must remember for it (kept small)."""
 
-    __slots__ = ("alive", "core", "flights", "handoffs", "id", "index", "leaving", "site", "steps")
+    __slots__ = (
+        "alive",
+        "core",
+        "due",
+        "flights",
+        "handoffs",
+        "held",
+        "id",
+        "index",
+        "leaving",
+        "serving",
+        "site",
+        "steps",
+        "wait_s",
+        "waiting",
+    )
 
     def __init__(self, index: int, node_id: str, core: GossipProtocol, site: int) -> None:
         self.index = index
@@ -108,6 +127,14 @@ class SimNode:
         self.steps = 0
         self.handoffs = 0
         self.flights: dict[tuple[str, int], Flight] = {}
+        # Pulls to merge at a step's boundary (Pull.merge_at_step), as the replica keeps
+        # them: out ((peer, round) -> [step, started]) and landed early (held).
+        self.due: dict[tuple[str, int], list[Any]] = {}
+        self.held: list[tuple[Any, ...]] = []
+        self.serving = 0  # protocol pulls being served (a serves_one_pull core takes one)
+        self.wait_s = 0.0  # virtual time the trainer waited for due pulls
+        # While waiting at a boundary: (since, whether StepEnded was handled already).
+        self.waiting: tuple[float, bool] | None = None
 
 
 class Flight:
@@ -162,6 +189,8 @@ class SimResult:
     mass_duplicated: float = 0.0
     invariant_mass_error: float | None = None  # worst relative drift of Σw seen
     invariant_value_error: float | None = None  # worst relative drift of Σw·x seen
+    # Per node, the share of virtual time its trainer waited for due pulls (overlap).
+    wait_fractions: list[float] = field(default_factory=list)
 
     @classmethod
     def start(cls, spec: SimSpec, segments: int) -> SimResult:
@@ -205,6 +234,7 @@ class SimResult:
         self.bytes_per_node_per_round = self.bytes / max(1, self.nodes * max(1, self.rounds))
         self.mass_lost = float(sim.book.lost.sum())
         self.mass_duplicated = float(sim.book.duplicated.sum())
+        self.wait_fractions = [n.wait_s / sim.now if sim.now > 0 else 0.0 for n in sim.nodes]
         if sim.spec.check_invariants:
             self._note_invariants(sim)
 
