@@ -6,7 +6,8 @@ what this script generates, so an edit to the JSON by hand, or to this file
 without regenerating, fails CI instead of drifting.
 
 The panels themselves (PromQL, descriptions, how nodes are named) are in
-``panels.py``; this file only maps them onto the SDK and writes the JSON.
+``panels.py`` and ``overlap_panels.py``; this file only puts their rows in order, maps
+them onto the SDK and writes the JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableRefresh,
     VariableSort,
 )
-from panels import ROWS, Panel  # dashboards/panels.py: run as a script, its folder is on the path
+
+# dashboards/*.py: run as a script, this folder is on the path
+from overlap_panels import COORDINATOR, OVERLAP
+from panels import GOSSIP, HEALTH, MESH_OVERVIEW, TRAINING, Panel
 
 OUTPUT = Path(__file__).resolve().parent / "gossipd.json"
 DASHBOARD_UID = "gossipd"
@@ -37,6 +41,7 @@ DASHBOARD_UID = "gossipd"
 # so the dashboard opens on it without asking; the variable lets a user pick another.
 DATASOURCE_UID = "gossipd-prometheus"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+ROWS = [MESH_OVERVIEW, TRAINING, GOSSIP, OVERLAP, COORDINATOR, HEALTH]
 
 
 def _panel(spec: Panel, panel_id: int) -> db.Panel:
@@ -94,7 +99,10 @@ def _panel(spec: Panel, panel_id: int) -> db.Panel:
 
 
 def _variables() -> list[db.DatasourceVariable | db.QueryVariable]:
-    def query_var(name: str, label: str, query: str, *, multi: bool) -> db.QueryVariable:
+    def query_var(
+        name: str, label: str, query: str, *, multi: bool, all_value: str | None = ".*"
+    ) -> db.QueryVariable:
+        """``all_value`` None: All selects each value found (Grafana joins them a|b)."""
         var = (
             db.QueryVariable(name)
             .label(label)
@@ -104,7 +112,10 @@ def _variables() -> list[db.DatasourceVariable | db.QueryVariable]:
             .sort(VariableSort.ALPHABETICAL_ASC)
             .multi(multi)
         )
-        return var.include_all(True).all_value(".*") if multi else var
+        if not multi:
+            return var
+        var = var.include_all(True)
+        return var if all_value is None else var.all_value(all_value)
 
     return [
         db.DatasourceVariable("datasource")
@@ -119,6 +130,14 @@ def _variables() -> list[db.DatasourceVariable | db.QueryVariable]:
             multi=True,
         ),
         query_var("job", "Scrape job", "label_values(gossipd_node_info, job)", multi=True),
+        # All = each job found, never ".*": that would match the sites' jobs in up{}.
+        query_var(
+            "coordinator",
+            "Coordinator job",
+            "label_values(gossipd_coordinator_epoch, job)",
+            multi=True,
+            all_value=None,
+        ),
     ]
 
 

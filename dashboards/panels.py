@@ -1,6 +1,7 @@
 """What the gossipd dashboard shows: its rows and panels, their PromQL and descriptions, as data.
 
-``build.py`` turns these into Grafana's JSON; ``render.py`` reads that JSON back.
+The overlap protocol's rows (waits, coordinator) are in ``overlap_panels.py``; ``build.py``
+lists the rows in order, turns them into Grafana's JSON; ``render.py`` reads that JSON back.
 Keeping the queries here, apart from the SDK calls, puts every "what does this
 panel mean" in one place a reader can review without knowing Grafana's model.
 
@@ -242,39 +243,6 @@ GOSSIP = Row(
     ],
 )
 
-OVERLAP = Row(
-    "Overlap and waits",
-    [
-        Panel(
-            "Push time vs step time (p50)",
-            "NOT YET MEASURED: the overlap protocol (training steps running while pushes are in "
-            "flight, and how long a step waits on gossip) does not exist yet, so there is no "
-            "wait metric. What exists is shown: the median time one outbound push takes to "
-            "settle next to the median time of one local step (log scale).",
-            [
-                Query(quantile(0.5, "gossipd_push_seconds"), "{{node_id}} push p50"),
-                Query(quantile(0.5, "gossipd_step_seconds"), "{{node_id}} step p50"),
-            ],
-            unit="s",
-            log_scale=True,
-            width=12,
-        ),
-        Panel(
-            "Steps per push (p50 push time / p50 step time)",
-            "How many local steps one push lasts. Above 1, a push spans several steps: that gap "
-            "is what an overlap protocol would hide, and what a wait metric would report once "
-            "one exists (it does not yet).",
-            [
-                Query(
-                    f"{quantile(0.5, 'gossipd_push_seconds')} / "
-                    f"{quantile(0.5, 'gossipd_step_seconds')}",
-                )
-            ],
-            width=12,
-        ),
-    ],
-)
-
 HEALTH = Row(
     "Health and rejections",
     [
@@ -331,5 +299,3 @@ HEALTH = Row(
         ),
     ],
 )
-
-ROWS = [MESH_OVERVIEW, TRAINING, GOSSIP, OVERLAP, HEALTH]

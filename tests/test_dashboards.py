@@ -1,10 +1,12 @@
 """The Grafana dashboard and the Prometheus configs, checked against real tools and a real mesh.
 
 The dashboard is only worth something if every panel shows data on a running
-mesh, so the live test starts three daemons and a real Prometheus scraping them,
-then evaluates every PromQL expression the dashboard holds: a panel whose query
-returns no series fails the test by its title. Events that a quiet mesh never
-has (a rejected request, a failed dial, a checkpoint) are made to happen first.
+mesh, so the live test starts three daemons, a coordinator (``gossipd coordinator``
+with the compose demo's ``docker/coord.toml``, its paths and ports made local) and a
+real Prometheus scraping them all, then evaluates every PromQL expression the
+dashboard holds: a panel whose query returns no series fails the test by its title.
+Events that a quiet mesh never has (a rejected request, a failed dial, a checkpoint,
+a pull granted and reported, a refused report) are made to happen first.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -26,17 +30,30 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
+from gossipd.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from gossipd.coordinator.server import INFO_FILE
+from gossipd.node import certs
 from gossipd.node.mesh import LocalMesh, MeshSpec, free_ports, stop_process
-from tests.conftest import scrape_metrics, wait_until
+from gossipd.node.tls import Credentials
+from tests.conftest import scrape_metrics, wait_until, write_config
 from tests.fakepeer import dead_address, handshake_tls, node_info
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"
 DASHBOARD_JSON = DASHBOARDS / "gossipd.json"
+COMPOSE_COORDINATOR = REPO / "docker" / "coord.toml"
 SCRAPE_INTERVAL_S = 1
+COORDINATOR_JOB = "gossipd-coordinator"  # as in dashboards/prometheus.yml
 # Grafana fills these in; the test picks values that cover every node over a few scrapes.
-TEMPLATE_VALUES = {"__rate_interval": "10s", "mesh": ".*", "node": ".*", "job": ".*"}
+TEMPLATE_VALUES = {
+    "__rate_interval": "10s",
+    "mesh": ".*",
+    "node": ".*",
+    "job": ".*",
+    "coordinator": COORDINATOR_JOB,
+}
 MIN_SCRAPES = 5
 
 
@@ -93,9 +110,14 @@ def test_compose_scrape_config_passes_promtool_and_names_the_compose_sites() -> 
         [promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    text = config.read_text()
+    jobs = {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in yaml.safe_load(config.read_text())["scrape_configs"]
+    }
     for target in ("site-a:9100", "site-b:9100", "site-c:9100"):
-        assert target in text, f"{config} does not scrape {target} (docker/compose.yaml's site)"
+        assert target in jobs["gossipd"], f"{config} does not scrape {target} (a compose site)"
+    # The coordinator in a job of its own: the dashboard's $coordinator variable finds it.
+    assert jobs[COORDINATOR_JOB] == ["coordinator:9100"], jobs
 
 
 def test_provisioned_datasource_uid_is_the_dashboards_default() -> None:
@@ -135,15 +157,91 @@ def metrics_ports(mesh: LocalMesh, timeout_s: float = 60.0) -> list[int]:
     return [json.loads(p.read_text())["metrics_port"] for p in paths]
 
 
-def write_scrape_config(path: Path, ports: list[int]) -> None:
-    """The compose config's shape (one job, no relabeling), aimed at the local ports."""
+def write_scrape_config(path: Path, ports: list[int], coordinator_port: int) -> None:
+    """The compose config's shape (the sites' job and the coordinator's, no relabeling),
+    aimed at the local ports."""
     targets = ", ".join(f'"127.0.0.1:{p}"' for p in ports)
     path.write_text(
         f"global:\n  scrape_interval: {SCRAPE_INTERVAL_S}s\n"
         f"  evaluation_interval: {SCRAPE_INTERVAL_S}s\n"
         f"scrape_configs:\n  - job_name: gossipd\n"
         f"    static_configs:\n      - targets: [{targets}]\n"
+        f"  - job_name: {COORDINATOR_JOB}\n"
+        f'    static_configs:\n      - targets: ["127.0.0.1:{coordinator_port}"]\n'
     )
+
+
+@contextmanager
+def running_coordinator(mesh: LocalMesh, workdir: Path) -> Iterator[tuple[str, int]]:
+    """``gossipd coordinator`` with docker/coord.toml, its paths and ports made local, a
+    coordinator certificate from the mesh's CA; yields (address, metrics port); reaped."""
+    tls_dir = mesh.root / "tls"  # LocalMesh's throwaway CA
+    cert, key = certs.issue("coordinator", tls_dir, coordinator=True)
+    config = tomllib.loads(COMPOSE_COORDINATOR.read_text())
+    config.update(mesh_id=mesh.mesh_id, listen="127.0.0.1:0", data_dir=str(workdir / "coord"))
+    config["metrics"] = {"listen": "127.0.0.1:0"}
+    config["tls"] = {"ca": str(tls_dir / certs.CA_CERT_FILE), "cert": str(cert), "key": str(key)}
+    path = workdir / "coord.toml"
+    write_config(path, config)
+    log_path = workdir / "coord.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gossipd.node.cli", "coordinator", "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        info = workdir / "coord" / INFO_FILE
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise AssertionError(f"coordinator exited:\n{log_path.read_text()[-3000:]}")
+
+        wait_until(info.exists, "the coordinator to serve", 30.0, alive)
+        written = json.loads(info.read_text())
+        yield written["address"], written["metrics_port"]
+    finally:
+        stop_process(proc, 15.0)
+
+
+def drive_coordinator(mesh: LocalMesh, address: str) -> None:
+    """node-0 and node-1 (their certificates, their addresses) register; node-0 is granted
+    a pull from node-1 and reports it, then reports a pull from itself (refused); node-1
+    is granted node-0 and reports that pull failed."""
+
+    def client(i: int) -> CoordinatorClient:
+        tls_dir = mesh.root / "tls"
+        tls = Credentials(
+            ca=tls_dir / certs.CA_CERT_FILE,
+            cert=tls_dir / f"node-{i}.pem",
+            key=tls_dir / f"node-{i}.key",
+        )
+        return CoordinatorClient(
+            address, mesh_id=mesh.mesh_id, advertise=mesh.addresses[i], tls=tls
+        )
+
+    async def run() -> None:
+        clients = [client(0), client(1)]
+        try:
+            for c in clients:
+                await c.start()
+            for c in clients:
+                await asyncio.wait_for(c.wait_available(True), 30.0)
+            granted = await clients[0].start_time(end_in_s=1.0)
+            assert granted is not None and granted[0] == "node-1", granted
+            await clients[0].report("node-1", 0.05)
+            with pytest.raises(CoordinatorUnavailable, match="from itself"):
+                await clients[0].report("node-0", 0.05)
+            granted = await clients[1].start_time(end_in_s=1.0)
+            assert granted is not None and granted[0] == "node-0", granted
+            await clients[1].report("node-0", math.inf)  # a failed pull
+        except CoordinatorUnavailable as err:
+            raise AssertionError(f"the coordinator refused a valid request: {err}") from None
+        finally:
+            for c in clients:
+                await c.close()
+
+    asyncio.run(run())
 
 
 @contextmanager
@@ -245,27 +343,29 @@ def test_every_dashboard_query_returns_series_from_a_live_mesh(tmp_path: Path) -
             asyncio.run(mesh.wait_ready(120.0))
             ports = metrics_ports(mesh)
             provoke_rejection_and_dial_failure(mesh, ports[0])
-            config = tmp_path / "prometheus.yml"
-            write_scrape_config(config, ports)
-            with running_prometheus(prometheus, config, tmp_path) as url:
+            with running_coordinator(mesh, tmp_path) as (coordinator, coordinator_port):
+                drive_coordinator(mesh, coordinator)
+                config = tmp_path / "prometheus.yml"
+                write_scrape_config(config, ports, coordinator_port)
+                with running_prometheus(prometheus, config, tmp_path) as url:
 
-                def scraped() -> bool:
-                    mesh.check_alive()
-                    counts = instant_query(url, 'count_over_time(up{job="gossipd"}[1m])')
-                    ups = instant_query(url, 'up{job="gossipd"}')
-                    return (
-                        len(ups) == spec.nodes
-                        and all(float(u["value"][1]) == 1 for u in ups)
-                        and len(counts) == spec.nodes
-                        and all(float(c["value"][1]) >= MIN_SCRAPES for c in counts)
-                    )
+                    def scraped() -> bool:
+                        mesh.check_alive()
+                        counts = instant_query(url, "count_over_time(up[1m])")
+                        ups = instant_query(url, "up")
+                        return (
+                            len(ups) == spec.nodes + 1
+                            and all(float(u["value"][1]) == 1 for u in ups)
+                            and len(counts) == spec.nodes + 1
+                            and all(float(c["value"][1]) >= MIN_SCRAPES for c in counts)
+                        )
 
-                wait_until(scraped, f"{MIN_SCRAPES} scrapes of every node", 45.0)
-                empty = [
-                    f"{title}: {expr}"
-                    for title, expr in queries
-                    if not instant_query(url, substitute(expr))
-                ]
+                    wait_until(scraped, f"{MIN_SCRAPES} scrapes of every target", 45.0)
+                    empty = [
+                        f"{title}: {expr}"
+                        for title, expr in queries
+                        if not instant_query(url, substitute(expr))
+                    ]
         finally:
             # Stop all three at once: their shutdowns overlap instead of queueing.
             for proc in mesh.procs.values():
