@@ -115,9 +115,20 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "seed": args.seed,
         "quiet": args.json,
         "job_options": parse_job_options(args.job_option),
+        "coordinator": args.coordinator == "local",
+        "protocol_options": _overlap_options(args),
     }
     fields.update(overrides)
     return MeshSpec(**fields)  # type: ignore[arg-type]
+
+
+def _overlap_options(args: argparse.Namespace) -> dict[str, object]:
+    options = {"mode": args.overlap_mode, "period_steps": args.period_steps}
+    given = {k: v for k, v in options.items() if v is not None}
+    if given and args.protocol != "overlap":
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise GossipdError(f"{flags}: only for --protocol overlap, not {args.protocol}")
+    return given
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -326,6 +337,27 @@ def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float,
     )
     p.add_argument(
         "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
+    )
+    p.add_argument(
+        "--coordinator",
+        choices=("none", "local"),
+        default="none",
+        help="local: start a gossipd coordinator beside the nodes (it schedules the overlap "
+        "protocol's pulls; a node that loses it schedules alone); none: decentralized "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--overlap-mode",
+        choices=("scheduled", "naive", "none"),
+        default=None,
+        help="overlap protocol: when a pull starts (scheduled: to land as the period ends; "
+        "naive: at its start; none: after it) (default: the protocol's, scheduled)",
+    )
+    p.add_argument(
+        "--period-steps",
+        type=int,
+        default=None,
+        help="overlap protocol: local steps between averages, T (default: the protocol's, 16)",
     )
     p.add_argument(
         "--duration-s",

@@ -486,6 +486,16 @@ class NodeConfig(_Section):
         return [_check_address(s) for s in v]
 
     @model_validator(mode="after")
+    def _coordinator_needs_tls(self) -> NodeConfig:
+        if self.coordinator is not None and self.tls.insecure:
+            raise ValueError(
+                f"coordinator = {self.coordinator!r} with tls.insecure = true: the coordinator "
+                "speaks mutual TLS only (its certificate and the nodes' come from the mesh's "
+                "CA); give [tls] ca, cert and key, or drop coordinator"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _link_fits_timeouts(self) -> NodeConfig:
         """A shaped link that every push or pull would time out on is refused up front."""
         link, gossip, limits = self.link, self.gossip, self.limits

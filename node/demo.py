@@ -38,7 +38,14 @@ def demo_job_options(job: str, given: dict[str, Any]) -> dict[str, Any]:
 
 def local_only_spec(spec: MeshSpec) -> MeshSpec:
     """The same sites (nodes, job, options, seeds, duration) with no gossip while training."""
-    return replace(spec, protocol="sumweight", push_probability=0.0, plot_path=None)
+    return replace(
+        spec,
+        protocol="sumweight",
+        push_probability=0.0,
+        plot_path=None,
+        coordinator=False,
+        protocol_options={},
+    )
 
 
 def run_demo(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:

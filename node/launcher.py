@@ -47,6 +47,8 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     with display, LocalMesh(spec, root) as mesh:
         t0 = display.t0 = time.monotonic()
         start_unix_s = time.time()
+        if spec.coordinator:
+            mesh.start_coordinator()
         for i in range(spec.nodes):
             mesh.start(i)
         watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
@@ -103,6 +105,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
                 # As training ended (the share falls while a node only serves afterwards).
                 "wait_fraction": summary.get("wait_fraction", state["wait_fraction"]),
                 "wait_s": summary.get("wait_s", state["wait_s"]),
+                "scheduling": state["scheduling"],
             }
             entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
             nodes.append(entry)
@@ -110,6 +113,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         "mesh_id": mesh.mesh_id,
         "job": spec.job,
         "protocol": spec.protocol,
+        "coordinator": mesh.coordinator_address,
         "nodes": nodes,
         "consensus_distance_start": distance_start,
         "consensus_distance_end": distance_end,

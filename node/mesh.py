@@ -62,6 +62,9 @@ class MeshSpec:
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
     # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
     mqtt_broker: str | None = None
+    # `--coordinator local`: a `gossipd coordinator` process beside the nodes (mutual TLS).
+    coordinator: bool = False
+    protocol_options: dict[str, Any] = field(default_factory=dict)  # [gossip.<protocol>] keys
 
 
 def free_ports(count: int) -> list[int]:
@@ -103,7 +106,17 @@ def _listen_range() -> tuple[int, int]:
     return (10_000, ephemeral_low) if ephemeral_low > 11_000 else (0, 0)
 
 
-def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: Path) -> str:
+COORDINATOR_ID = "coordinator"
+
+
+def node_toml(
+    spec: MeshSpec,
+    mesh_id: str,
+    index: int,
+    ports: list[int],
+    root: Path,
+    coordinator: str | None = None,
+) -> str:
     addresses = [f"127.0.0.1:{p}" for p in ports]
     seeds = [] if spec.mqtt_broker else [a for i, a in enumerate(addresses) if i != index]
     job = {
@@ -121,6 +134,7 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
     wanted = {"round_steps": spec.round_steps, "push_probability": spec.push_probability}
     takes = settings_class(spec.protocol).model_fields  # [gossip.<protocol>]: what it has
     own = {k: v for k, v in wanted.items() if v is not None and k in takes}
+    own.update(spec.protocol_options)
     tls_dir = root / "tls"
     tls = (
         ["insecure = true"]
@@ -136,6 +150,7 @@ def node_toml(spec: MeshSpec, mesh_id: str, index: int, ports: list[int], root: 
         f'node_id = "node-{index}"',
         f'listen = "{addresses[index]}"',
         f"seeds = {json.dumps(seeds)}",
+        *([f"coordinator = {json.dumps(coordinator)}"] if coordinator else []),
         f'data_dir = "{root / f"node-{index}"}"',
         "",
         "[job]",
@@ -181,6 +196,8 @@ def make_mesh_ca(spec: MeshSpec, mesh_id: str, root: Path) -> Credentials:
     for node_id in [LAUNCHER_ID, *(f"node-{i}" for i in range(spec.nodes))]:
         if not (tls_dir / f"{node_id}.pem").exists():
             certs.issue(node_id, tls_dir)
+    if spec.coordinator and not (tls_dir / f"{COORDINATOR_ID}.pem").exists():
+        certs.issue(COORDINATOR_ID, tls_dir, coordinator=True)
     return Credentials(
         ca=tls_dir / certs.CA_CERT_FILE,
         cert=tls_dir / f"{LAUNCHER_ID}.pem",
@@ -188,8 +205,28 @@ def make_mesh_ca(spec: MeshSpec, mesh_id: str, root: Path) -> Credentials:
     )
 
 
-def spawn_node(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """`gossipd node --config CONFIG` as a child process, output appended to ``log_path``."""
+def coordinator_toml(mesh_id: str, address: str, root: Path) -> str:
+    tls_dir = root / "tls"
+    return (
+        "\n".join(
+            [
+                f'mesh_id = "{mesh_id}"',
+                f'listen = "{address}"',
+                f'data_dir = "{root / COORDINATOR_ID}"',
+                "",
+                "[tls]",
+                f'ca = "{tls_dir / certs.CA_CERT_FILE}"',
+                f'cert = "{tls_dir / f"{COORDINATOR_ID}.pem"}"',
+                f'key = "{tls_dir / f"{COORDINATOR_ID}.key"}"',
+            ]
+        )
+        + "\n"
+    )
+
+
+def spawn_node(config: Path, log_path: Path, command: str = "node") -> subprocess.Popen[bytes]:
+    """`gossipd node --config CONFIG` (or another ``command``: `coordinator`) as a child
+    process, output appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -199,7 +236,7 @@ def spawn_node(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
                 "gossipd.node.cli",
                 "--log-level",
                 "INFO",
-                "node",
+                command,
                 "--config",
                 str(config),
             ],
@@ -233,13 +270,39 @@ class LocalMesh:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.configs: list[Path] = []
         self.tls = make_mesh_ca(spec, self.mesh_id, root)
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.coordinator_address: str | None = None
+        if spec.coordinator:
+            if spec.insecure:
+                raise GossipdError("--coordinator local needs mutual TLS: drop --insecure")
+            self.coordinator_address = f"127.0.0.1:{free_ports(1)[0]}"
+            self.coordinator_config = root / f"{COORDINATOR_ID}.toml"
+            self.coordinator_config.write_text(
+                coordinator_toml(self.mesh_id, self.coordinator_address, root)
+            )
         for i in range(spec.nodes):
             path = root / f"node-{i}.toml"
-            path.write_text(node_toml(spec, self.mesh_id, i, self.ports, root))
+            path.write_text(
+                node_toml(spec, self.mesh_id, i, self.ports, root, self.coordinator_address)
+            )
             self.configs.append(path)
 
     def node_dir(self, index: int) -> Path:
         return self.root / f"node-{index}"
+
+    def start_coordinator(self) -> None:
+        """The local coordinator (``spec.coordinator``); started again after a kill, it
+        reloads what it learned from its data dir."""
+        self.coordinator = spawn_node(
+            self.coordinator_config, self.root / COORDINATOR_ID / "coordinator.log", "coordinator"
+        )
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.coordinator is not None:
+            self.coordinator.kill()
+            self.coordinator.wait(timeout=30)
+            self.coordinator = None
 
     def start(self, index: int) -> None:
         self.procs[index] = spawn_node(self.configs[index], self.node_dir(index) / "node.log")
@@ -259,6 +322,9 @@ class LocalMesh:
     def __exit__(self, *exc: object) -> None:
         for index in list(self.procs):
             self.stop(index)
+        if self.coordinator is not None:
+            stop_process(self.coordinator)
+            self.coordinator = None
 
     def check_alive(self) -> None:
         for index, proc in self.procs.items():

@@ -220,7 +220,18 @@ class Peering:
             self._dialing.add(address)
             self.spawn(self._dial(address, claim))
 
-    async def _dial(self, address: str, claim: NodeInfo) -> None:
+    def hint(self, address: str) -> None:
+        """An address a member is said to serve on (the coordinator's view): dialled
+        with no claim, so this node's own handshake alone says who answers there."""
+        m = self.membership
+        if address == m.self_address or address in self._dialing or self.stopping.is_set():
+            return
+        if any(p.address == address and p.live for p in m.peers.values()):
+            return
+        self._dialing.add(address)
+        self.spawn(self._dial(address, None))
+
+    async def _dial(self, address: str, claim: NodeInfo | None) -> None:
         try:
             await self.verify(address, claim)
         finally:

@@ -60,6 +60,9 @@ class NetworkPort:
         self._start_pull = start_pull
         self._hurry_pull = hurry_pull
         self.coordinator = coordinator
+        # One coordinator call at a time, in order: a report must reach it before the
+        # next ask (an ask frees the asker's previous grant, and its late report is refused).
+        self._calls: asyncio.Lock | None = None
         self.spawn = spawn
         self.stopping = stopping
 
@@ -120,6 +123,21 @@ class NetworkPort:
         client = self.coordinator()
         answer = PeerGranted(ask.round, None, clock(), "no coordinator is reachable")
         try:
+            async with self._in_order():
+                answer = await self._granted(ask, client, answer)
+        finally:
+            await asyncio.to_thread(self.replica.grant, answer)
+
+    def _in_order(self) -> asyncio.Lock:
+        if self._calls is None:
+            self._calls = asyncio.Lock()
+        return self._calls
+
+    async def _granted(
+        self, ask: AskPeer, client: PeerScheduler | None, answer: PeerGranted
+    ) -> PeerGranted:
+        clock = self.replica.clock
+        try:
             if client is not None and client.available:
                 granted = await client.start_time(max(ask.end_s - clock(), 0.0))
                 if granted is None:
@@ -130,8 +148,7 @@ class NetworkPort:
         except GossipdError as err:
             log.debug("coordinator: no start time for round %d: %s", ask.round, err)
             answer = PeerGranted(ask.round, None, clock(), str(err))
-        finally:
-            await asyncio.to_thread(self.replica.grant, answer)
+        return answer
 
     def _report(self, report: ReportTransfer) -> None:
         client = self.coordinator()
@@ -140,7 +157,8 @@ class NetworkPort:
 
     async def _report_to(self, client: PeerScheduler, report: ReportTransfer) -> None:
         try:
-            await client.report(report.peer, report.transfer_s)
+            async with self._in_order():
+                await client.report(report.peer, report.transfer_s)
         except GossipdError as err:  # its lease frees the peer in the end
             log.debug("coordinator: report on %s lost: %s", report.peer, err)
 

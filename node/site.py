@@ -318,6 +318,35 @@ class Site:
         await self.network.bootstrap_from(peer.node_id)
         log.info("bootstrapped the model from %s", peer.node_id)
 
+    async def _start_coordinator_client(self) -> None:
+        """With ``coordinator`` set: register there and follow its view (its addresses are
+        dialled like seeds); the overlap protocol asks it for pulls. It never holds the
+        node up: unreachable, the node schedules alone until it answers."""
+        if self.config.coordinator is None:
+            return
+        from gossipd.coordinator.client import CoordinatorClient
+
+        peering = self.network.peering
+
+        def on_view(members: dict[str, str], epoch: int) -> None:
+            for node_id, address in sorted(members.items()):
+                if node_id != self.config.node_id:
+                    peering.hint(address)
+
+        client = CoordinatorClient(
+            self.config.coordinator,
+            mesh_id=self.config.mesh_id,
+            advertise=self.network.address,
+            tls=self.network.tls,
+            on_view=on_view,
+        )
+        await client.start()
+        self.network.coordinator = client
+        log.info(
+            "coordinator %s: registering (until it answers, this node schedules its pulls alone)",
+            self.config.coordinator,
+        )
+
     async def run(self, stop: asyncio.Event) -> None:
         """Start, train until ``stop`` is set (or training dies), then shut down.
 
@@ -333,6 +362,7 @@ class Site:
             except OSError as err:
                 log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
             self.mqtt = start_mqtt(self, stop)
+            await self._start_coordinator_client()
             loop = asyncio.get_running_loop()
             self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
             self.loop_thread.start()
@@ -381,6 +411,8 @@ class Site:
         try:
             if self.mqtt is not None:  # first: nobody should be pointed here any more
                 await self.mqtt.close()
+            if self.network.coordinator is not None:
+                await self.network.coordinator.close()
             self.loop_thread.halt.set()
             driver = self.loop_thread
             if not driver.is_alive():  # never started, or died: something must drive
