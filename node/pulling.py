@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from gossipd.node.config import GossipConfig
 from gossipd.node.errors import Busy, GossipdError
@@ -57,8 +57,17 @@ class Puller:
         self.limits = limits
         self._waiting: dict[int, asyncio.Event] = {}  # id(out) -> wakes it before at_s
 
-    async def pull(self, out: OutboundPull) -> None:
-        """Wait for ``at_s`` on the replica's clock, pull, post the result exactly once."""
+    def pull(self, out: OutboundPull) -> Coroutine[Any, Any, None]:
+        """The task's body: wait for ``at_s`` on the replica's clock, pull, post the result
+        exactly once.
+
+        Its hurry signal is registered now, as the loop takes the pull, not when the task
+        first runs: a hurry the trainer scheduled right behind the pull (it already waits
+        at the step the pull is due) runs before the task does, and must not be lost.
+        """
+        return self._run(out, self._waiting.setdefault(id(out), asyncio.Event()))
+
+    async def _run(self, out: OutboundPull, hurry: asyncio.Event) -> None:
         pulled: Pulled | None = None
         error: str | None = "the node stopped before the pull ended"
         clock = self.replica.clock
@@ -67,7 +76,6 @@ class Puller:
             if delay_s > 0:
                 # The start time the core chose, unless the trainer reaches the step
                 # that merges this pull first (hurry): then now.
-                hurry = self._waiting.setdefault(id(out), asyncio.Event())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(hurry.wait(), delay_s)
             self._waiting.pop(id(out), None)

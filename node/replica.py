@@ -289,12 +289,14 @@ class Replica:
     def _wait_for_due(self, report: StepReport) -> None:
         """Wait, holding no lock, until every pull due by this step merged or failed."""
         started = self.clock()
-        with self.core_lock:
-            due = [out for out, step in self._due.values() if step <= self.steps]
-        for out in due:
-            self.port.hurry_pull(out)  # the steps ended sooner than predicted: start now
         try:
             while True:
+                # The steps ended sooner than predicted: start now what is due here, on
+                # each pass, for a pull re-picked meanwhile (the first failed) is due too.
+                with self.core_lock:
+                    due = [out for out, step in self._due.values() if step <= self.steps]
+                for out in due:
+                    self.port.hurry_pull(out)
                 left = started + self.max_wait_s - self.clock()
                 if left <= 0:
                     with self.core_lock:
