@@ -2,7 +2,10 @@
 
 With training off, Σ wᵢ·xᵢ / Σ wᵢ never changes (each push is acknowledged before
 its weight is committed, whatever protocol chose it), so every node must end at
-the mean of the initial models, and the sum of weights must still be N.
+the mean of the initial models, and the sum of weights must still be N. A protocol
+without sum-weights (overlap: each pull averages the puller with a peer's copy,
+row- but not column-stochastic) must still reach consensus, at a point every
+coordinate of which lies between the initial models' (a convex combination).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
-from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.protocols import PROTOCOLS, keeps_weights
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
@@ -48,6 +51,13 @@ def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(
     assert all(s["round"] > 0 for s in states), [s["round"] for s in states]
     assert consensus_distance(initial) > 0.5
     assert consensus_distance(models) < 1e-6
+    if not keeps_weights(protocol):
+        stacked = torch.stack(initial)
+        low, high = stacked.min(0).values, stacked.max(0).values
+        slack = 1e-6 * float(stacked.abs().max())
+        for model in models:
+            assert bool(((model >= low - slack) & (model <= high + slack)).all())
+        return
     weights = [s["sum_weights"][0] for s in states]
     assert sum(weights) == pytest.approx(3.0, abs=1e-12)
     weighted = sum(w * m for w, m in zip(weights, models, strict=True)) / sum(weights)

@@ -1,0 +1,99 @@
+"""Scheduled overlap on real processes with a local coordinator, which dies and comes back.
+
+Three `gossipd node` processes train digits with the overlap protocol while a real
+`gossipd coordinator` schedules their pulls over mutual TLS. The coordinator is
+killed (SIGKILL) mid-run: every node must keep stepping (counted from status, not
+timed) and schedule its pulls alone; restarted on its data dir, it must have every
+node registered again and scheduling through it. Every node ends at ≥ 0.90 test
+accuracy. (The decentralized mesh is in test_mesh_digits, with every protocol.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gossipd.node.mesh import LocalMesh, MeshSpec
+from tests.conftest import wait_until
+
+NODES = 3
+STEPS_WHILE_DOWN = 300  # steps every node must take while the coordinator is dead
+TIMEOUT_S = 180.0
+
+
+def _statuses(mesh: LocalMesh) -> list[dict[str, Any]]:
+    return asyncio.run(mesh.statuses())
+
+
+def _wait_statuses(mesh: LocalMesh, ok: Any, what: str) -> list[dict[str, Any]]:
+    """Poll every node's status until ``ok(statuses)``; a node that died fails at once."""
+    seen: list[list[dict[str, Any]]] = []
+
+    def check() -> bool:
+        mesh.check_alive()
+        seen.append(_statuses(mesh))
+        return bool(ok(seen[-1]))
+
+    wait_until(check, what, TIMEOUT_S)
+    return seen[-1]
+
+
+@pytest.mark.timeout(600)
+def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path: Path) -> None:
+    spec = MeshSpec(
+        nodes=NODES,
+        job="digits",
+        protocol="overlap",
+        coordinator=True,
+        duration_s=0.0,  # trains until stopped: the phases below decide how long
+        eval_every_steps=100,
+    )
+    with LocalMesh(spec, tmp_path) as mesh:
+        mesh.start_coordinator()
+        for i in range(NODES):
+            mesh.start(i)
+        asyncio.run(mesh.wait_ready())
+
+        _wait_statuses(
+            mesh,
+            lambda ss: all(s["scheduling"] == "coordinator" and s["step"] > 0 for s in ss),
+            "every node training with pulls scheduled by the coordinator",
+        )
+
+        mesh.kill_coordinator()
+        before = {s["node_id"]: s["step"] for s in _statuses(mesh)}
+        down = _wait_statuses(
+            mesh,
+            lambda ss: all(
+                s["step"] >= before[s["node_id"]] + STEPS_WHILE_DOWN
+                and s["scheduling"] == "decentralized"
+                for s in ss
+            ),
+            f"{STEPS_WHILE_DOWN} more steps on every node, scheduled alone, coordinator dead",
+        )
+        assert all(len(s["live_peers"]) == NODES - 1 for s in down), down
+
+        mesh.start_coordinator()
+        _wait_statuses(
+            mesh,
+            lambda ss: all(s["scheduling"] == "coordinator" for s in ss),
+            "every node registered again and scheduling through the restarted coordinator",
+        )
+        state = json.loads((tmp_path / "coordinator" / "state.json").read_text())
+        assert state, "the coordinator wrote no state"
+
+        _wait_statuses(
+            mesh,
+            lambda ss: all(s["step"] >= 2000 for s in ss),
+            "2000 steps on every node",
+        )
+        codes = [mesh.stop(i) for i in range(NODES)]
+    assert codes == [0] * NODES
+    for i in range(NODES):
+        summary = json.loads((tmp_path / f"node-{i}" / "summary.json").read_text())
+        assert summary["test_accuracy"] >= 0.90, summary
+        assert 0.0 <= summary["wait_fraction"] < 1.0, summary
