@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Certificates for the compose demo mesh: one mesh CA, one certificate per site.
+# Certificates for the compose demo mesh: one mesh CA, one certificate per site and
+# one for the coordinator.
 #
-#   docker/make-certs.sh               # the CA (once) and site-a, site-b, site-c
+#   docker/make-certs.sh               # the CA (once), site-a, site-b, site-c, coordinator
 #   docker/make-certs.sh site-d        # one more site from the same CA (compose.join.yaml)
 #
 # Writes, under docker/ (or $GOSSIPD_COMPOSE_DIR), all ignored by git and by the build:
 #   certs/ca/ca.pem, certs/ca/ca.key     the mesh CA; never mounted into a container
 #   certs/SITE/ca.pem, SITE.pem, SITE.key   what compose mounts at /etc/gossipd/certs of SITE
+#   certs/coordinator/ca.pem, coordinator.pem, coordinator.key   the same for the
+#                                        coordinator: a coordinator certificate
+#                                        (gossipd certs issue --coordinator), never a site's
 #   .env                                 GOSSIPD_UID=<your uid>: the image's user then owns
 #                                        what you own, so it can read SITE.key (mode 0600)
 # A site that already has certs/SITE/ is kept; delete that directory to issue anew.
@@ -16,7 +20,8 @@ set -euo pipefail
 out="${GOSSIPD_COMPOSE_DIR:-$(cd "$(dirname "$0")" && pwd)}"
 mesh_id="compose-demo"
 default_uid=10001   # the image's default user (docker/Dockerfile ARG GOSSIPD_UID)
-if [ "$#" -gt 0 ]; then sites=("$@"); else sites=(site-a site-b site-c); fi
+coordinator="coordinator"   # the coordinator service's name, and its certificate's
+if [ "$#" -gt 0 ]; then sites=("$@"); else sites=(site-a site-b site-c "$coordinator"); fi
 
 ca_dir="$out/certs/ca"
 if [ ! -e "$ca_dir/ca.pem" ]; then
@@ -29,7 +34,11 @@ for site in "${sites[@]}"; do
     echo "$site: kept $site_dir (delete it to issue a new certificate)"
     continue
   fi
-  gossipd certs issue "$site" --dir "$ca_dir"
+  if [ "$site" = "$coordinator" ]; then
+    gossipd certs issue "$site" --coordinator --dir "$ca_dir"
+  else
+    gossipd certs issue "$site" --dir "$ca_dir"
+  fi
   mkdir -p "$site_dir"
   # The site gets the CA certificate, its own certificate and key; the CA dir keeps
   # neither the site's key nor its certificate.

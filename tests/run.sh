@@ -2,7 +2,8 @@
 # The test command (README "Test"): the Debian packages the tests start for real, then pytest.
 #
 # Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
-# compose files; Mosquitto is the MQTT broker of the discovery tests. They are
+# compose files; Mosquitto is the MQTT broker of the discovery tests, and its client
+# mosquitto_sub the compose broker's health check. They are
 # installed when missing and apt-get can run (root, or sudo without a password);
 # otherwise this says which are missing and how to install them, and stops before
 # pytest, since the tests that need them would fail.
@@ -10,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # mosquitto lands in /usr/sbin, outside a normal user's PATH: looked for there too.
-packages=(prometheus docker-compose mosquitto)
-commands=(prometheus docker-compose mosquitto)
+packages=(prometheus docker-compose mosquitto mosquitto-clients)
+commands=(prometheus docker-compose mosquitto mosquitto_sub)
 
 missing=()
 for i in "${!commands[@]}"; do

@@ -3,7 +3,10 @@
 No container engine runs here: hadolint and docker-compose read the files without building
 or starting anything, docker/make-certs.sh runs for real into a temporary directory, and
 the site configs are checked with the daemon's own config loader, certificate checks and
-CLI parser. Each test names the files whose agreement it protects.
+CLI parser, the coordinator's config with its own loader. The health checks that compose
+states itself run for real: the coordinator's against a real ``gossipd coordinator`` with
+the script's certificate, the broker's against Debian's Mosquitto reading
+docker/mosquitto.conf. Each test names the files whose agreement it protects.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gossipd.coordinator.config import CoordinatorConfig, load_coordinator_config
 from gossipd.node.certs import check_pair
 from gossipd.node.cli import build_parser
 from gossipd.node.config import NodeConfig, load_config
@@ -34,6 +38,9 @@ COMPOSE_JOIN = DOCKER / "compose.join.yaml"
 MAKE_CERTS = DOCKER / "make-certs.sh"
 BASE_SITES = ["site-a", "site-b", "site-c"]
 JOIN_SITES = ["site-d"]
+COORDINATOR = "coordinator"  # the service, and its certificate's name (make-certs.sh)
+BROKER = "mosquitto"
+MOSQUITTO_CONF = "/mosquitto/config/mosquitto.conf"  # where the eclipse-mosquitto image reads it
 CERTS_TARGET = "/etc/gossipd/certs"  # where a site's [tls] files are mounted
 TIMEOUT_S = 120
 
@@ -133,13 +140,19 @@ def compose() -> dict[str, Any]:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What docker/make-certs.sh writes: its default run, then the join command for site-d."""
     out = tmp_path_factory.mktemp("compose")
-    env = {**os.environ, "GOSSIPD_COMPOSE_DIR": str(out)}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for args in ([], JOIN_SITES, ["site-a"]):
-        done = _run(["bash", str(MAKE_CERTS), *args], env=env)
-        assert done.returncode == 0, f"make-certs.sh {' '.join(args)}:\n{done.stderr}"
+        done = make_certs(out, *args)
     assert "site-a: kept" in done.stdout, "a second run must keep an existing site's files"
     return out
+
+
+def make_certs(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """docker/make-certs.sh ARGS writing under ``out``, with this environment's gossipd."""
+    env = {**os.environ, "GOSSIPD_COMPOSE_DIR": str(out)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = _run(["bash", str(MAKE_CERTS), *args], env=env)
+    assert done.returncode == 0, f"make-certs.sh {' '.join(args)}:\n{done.stderr}"
+    return done
 
 
 def _host_path(container_path: Path, service: dict[str, Any], certs: Path) -> Path:
@@ -155,6 +168,17 @@ def _site_config(service: dict[str, Any]) -> NodeConfig:
 
 def _sites(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {name: s for name, s in compose.items() if name.startswith("site-")}
+
+
+def _coordinator_config_path(service: dict[str, Any]) -> str:
+    """Where the coordinator reads its config: its command's ``--config PATH``."""
+    args = build_parser().parse_args([*service["entrypoint"][1:], *service["command"]])
+    assert service["entrypoint"][0] == "gossipd" and args.command == "coordinator", args
+    return str(args.config)
+
+
+def _coordinator_config(service: dict[str, Any]) -> CoordinatorConfig:
+    return load_coordinator_config(_binds(service)[_coordinator_config_path(service)])
 
 
 # ---------------------------------------------------------------------------
@@ -176,13 +200,13 @@ def test_dockerfiles_pass_hadolint_with_no_finding_at_any_level() -> None:
 
 def test_compose_files_are_valid_modern_compose_for_docker_compose() -> None:
     base = _compose_config(COMPOSE)["services"]
-    assert sorted(base) == sorted([*BASE_SITES, "prometheus", "grafana"])
+    assert sorted(base) == sorted([*BASE_SITES, COORDINATOR, BROKER, "prometheus", "grafana"])
     joined = _compose_config(COMPOSE, COMPOSE_JOIN)["services"]
     assert sorted(joined) == sorted([*base, *JOIN_SITES])
     for path in (COMPOSE, COMPOSE_JOIN):
         raw = _yaml(path.read_text())
         assert "version" not in raw, f"{path.name}: the Compose Specification has no version key"
-    for name in ("prometheus", "grafana"):
+    for name in (BROKER, "prometheus", "grafana"):
         image = base[name]["image"]
         assert re.search(r":v?\d+\.\d+\.\d+$", image), f"{name}: pin the image tag ({image})"
     published = {p for s in base.values() for p in s.get("ports", [])}
@@ -210,7 +234,8 @@ def test_every_mount_and_build_context_exists_and_certs_are_exactly_what_the_scr
             else:
                 assert source.exists(), f"{name}: {source} (mounted at {target}) is missing"
     made = {p.name for p in (certs / "certs").iterdir() if p.name != "ca"}
-    assert mounted_certs == made, "compose mounts exactly the site directories the script makes"
+    assert mounted_certs == made, "compose mounts exactly the certificate directories made"
+    assert COORDINATOR in made, "the script's default run issues the coordinator's"
     assert "ca" not in mounted_certs, "the CA key must never be mounted into a site"
     assert sorted(os.listdir(certs / "certs" / "ca")) == ["ca.key", "ca.pem"]
     for site in made:
@@ -237,8 +262,10 @@ def test_the_image_user_owns_each_site_key_and_its_default_uid_agrees_everywhere
     else:
         expected = os.getuid()
         assert env_file.read_text().strip() == f"GOSSIPD_UID={expected}"
-    for name, service in _sites(compose).items():
-        key = _host_path(_site_config(service).tls.key, service, certs)
+    keys = {n: _host_path(_site_config(s).tls.key, s, certs) for n, s in _sites(compose).items()}
+    coordinator = compose[COORDINATOR]
+    keys[COORDINATOR] = _host_path(_coordinator_config(coordinator).tls.key, coordinator, certs)
+    for name, key in keys.items():
         assert key.stat().st_uid == expected, f"{name}: {key} unreadable in the container"
         assert key.stat().st_mode & 0o077 == 0, f"{name}: {key} is readable by others"
 
@@ -322,7 +349,13 @@ def test_prometheus_scrapes_each_sites_metrics_port(compose: dict[str, Any]) -> 
         assert config.metrics.listen is not None, f"{name}: metrics off"
         assert by_host.get(name) == _port(config.metrics.listen), f"{name}: targets {targets}"
         assert str(by_host[name]) in sites[name]["expose"]
-    assert set(by_host) <= set(sites), f"targets that are no compose service: {targets}"
+    coordinator = compose[COORDINATOR]
+    metrics = _coordinator_config(coordinator).metrics.listen
+    assert metrics, "coordinator: metrics off"
+    assert by_host.get(COORDINATOR) == _port(metrics), f"coordinator: targets {targets}"
+    assert str(_port(metrics)) in coordinator["expose"]
+    scraped = {*sites, COORDINATOR}
+    assert set(by_host) <= scraped, f"targets that are no compose service: {targets}"
 
 
 def test_grafana_provisioning_points_at_the_mounted_dashboard_and_prometheus(
@@ -438,9 +471,10 @@ def test_git_ignores_every_file_make_certs_writes(certs: Path) -> None:
 
 
 def test_sites_stop_restarting_after_a_few_failed_starts(compose: dict[str, Any]) -> None:
-    """A start-up mistake exits 2 and would again on every restart: a site restarts a few
-    times at most (on-failure:N, never `always`/`unless-stopped`), so its last log line,
-    the reason, stays readable instead of scrolling by forever."""
-    for name, service in _sites(compose).items():
+    """A start-up mistake exits 2 and would again on every restart: a site (or the
+    coordinator) restarts a few times at most (on-failure:N, never `always` or
+    `unless-stopped`), so its last log line, the reason, stays readable instead of
+    scrolling by forever."""
+    for name, service in {**_sites(compose), COORDINATOR: compose[COORDINATOR]}.items():
         policy, _, tries = service["restart"].partition(":")
         assert policy == "on-failure" and 1 <= int(tries) <= 5, f"{name}: {service['restart']}"
