@@ -127,6 +127,9 @@ class OverlapGossip(GossipProtocol):
         self.done = False
         self.step_s: float | None = None  # moving average of step time
         self._last_step_at: float | None = None
+        # A pull of this core ended at the coming boundary: the trainer may have waited
+        # for it inside this step, which is no step time (see _stepped).
+        self._pull_ended_in_step = False
         self.period: _Period | None = None
         # Who picked the last period's peer: the coordinator, or this node alone.
         self.scheduling = "coordinator" if common.coordinator else "decentralized"
@@ -186,11 +189,17 @@ class OverlapGossip(GossipProtocol):
             self.scheduler.remove(gone)
 
     def _stepped(self, step: int, time_s: float) -> list[Action]:
-        if self._last_step_at is not None:
+        # A step whose boundary ended a pull is left out of the average: its time holds
+        # the trainer's wait for that pull. Counted, a wait W would predict the next
+        # period's end T·smoothing·W late, so its pull would start that much too late and
+        # the next wait grow: past T·smoothing > 1 the trainer ends up waiting a whole
+        # transfer every period (tests/test_overlap.py, the closed loop).
+        if self._last_step_at is not None and not self._pull_ended_in_step:
             took = max(time_s - self._last_step_at, 0.0)
             a = self.step_time_smoothing
             self.step_s = took if self.step_s is None else (1 - a) * self.step_s + a * took
         self._last_step_at = time_s
+        self._pull_ended_in_step = False
         self.step = step
         period = self.period
         if period is not None and period.peer is None and step >= period.due_step:
@@ -255,6 +264,7 @@ class OverlapGossip(GossipProtocol):
         period = self.period
         if period is None or (period.peer, period.round) != (peer, round_):
             return []
+        self._pull_ended_in_step = True
         actions: list[Action] = []
         if period.via_coordinator:
             actions.append(ReportTransfer(peer, transfer_s))
