@@ -275,9 +275,7 @@ def test_a_hurry_sent_right_behind_its_pull_is_not_lost() -> None:
         _wait_until(lambda: a.replica.events.pending() > 0, "the pull's outcome")
 
 
-def test_a_peer_pulled_by_two_at_once_serves_one_and_the_other_re_picks_without_suspecting_it() -> (
-    None
-):
+def test_a_peer_pulled_by_two_serves_one_and_the_other_re_picks_suspecting_nobody() -> None:
     """n0 and n2 pull n1 at the same time: n1 serves n0 (its snapshot waits while the
     test holds n1's lock, as a trainer inside a long step would), and answers n2 Busy
     at once; n2 re-picks n0 within the same period. A busy peer answered: nobody counts
