@@ -259,25 +259,27 @@ class Replica:
                 self.started_s = self.clock()
             report = StepReport(self.steps)
             self.drain(report)
-            ended = not self._due_now() and self._end_step(report)
-        if not ended:
-            self._wait_for_due(report)
-            with self.lock, self.core_lock:
-                ended = self._end_step(report)
-        if not ended:
-            self._wait_for_due(report)
-            with self.lock, self.core_lock:
+            told = not self._due_now()  # the core hears of the step once nothing is due
+            if told:
+                self._end_step(report)
+                if not self._due_now():
+                    self._publish()
+                    return report
+        self._wait_for_due(report)  # for what was due, or what the core asked due at once
+        with self.lock, self.core_lock:
+            if not told:
+                self._end_step(report)
+            if told or not self._due_now():
                 self._publish()
+                return report
+        self._wait_for_due(report)
+        with self.lock, self.core_lock:
+            self._publish()
         return report
 
-    def _end_step(self, report: StepReport) -> bool:
-        """Tell the core the step ended; False if it asked for a pull due at once."""
+    def _end_step(self, report: StepReport) -> None:
         for push in self._handle(StepEnded(self.steps, self.clock())):
             report.started_push_to = push.peer
-        if self._due_now():
-            return False
-        self._publish()
-        return True
 
     def _publish(self) -> None:
         before, self.summary = self.summary, Summary.of(self)
@@ -339,12 +341,17 @@ class Replica:
             return report
 
     def settled(self) -> bool:
-        """Nothing of this replica's is in flight, waiting in its queues, or due to fire."""
+        """Nothing of this replica's is in flight, waiting in its queues, or due to fire.
+
+        A pull that landed and waits for the step it merges at is settled while training
+        goes on (it waits for the trainer, not the network); once training ended it
+        merges at the next boundary and must have.
+        """
         with self.lock, self.core_lock:
             return not (
                 self._outstanding
                 or self._pulls_out
-                or self._held
+                or (self._held and self.training_done)
                 or self._timers
                 or self.inbox.pending()
                 or self.events.pending()
@@ -392,6 +399,8 @@ class Replica:
                 self.settle_push(out, acks, error, report)
             case PullOutcome(out=out):
                 self._due.pop(id(out), None)
+                if out.adopted is None:
+                    self._pulls_out -= 1  # landed (or failed); a held one merges later
                 if not self.training_done and _due_step(event) > self.steps:
                     self._held.append(event)  # landed early: merge at its step's boundary
                 else:
@@ -574,7 +583,6 @@ class Replica:
         if out.adopted is not None:
             _resolve(out.adopted, lambda: self._adopt(pull.peer, pulled, error))
             return
-        self._pulls_out -= 1
         if pulled is not None and error is None:
             arrival = PullArrived(
                 pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
