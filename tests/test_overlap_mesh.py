@@ -1,7 +1,8 @@
 """Scheduled overlap on real processes with a local coordinator, which dies and comes back.
 
-Three `gossipd node` processes train digits with the overlap protocol while a real
-`gossipd coordinator` schedules their pulls over mutual TLS. The coordinator is
+Three `gossipd node` processes train digits with the overlap protocol, started before
+their coordinator is: they train, scheduling alone, through their seeds. Then a real
+`gossipd coordinator` comes up and schedules their pulls over mutual TLS. It is
 killed (SIGKILL) mid-run: every node must keep stepping (counted from status, not
 timed) and schedule its pulls alone; restarted on its data dir, it must have every
 node registered again and scheduling through it. Every node ends at ≥ 0.90 test
@@ -53,11 +54,16 @@ def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path:
         eval_every_steps=100,
     )
     with LocalMesh(spec, tmp_path) as mesh:
-        mesh.start_coordinator()
-        for i in range(NODES):
+        for i in range(NODES):  # started while their coordinator is not up yet
             mesh.start(i)
         asyncio.run(mesh.wait_ready())
+        _wait_statuses(
+            mesh,
+            lambda ss: all(s["scheduling"] == "decentralized" and s["step"] > 100 for s in ss),
+            "every node training with no coordinator, found through its seeds",
+        )
 
+        mesh.start_coordinator()
         _wait_statuses(
             mesh,
             lambda ss: all(s["scheduling"] == "coordinator" and s["step"] > 0 for s in ss),
