@@ -30,7 +30,7 @@ only the puller, so the mixing is row- but not column-stochastic and the mesh's
 mean moves a little at each merge; there is no weight to conserve or lose, a lost
 or refused pull simply merges nothing, and the scheduler's fair queue makes every
 node a source equally often, so no node's model counts more than another's over
-time (the paper's argument; ``tests/test_overlap.py`` checks consensus).
+time (the paper's argument; ``tests/test_overlap_loops.py`` checks consensus).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class OverlapGossip(GossipProtocol):
         # the trainer's wait for that pull. Counted, a wait W would predict the next
         # period's end T·smoothing·W late, so its pull would start that much too late and
         # the next wait grow: past T·smoothing > 1 the trainer ends up waiting a whole
-        # transfer every period (tests/test_overlap.py, the closed loop).
+        # transfer every period (tests/test_overlap_loops.py, the closed loop).
         if self._last_step_at is not None and not self._pull_ended_in_step:
             took = max(time_s - self._last_step_at, 0.0)
             a = self.step_time_smoothing
