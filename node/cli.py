@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import signal
@@ -232,9 +233,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from gossipd.bench import transport
-
-    return transport.main(args.extra)
+    return importlib.import_module(f"gossipd.bench.{args.bench_command}").main(args.extra)
 
 
 def _certs_init(args: argparse.Namespace) -> int:
@@ -540,6 +539,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
         "transport",
         help="gossipd vs raw TCP vs gloo goodput; see gossipd bench transport --help",
+        add_help=False,
+    )
+    p.set_defaults(func=_bench, takes_extra=True)
+    p = bench_sub.add_parser(
+        "overlap",
+        help="scheduled overlap's wait and accuracy, simulator and real processes; see gossipd "
+        "bench overlap --help",
         add_help=False,
     )
     p.set_defaults(func=_bench, takes_extra=True)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from gossipd.bench import overlap as bench_overlap
 from gossipd.bench import protocols as bench_protocols
 from gossipd.bench import shaping as bench_shaping
 from gossipd.bench import transport as bench_transport
@@ -41,6 +42,7 @@ def _all_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
         ("gossipd bench transport (its own parser)", bench_transport.build_parser()),
         ("python -m gossipd.bench.protocols", bench_protocols.build_parser()),
         ("python -m gossipd.bench.shaping", bench_shaping.build_parser()),
+        ("gossipd bench overlap (its own parser)", bench_overlap.build_parser()),
     ]
 
 

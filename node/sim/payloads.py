@@ -124,6 +124,7 @@ class DigitsPayload:
         seed: int,
         learning_rate: float | None,
         options: dict[str, object] | None = None,
+        wire_bytes: int = 0,
     ) -> None:
         import torch
 
@@ -157,6 +158,9 @@ class DigitsPayload:
         plan = self.flats[0].plan
         self.num_segments = len(plan)
         self.segment_nbytes = [seg.nbytes for seg in plan.segments]
+        if wire_bytes:  # the wire sees a model of wire_bytes, cut as the MLP is
+            own = sum(self.segment_nbytes)
+            self.segment_nbytes = [max(1, wire_bytes * n // own) for n in self.segment_nbytes]
 
     def add_node(self, index: int, bootstrap_from: int | None) -> None:
         self._make(index)
@@ -203,5 +207,12 @@ def make_payload(spec: SimSpec, capacity: int) -> Payload:
             payload.start_from(np.array(spec.initial, dtype=np.float64))
         return payload
     if spec.payload == "digits":
-        return DigitsPayload(spec.nodes, capacity, spec.segments, spec.seed, spec.learning_rate)
+        return DigitsPayload(
+            spec.nodes,
+            capacity,
+            spec.segments,
+            spec.seed,
+            spec.learning_rate,
+            wire_bytes=spec.model_bytes,
+        )
     raise GossipdError(f"payload must be 'vector' or 'digits', got {spec.payload!r}")
