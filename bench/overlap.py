@@ -94,6 +94,7 @@ def plot(rows: list[dict[str, Any]], settings: SimSettings, path: Path) -> Path:
     fasts = list(settings.fast_counts)
     labels = [label for label, _, _ in MODES]
     fig, axes = plt.subplots(2, len(fasts), figsize=(5 * len(fasts), 7.5), squeeze=False)
+    top_wait = 105 * max(max(r["wait_mean"] for r in rows), GOAL_WAIT)  # one scale for all
     for col, fast in enumerate(fasts):
         mine = {r["mode"]: r for r in rows if r["fast_nodes"] == fast}
         ax = axes[0][col]
@@ -114,6 +115,7 @@ def plot(rows: list[dict[str, Any]], settings: SimSettings, path: Path) -> Path:
         bars.set_xticks(range(len(labels)))
         bars.set_xticklabels([label.replace(", ", "\n").replace("+", "\n+") for label in labels])
         bars.set_ylabel("trainer wait, % of time")
+        bars.set_ylim(0, top_wait)
         bars.grid(alpha=0.3, axis="y")
         bars.legend(fontsize=8)
     fig.suptitle(
