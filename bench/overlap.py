@@ -189,9 +189,9 @@ def run_real_part(args: argparse.Namespace, out: IO[str]) -> tuple[MeshSettings,
     settings = MeshSettings(budget_s=15.0 if args.quick else args.real_budget_s)
     print(f"real processes: {settings.describe()}", file=out, flush=True)
     rows = []
-    for seed, (label, mode, coordinator) in enumerate(MODES):
+    for label, mode, coordinator in MODES:
         load = os.getloadavg()[0]
-        row = {"mode": label, "load_average": load, **run_mode(settings, mode, coordinator, seed)}
+        row = {"mode": label, "load_average": load, **run_mode(settings, mode, coordinator)}
         print(
             f"  {label}: wait {_pct(row['wait_mean'])}, accuracy {row['accuracy_mean']:.4f}, "
             f"{row['wall_s']:.0f} s",

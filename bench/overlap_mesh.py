@@ -37,7 +37,8 @@ class _PacedDigits:
     def __init__(self, spec: JobSpec) -> None:
         options = dict(spec.options)
         compute_s = options.pop("compute_s", 0.1)
-        if not isinstance(compute_s, int | float) or not 0.0 <= compute_s <= 10.0:
+        number = isinstance(compute_s, int | float) and not isinstance(compute_s, bool)
+        if not number or not 0.0 <= compute_s <= 10.0:
             raise JobError(
                 f"job {spec.name!r} option 'compute_s' must be a number of seconds in [0, 10], "
                 f"got {compute_s!r}"
@@ -85,6 +86,7 @@ class MeshSettings:
     latency_ms: float = 150.0
     rate_mbit: float = 2.0
     learning_rate: float = 0.02
+    seed: int = 0  # the same for every mode: the same initial models and batches
 
     def describe(self) -> str:
         return (
@@ -95,7 +97,7 @@ class MeshSettings:
         )
 
 
-def run_mode(settings: MeshSettings, mode: str, coordinator: bool, seed: int) -> dict[str, Any]:
+def run_mode(settings: MeshSettings, mode: str, coordinator: bool) -> dict[str, Any]:
     """One mesh in ``mode`` for ``settings.budget_s``: per node and mean wait and accuracy."""
     spec = MeshSpec(
         nodes=settings.nodes,
@@ -110,7 +112,7 @@ def run_mode(settings: MeshSettings, mode: str, coordinator: bool, seed: int) ->
         * settings.nodes,
         eval_every_steps=50,
         sample_interval_s=5.0,
-        seed=seed,
+        seed=settings.seed,
         quiet=True,
     )
     result = run_mesh(spec, progress=io.StringIO())

@@ -73,3 +73,22 @@ def test_every_mode_learns_and_draws_the_models_together(table: dict) -> None:
         assert (
             len(row["accuracy"]) == len(row["times_s"]) == table["sim"]["settings"]["periods"] + 1
         )
+
+
+def test_the_paced_job_trains_digits_and_refuses_a_bad_compute_time() -> None:
+    """The real part's plugin job, as a daemon builds it: a real digits step (the
+    model moves), and a ``compute_s`` that is no number of seconds refused by name."""
+    import torch
+
+    from gossipd.bench.overlap_mesh import JOB
+    from gossipd.node.errors import JobError
+    from gossipd.node.jobs import JobSpec, build_job
+
+    job = build_job(JobSpec(JOB, seed=3, options={"compute_s": 0.0, "model": "mlp"}))
+    before = [p.detach().clone() for p in job.model.parameters()]
+    assert torch.isfinite(torch.tensor(job.train_step()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, job.model.parameters(), strict=True))
+    assert 0.0 <= job.evaluate()["test_accuracy"] <= 1.0
+    for bad in (-1.0, 11, "fast", True):
+        with pytest.raises(JobError, match="compute_s"):
+            build_job(JobSpec(JOB, options={"compute_s": bad}))
