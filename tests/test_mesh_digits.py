@@ -1,4 +1,8 @@
-"""Four real daemons on loopback train digits together through `gossipd mesh up`."""
+"""Three real daemons on loopback train digits together through `gossipd mesh up`.
+
+Counted in steps, not seconds (1,000 each): a loaded machine trains as far, only
+slower; at 15 s per protocol the six runs took 4.6 minutes of the suite.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ import pytest
 
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
 
+NODES = 3
+
 
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
+def test_three_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     tmp_path: Path, protocol: str
 ) -> None:
     plot = tmp_path / "mesh.png"
@@ -26,13 +32,15 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
             "mesh",
             "up",
             "--nodes",
-            "4",
+            str(NODES),
             "--job",
             "digits",
             "--protocol",
             protocol,
             "--duration-s",
-            "15",
+            "0",
+            "--max-steps",
+            "1000",
             "--workdir",
             str(tmp_path / "mesh"),
             "--plot",
@@ -45,7 +53,7 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(result["nodes"]) == 4
+    assert len(result["nodes"]) == NODES
     assert result["protocol"] == protocol
     for node in result["nodes"]:
         assert node["test_accuracy"] >= 0.90, node
@@ -55,14 +63,14 @@ def test_four_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     if keeps_weights(protocol):
         # Nothing was lost or created: every push was acknowledged before it was committed.
         assert abs(result["sum_weight_end"] - result["sum_weight_start"]) < 1e-9, result
-        assert result["sum_weight_start"] == 4.0
+        assert result["sum_weight_start"] == float(NODES)
     else:  # a pull protocol: no weights; it reports how long its trainer waited for pulls
         assert all(0.0 <= n["wait_fraction"] < 1.0 for n in result["nodes"]), result
         assert all(n["scheduling"] == "decentralized" for n in result["nodes"]), result
-    assert result["exit_codes"] == [0, 0, 0, 0]
+    assert result["exit_codes"] == [0] * NODES
     assert plot.stat().st_size > 10_000
     # Each daemon left a final checkpoint and a history of evaluations.
-    for i in range(4):
+    for i in range(NODES):
         node_dir = tmp_path / "mesh" / f"node-{i}"
         assert (node_dir / "checkpoint.pt").exists()
         assert (node_dir / "history.jsonl").read_text().strip()
