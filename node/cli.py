@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import json
 import logging
@@ -12,10 +11,9 @@ import signal
 import sys
 from pathlib import Path
 
+from gossipd.node.cli_mesh import add_mesh_commands
 from gossipd.node.corelog import CoreLog
 from gossipd.node.errors import GossipdError
-from gossipd.node.joboptions import parse_job_options
-from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
 from gossipd.node.sim.command import add_arguments as add_sim_arguments
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -95,90 +93,6 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
         )
         code = 1
     return code
-
-
-def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
-    from gossipd.node.mesh import MeshSpec
-
-    fields = {
-        "nodes": args.nodes,
-        "job": args.job,
-        "protocol": args.protocol,
-        "round_steps": args.round_steps,
-        "insecure": args.insecure,
-        "duration_s": args.duration_s,
-        "max_steps": args.max_steps,
-        "push_probability": args.push_probability,
-        "codec": args.codec,
-        "learning_rate": args.learning_rate,
-        "workdir": Path(args.workdir) if args.workdir else None,
-        "plot_path": Path(args.plot) if args.plot else None,
-        "seed": args.seed,
-        "quiet": args.json,
-        "job_options": parse_job_options(args.job_option),
-        "coordinator": args.coordinator == "local",
-        "protocol_options": _overlap_options(args),
-    }
-    fields.update(overrides)
-    return MeshSpec(**fields)  # type: ignore[arg-type]
-
-
-def _overlap_options(args: argparse.Namespace) -> dict[str, object]:
-    options = {"mode": args.overlap_mode, "period_steps": args.period_steps}
-    given = {k: v for k, v in options.items() if v is not None}
-    if given and args.protocol != "overlap":
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
-        raise GossipdError(f"{flags}: only for --protocol overlap, not {args.protocol}")
-    return given
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    # Said before the heavy imports (torch takes seconds to load on a busy machine).
-    print(
-        f"gossipd: loading PyTorch to start {args.nodes} nodes twice: each site alone "
-        "(no gossip), then the same sites with gossip...",
-        file=sys.stderr if args.json else sys.stdout,
-        flush=True,
-    )
-    from gossipd.node.demo import demo_job_options, print_demo, run_demo
-
-    options = demo_job_options(args.job, parse_job_options(args.job_option))
-    with contextlib.ExitStack() as stack:
-        broker = None
-        if args.discovery == "mqtt":
-            from gossipd.node.broker import EmbeddedBroker
-
-            broker = stack.enter_context(EmbeddedBroker()).address
-            print(
-                f"gossipd: the sites have no seeds; they find each other through an MQTT "
-                f"broker (amqtt) started in this process on {broker}",
-                file=sys.stderr if args.json else sys.stdout,
-                flush=True,
-            )
-        spec = _mesh_spec(args, job_options=options, mqtt_broker=broker)
-        result = run_demo(spec)  # type: ignore[arg-type]
-    print_demo(result, file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result))
-    return 0 if result["ok"] else 1
-
-
-def _run_mesh(args: argparse.Namespace) -> int:
-    # Said before the heavy imports (torch takes seconds to load on a busy machine).
-    print(
-        f"gossipd: loading PyTorch to start {args.nodes} nodes...",
-        file=sys.stderr if args.json else sys.stdout,
-        flush=True,
-    )
-    from gossipd.node.launcher import print_table, run_mesh
-    from gossipd.node.shaping import link_tables
-
-    link = link_tables(args.nodes, latency_ms=args.link_latency_ms, rate_mbit=args.link_rate_mbit)
-    result = run_mesh(_mesh_spec(args, link=link))  # type: ignore[arg-type]
-    print_table(result, file=sys.stderr if args.json else sys.stdout)
-    if args.json:
-        print(json.dumps(result))
-    return 0 if result["ok"] else 1
 
 
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
@@ -315,120 +229,6 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=nodes,
-        help="daemons to start, at least 2 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--job",
-        default=job,
-        help="training job of every node: digits, synthetic or module:factory "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--protocol",
-        default=DEFAULT_PROTOCOL,
-        choices=sorted(PROTOCOLS),
-        help="gossip protocol of every node (default: %(default)s)",
-    )
-    p.add_argument(
-        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
-    )
-    p.add_argument(
-        "--coordinator",
-        choices=("none", "local"),
-        default="none",
-        help="local: start a gossipd coordinator beside the nodes (it schedules the overlap "
-        "protocol's pulls; a node that loses it schedules alone); none: decentralized "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--overlap-mode",
-        choices=("scheduled", "naive", "none"),
-        default=None,
-        help="overlap protocol: when a pull starts (scheduled: to land as the period ends; "
-        "naive: at its start; none: after it) (default: the protocol's, scheduled)",
-    )
-    p.add_argument(
-        "--period-steps",
-        type=int,
-        default=None,
-        help="overlap protocol: local steps between averages, T (default: the protocol's, 16)",
-    )
-    p.add_argument(
-        "--duration-s",
-        type=float,
-        default=duration_s,
-        help="seconds each node trains once all are in touch; 0: until --max-steps "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=0,
-        help="stop each node after this many steps; 0: no limit (default: %(default)s)",
-    )
-    p.add_argument(
-        "--push-probability",
-        type=float,
-        default=None,
-        help="sumweight: chance of a push per step (default: the config's, 0.5)",
-    )
-    p.add_argument(
-        "--codec",
-        default="raw",
-        choices=["raw", "fp16", "bf16"],
-        help="how segments travel: raw float32, or halved to fp16 or bf16 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--learning-rate",
-        type=float,
-        default=None,
-        help="SGD learning rate of every node (default: the job's own)",
-    )
-    p.add_argument(
-        "--job-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the job, as in a node's [job.options] table, repeatable, e.g. "
-        "--job-option model=cnn; the value is a TOML scalar, a bare word a string "
-        "(default: none for mesh up, partition=by_label for demo with job digits)",
-    )
-    p.add_argument(
-        "--workdir",
-        default=None,
-        help="keep configs, node state, logs and certificates here "
-        "(default: a temporary directory, removed at the end)",
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="write a PNG of loss, test accuracy and consensus distance over time "
-        "(default: none for mesh up, gossipd-demo.png for demo)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of node 0's job; node i uses seed + i (default: %(default)s)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="plaintext gRPC (default: a throwaway CA in the work dir and mutual TLS)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object as the last stdout line; progress and table go to stderr "
-        "(default: progress and table on stdout)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gossipd", description=__doc__)
     parser.add_argument(
@@ -455,47 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_run_node)
 
-    mesh = sub.add_parser("mesh", help="local multi-process meshes")
-    mesh_sub = mesh.add_subparsers(dest="mesh_command", required=True)
-    p = mesh_sub.add_parser(
-        "up",
-        help="spawn N daemons on loopback, train, report, stop",
-        description="Spawn N gossipd daemons on loopback, train, print progress and a "
-        "per-node table, stop them.",
-    )
-    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
-    p.add_argument(
-        "--link-latency-ms",
-        metavar="MS[,MS...]",
-        help="test/benchmark knob: [link] latency_ms of every node, or one value per node "
-        "separated by commas (default: none)",
-    )
-    p.add_argument(
-        "--link-rate-mbit",
-        metavar="MBIT[,MBIT...]",
-        help="test/benchmark knob: [link] rate_mbit (send-rate cap) of every node, or one "
-        "value per node separated by commas (default: no cap)",
-    )
-    p.set_defaults(func=_run_mesh)
-
-    p = sub.add_parser(
-        "demo",
-        help="4 digits sites with skewed data, alone then with gossip, about two minutes, plot",
-        description="Four daemons on loopback train an MLP on scikit-learn's bundled digits "
-        "(nothing is downloaded), each on about three of the ten classes (partition "
-        "by_label): first each site alone (sumweight with push_probability 0), then the same "
-        "sites with gossip, 30 s each; prints progress, each site's final accuracy alone and "
-        "with gossip, and writes gossipd-demo.png with both runs.",
-    )
-    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
-    p.add_argument(
-        "--discovery",
-        choices=("seeds", "mqtt"),
-        default="seeds",
-        help="how the sites find each other: seeds (each is given the others' addresses) or "
-        "mqtt (no seeds; an MQTT broker started in this process) (default: %(default)s)",
-    )
-    p.set_defaults(func=_run_demo, plot_default="gossipd-demo.png")
+    add_mesh_commands(sub)
 
     p = sub.add_parser(
         "status",
