@@ -27,6 +27,7 @@ What is modelled and what is not:
 
 What a crash destroys and what a fold-back after a merge creates is booked in
 a :class:`~gossipd.node.sim.accounting.MassBook`, so the totals must always add up.
+Pulls and the coordinator's answers are carried out in :mod:`gossipd.node.sim.pulls`.
 """
 
 from __future__ import annotations
@@ -51,11 +52,7 @@ from gossipd.node.protocols.base import (
     Merge,
     PayloadArrived,
     PayloadMerged,
-    PeerGranted,
     Pull,
-    PullArrived,
-    PullFailed,
-    PullMerged,
     Push,
     PushSettled,
     Refused,
@@ -65,9 +62,10 @@ from gossipd.node.protocols.base import (
     TimerFired,
     ViewChanged,
 )
-from gossipd.node.scheduler import Scheduler, SchedulerError
+from gossipd.node.scheduler import Scheduler
 from gossipd.node.sim.accounting import MassBook
 from gossipd.node.sim.payloads import Payload, VectorPayload, make_payload
+from gossipd.node.sim.pulls import PullSide
 from gossipd.node.sim.spec import Flight, SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
 
@@ -89,7 +87,7 @@ class SimError(GossipdError):
     """A core asked for something the simulator does not carry out."""
 
 
-class Simulation:
+class Simulation(PullSide):
     """One run: build it from a :class:`SimSpec`, call :meth:`run` once."""
 
     def __init__(
@@ -238,40 +236,6 @@ class Simulation:
         else:
             self._at(self.now + self._step_time(node), self._step, node)
 
-    # -- pulls due at a step's boundary (as the replica: held early, waited for late) ------
-    def _due_now(self, node: SimNode) -> bool:
-        return any(step <= node.steps for step, _ in node.due.values())
-
-    def _wait(self, node: SimNode, *, ended: bool) -> None:
-        """The trainer stops at this boundary; a due pull still waiting for its start time
-        starts now (the steps ended sooner than predicted)."""
-        node.waiting = (self.now, ended)
-        for entry in list(node.due.values()):
-            step, pull = entry
-            if step <= node.steps and pull is not None:
-                entry[1] = None  # started: its own start time does nothing later
-                self._pull(node, pull)
-
-    def _pull_done(self, node: SimNode) -> None:
-        """A due pull merged or failed: a waiting trainer goes on once none is due."""
-        self._release_held(node)
-        if node.waiting is None or self._due_now(node) or not node.alive:
-            return
-        since, ended = node.waiting
-        node.waiting = None
-        node.wait_s += self.now - since
-        if ended:
-            self._at(self.now + self._step_time(node), self._step, node)
-        else:
-            self._end_step(node)
-
-    def _release_held(self, node: SimNode) -> None:
-        ready = [h for h in node.held if h[0] <= node.steps]
-        if ready:
-            node.held = [h for h in node.held if h not in ready]
-            for _, arrival, values, rows in ready:
-                self._merge_pull(node, arrival, values, rows)
-
     def _act(self, node: SimNode, actions: list[Action]) -> None:
         pushes = [a for a in actions if isinstance(a, Push)]
         if pushes:
@@ -282,41 +246,16 @@ class Simulation:
             if isinstance(action, StartTimer):
                 self._at(action.at_s, self._timer, node, action.tag)
             elif isinstance(action, Pull):
-                if action.merge_at_step is not None:
-                    node.due[(action.peer, action.round)] = [action.merge_at_step, action]
-                self._at(action.at_s, self._pull_at, node, action)
+                self._plan_pull(node, action)
             elif isinstance(action, AskPeer):
                 self._ask(node, action)
             elif isinstance(action, ReportTransfer):
-                if self.coordinator is not None:
-                    with contextlib.suppress(SchedulerError):  # a lease that ran out
-                        self.coordinator.report(node.id, action.peer, action.transfer_s)
+                self._report(node, action)
             else:
                 raise SimError(
                     f"protocol {self.spec.protocol} answered with {action!r} outside a payload "
                     "or a settle; the simulator cannot carry it out"
                 )
-
-    def _ask(self, node: SimNode, ask: AskPeer) -> None:
-        """The coordinator's answer, as the daemon's loop gives it: a peer and a start,
-        none free, or an error (then the core schedules alone)."""
-        granted = PeerGranted(ask.round, None, self.now, "the simulation has no coordinator")
-        if self.coordinator is not None:
-            try:
-                grant = self.coordinator.start_time(node.id, ask.end_s, self.now)
-            except SchedulerError as err:
-                granted = PeerGranted(ask.round, None, self.now, str(err))
-            else:
-                granted = PeerGranted(
-                    ask.round,
-                    grant.peer if grant else None,
-                    grant.start_s if grant else self.now,
-                )
-        self._at(self.now, self._granted, node, granted)
-
-    def _granted(self, node: SimNode, granted: PeerGranted) -> None:
-        if not self.stopped and node.alive:
-            self._act(node, node.core.handle(granted))
 
     def _timer(self, node: SimNode, tag: str) -> None:
         if not self.stopped and node.alive:
@@ -424,93 +363,6 @@ class Simulation:
                 self._act(sender, [action])
         if sender.leaving and not sender.flights:
             self._finish_leaving(sender)
-
-    # -- pulls ----------------------------------------------------------------------------
-    def _pull_at(self, node: SimNode, pull: Pull) -> None:
-        """A pull's start time came; one the trainer hurried has started already."""
-        if pull.merge_at_step is not None:
-            entry = node.due.get((pull.peer, pull.round))
-            if entry is None or entry[1] is None:
-                return
-            entry[1] = None
-        self._pull(node, pull)
-
-    def _pull(self, node: SimNode, pull: Pull) -> None:
-        """Fetch ``pull.segments`` of a peer's model: request there, model back, merge whole."""
-        if self.stopped or not node.alive:
-            return
-        peer = self.by_id.get(pull.peer)
-        latency = self._link(node, peer)[0] if peer is not None else 0.0
-        if peer is None or not peer.alive:
-            failed = PullFailed(pull.peer, pull.round, "peer is not alive")
-            self._at(self.now + self.scenario.timeout_s, self._pull_failed, node, failed)
-            return
-        self._at(self.now + latency, self._serve_pull, node, peer, pull, self.now)
-
-    def _serve_pull(self, node: SimNode, peer: SimNode, pull: Pull, started_s: float) -> None:
-        if not peer.alive:
-            failed = PullFailed(peer.id, pull.round, "peer died before serving the pull")
-            self._at(self.now + self.scenario.timeout_s, self._pull_failed, node, failed)
-            return
-        latency, bandwidth = self._link(peer, node)
-        one_at_a_time = pull.round > 0 and getattr(peer.core, "serves_one_pull", False)
-        if one_at_a_time and peer.serving:
-            busy = PullFailed(peer.id, pull.round, f"{peer.id} is serving a pull already")
-            self._at(self.now + latency, self._pull_failed, node, busy)
-            return
-        values = self.payload.snapshot(peer.index, pull.segments)
-        rows = self.tracker.snapshot(peer.index, pull.segments) if self.tracker else None
-        weights = peer.core.status().weights
-        nbytes = sum(self.payload.segment_nbytes[s] for s in pull.segments)
-        self.messages += 1
-        self.bytes_sent += nbytes
-        arrived_s = self.now + latency + nbytes / bandwidth
-        if one_at_a_time:
-            peer.serving += 1
-            self._at(arrived_s, self._served, peer)
-        arrival = PullArrived(
-            peer.id,
-            pull.round,
-            {s: weights[s] if weights else 0.0 for s in pull.segments},
-            nbytes,
-            arrived_s - started_s,
-        )
-        self._at(arrived_s, self._pulled, node, arrival, values, rows)
-
-    def _served(self, peer: SimNode) -> None:
-        peer.serving -= 1
-
-    def _pulled(self, node: SimNode, arrival: PullArrived, values: dict, rows: dict | None) -> None:
-        if not node.alive:
-            return
-        entry = node.due.pop((arrival.peer, arrival.round), None)
-        if entry is not None and entry[0] > node.steps:
-            node.held.append((entry[0], arrival, values, rows))  # merges at its step's end
-            return
-        self._merge_pull(node, arrival, values, rows)
-        self._pull_done(node)
-
-    def _merge_pull(
-        self, node: SimNode, arrival: PullArrived, values: dict, rows: dict | None
-    ) -> None:
-        try:
-            plan = node.core.handle(arrival)
-        except Refused as err:
-            self.refused += 1  # as the replica: the core hears that the pull failed
-            self._act(node, node.core.handle(PullFailed(arrival.peer, arrival.round, str(err))))
-            return
-        for m in plan:
-            if isinstance(m, Merge):
-                self.payload.blend(node.index, m.segment, values[m.segment], m.alpha)
-                if rows is not None and self.tracker is not None:
-                    self.tracker.blend(node.index, m.segment, rows[m.segment], m.alpha)
-        self._act(node, node.core.handle(PullMerged(arrival)))
-
-    def _pull_failed(self, node: SimNode, failed: PullFailed) -> None:
-        node.due.pop((failed.peer, failed.round), None)
-        if node.alive:
-            self._act(node, node.core.handle(failed))
-            self._pull_done(node)
 
     # -- faults ---------------------------------------------------------------------------
     def _fault(self, entry: Any) -> None:
