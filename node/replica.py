@@ -17,7 +17,6 @@ Each :meth:`Replica.step` returns a :class:`~gossipd.node.report.StepReport`.
 from __future__ import annotations
 
 import concurrent.futures
-import heapq
 import logging
 import threading
 import time
@@ -27,14 +26,11 @@ from typing import Any
 import torch
 
 from gossipd.node.config import NodeConfig
-from gossipd.node.errors import (
-    GossipdError,
-    InvalidFrame,
-    NonFinitePayload,
-    PayloadOutOfBounds,
-    WeightOverCap,
-)
+from gossipd.node.dispatch import Dispatcher
+from gossipd.node.duepulls import DuePulls
+from gossipd.node.errors import InvalidFrame, NonFinitePayload, PayloadOutOfBounds
 from gossipd.node.fairlock import FairLock
+from gossipd.node.merging import Merger
 from gossipd.node.messages import (
     Ack,
     Barrier,
@@ -54,49 +50,23 @@ from gossipd.node.messages import (
     Rejected,
     ViewChange,
 )
-from gossipd.node.messages import (
-    Event as LoopEvent,
-)
+from gossipd.node.messages import Event as LoopEvent
 from gossipd.node.payload_bound import PayloadBound
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
-    Action,
-    AskPeer,
-    Duplicate,
     Event,
-    FoldBack,
     GossipProtocol,
     HandOff,
-    Merge,
-    PayloadArrived,
-    PayloadMerged,
     PeerGranted,
     PeerRestarted,
-    Pull,
-    PullArrived,
-    PullFailed,
-    PullMerged,
     Push,
     PushSettled,
-    Refused,
-    ReportTransfer,
-    StartTimer,
     StepEnded,
-    TimerFired,
     TrainingEnded,
     ViewChanged,
-    WeightCapExceeded,
     shared_seed,
 )
-from gossipd.node.report import (
-    MergeRecord,
-    PullRecord,
-    PushRecord,
-    Rejection,
-    StepReport,
-    Summary,
-    log_sinks,
-)
+from gossipd.node.report import PushRecord, Rejection, StepReport, Summary, log_sinks
 from gossipd.node.segments import FlatModel
 
 # Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
@@ -127,32 +97,26 @@ class Replica:
         max_wait_s: float = 60.0,
     ) -> None:
         """``bound``: what a payload may do to the model (the config's defaults if None);
-        ``max_wait_s``: the
-        longest the trainer waits at a step boundary for a pull due there (the pull's
-        own deadlines end it sooner; this only guards against a driver bug)."""
+        ``max_wait_s``: the longest the trainer waits at a step boundary for a pull due
+        there (the pull's own deadlines end it sooner; this only guards against a driver bug)."""
         self.flat = FlatModel(model, segment_bytes)
         self.bound = bound or PayloadBound()
         self.core: GossipProtocol = build(
             protocol,
             CoreSettings(node_id, len(self.flat.plan), **(settings or {})),
         )
+        self.merger = Merger(self.core, self.flat, self.bound)
         self.inbox = Inbox(inbox_size)
         self.events = EventQueue(EVENT_QUEUE_SIZE)
-        self.port: LoopPort = Detached(self.events)
         self.clock = clock
         self.steps = 0
         self.last_loss = float("nan")
         self.training_done = False
-        self._outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
-        self._pulls_out = 0  # pulls started, not yet merged or failed
         # Pulls to merge at a given step's boundary: those still out (the trainer waits
         # for them there), and those that landed early (held until then).
-        self._due: dict[int, tuple[OutboundPull, int]] = {}  # id(out) -> (out, step)
-        self._held: list[PullOutcome] = []
-        self.max_wait_s = max_wait_s
-        self.wait_s = 0.0  # time the trainer spent waiting for due pulls
-        self.started_s: float | None = None  # the first step's end (wall time counts from it)
-        self._timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
+        self.due_pulls = DuePulls(clock, max_wait_s)
+        # What the core sends out, and what of it is in flight.
+        self.dispatch = Dispatcher(self.core, self.flat, self.due_pulls, Detached(self.events))
         # Held by whoever reads or writes parameters: the trainer while stepping,
         # the loop while snapshotting for PullModel or checkpoints.
         self.lock = FairLock()
@@ -160,7 +124,6 @@ class Replica:
         # step boundaries (inside ``lock``), and a timer that fires mid-step (alone:
         # it must not wait for the step, and it writes no parameter).
         self.core_lock = threading.RLock()
-        self._deferred: list[Push] = []  # made by a timer mid-step, sent at the boundary
         self.pushes_acked = 0
         self.pushes_failed = 0
         self.pushes_merged = 0
@@ -191,21 +154,33 @@ class Replica:
             max_wait_s=2 * gossip.push_timeout_s,
         )
 
+    @property
+    def wait_s(self) -> float:
+        """Time the trainer spent waiting at step boundaries for pulls due there."""
+        return self.due_pulls.wait_s
+
+    @property
+    def started_s(self) -> float | None:
+        """The first step's end (the wall time of :meth:`wait_fraction` counts from it)."""
+        return self.due_pulls.started_s
+
     def wait_fraction(self) -> float:
         """The share of wall time since the first step ended that the trainer spent
         waiting for pulls due at its step boundaries."""
-        if self.started_s is None:
-            return 0.0
-        wall = self.clock() - self.started_s
-        return min(self.wait_s / wall, 1.0) if wall > 0 else 0.0
+        return self.due_pulls.wait_fraction()
 
     @property
     def fingerprint(self) -> str:
         return self.flat.fingerprint
 
+    @property
+    def port(self) -> LoopPort:
+        """The network that carries this replica's pushes and pulls."""
+        return self.dispatch.port
+
     def attach(self, port: LoopPort) -> None:
         """The network that carries this replica's pushes and pulls from now on."""
-        self.port = port
+        self.dispatch.port = port
 
     def publish(self) -> None:
         """Refresh the summary that status and metrics read (after a restore, say)."""
@@ -255,8 +230,7 @@ class Replica:
             self.steps += 1
             if loss is not None:
                 self.last_loss = float(loss)
-            if self.started_s is None:
-                self.started_s = self.clock()
+            self.due_pulls.first_step_ended()
             report = StepReport(self.steps)
             self.drain(report)
             told = not self._due_now()  # the core hears of the step once nothing is due
@@ -286,30 +260,27 @@ class Replica:
         log_sinks(before, self.summary)
 
     def _due_now(self) -> bool:
-        return any(step <= self.steps for _, step in self._due.values())
+        return self.due_pulls.due_now(self.steps)
 
     def _wait_for_due(self, report: StepReport) -> None:
         """Wait, holding no lock, until every pull due by this step merged or failed."""
-        started = self.clock()
-        try:
+        with self.due_pulls.waiting() as give_up_at:
             while True:
                 # The steps ended sooner than predicted: start now what is due here, on
                 # each pass, for a pull re-picked meanwhile (the first failed) is due too.
                 with self.core_lock:
-                    due = [out for out, step in self._due.values() if step <= self.steps]
+                    due = self.due_pulls.due_by(self.steps)
                 for out in due:
                     self.port.hurry_pull(out)
-                left = started + self.max_wait_s - self.clock()
+                left = give_up_at - self.clock()
                 if left <= 0:
                     with self.core_lock:
-                        late = [k for k, (_, step) in self._due.items() if step <= self.steps]
-                        for key in late:
-                            del self._due[key]  # merged whenever it lands
+                        self.due_pulls.give_up(self.steps)
                     log.warning(
                         "step %d: a pull due here did not land within %.0f s; training on "
                         "without it (it merges when it lands)",
                         self.steps,
-                        self.max_wait_s,
+                        self.due_pulls.max_wait_s,
                     )
                     return
                 with self.lock.suspended():  # a caller may hold it around the whole step
@@ -321,8 +292,6 @@ class Replica:
                     self._release_held(report)
                     if not self._due_now():
                         return
-        finally:
-            self.wait_s += self.clock() - started
 
     def finish_training(self) -> None:
         """No more steps: a protocol may still owe the mesh a final exchange."""
@@ -349,10 +318,8 @@ class Replica:
         """
         with self.lock, self.core_lock:
             return not (
-                self._outstanding
-                or self._pulls_out
-                or (self._held and self.training_done)
-                or self._timers
+                self.dispatch.in_flight()
+                or (self.due_pulls.held and self.training_done)
                 or self.inbox.pending()
                 or self.events.pending()
             )
@@ -371,7 +338,8 @@ class Replica:
         mid-step, see :meth:`fire_due_timers`) has not yet; pushes a timer made
         mid-step leave first, with the model as it was before anything merges.
         """
-        self._send_deferred()
+        with self.core_lock:
+            self.dispatch.send_deferred()
         self._apply_events(report)
         item = self.inbox.get(wait_s)
         while item is not None:
@@ -379,7 +347,7 @@ class Replica:
             item = self.inbox.get(None)
         self._apply_events(report)
         self._release_held(report)
-        self._fire_due(mid_step=False)
+        self.dispatch.fire_due(self.clock(), mid_step=False)
 
     def _apply_events(self, report: StepReport) -> None:
         while (event := self.events.get()) is not None:
@@ -387,26 +355,21 @@ class Replica:
 
     def _release_held(self, report: StepReport) -> None:
         """Merge the pulls that landed early, once their step's boundary is reached."""
-        ready = [o for o in self._held if self.training_done or _due_step(o) <= self.steps]
-        if ready:
-            self._held = [o for o in self._held if o not in ready]
-            for outcome in ready:
-                self._pulled(outcome.out, outcome.pulled, outcome.error, report)
+        for outcome in self.due_pulls.release(self.steps, self.training_done):
+            self._pulled(outcome.out, outcome.pulled, outcome.error, report)
 
     def _apply(self, event: LoopEvent, report: StepReport) -> None:
         match event:
             case PushOutcome(out=out, acks=acks, error=error):
                 self.settle_push(out, acks, error, report)
             case PullOutcome(out=out):
-                self._due.pop(id(out), None)
+                held = self.due_pulls.landed(event, self.steps, self.training_done)
                 if out.adopted is None:
-                    self._pulls_out -= 1  # landed (or failed); a held one merges later
-                if not self.training_done and _due_step(event) > self.steps:
-                    self._held.append(event)  # landed early: merge at its step's boundary
-                else:
+                    self.dispatch.pull_ended()  # landed (or failed); a held one merges later
+                if not held:
                     self._pulled(out, event.pulled, event.error, report)
             case Granted(granted=granted):
-                self._carry_out(self.core.handle(granted))
+                self.dispatch.carry_out(self.core.handle(granted))
             case ViewChange(members=members):
                 self._handle(ViewChanged(members))
             case PeerRestart(peer=peer, incarnation=incarnation):
@@ -427,7 +390,7 @@ class Replica:
             pushes = [a for a in self.core.handle(HandOff(peer)) if isinstance(a, Push)]
             if not pushes:
                 return None
-            self._outstanding.add(pushes[0].key)
+            self.dispatch.outstanding.add(pushes[0].key)
             return OutboundPush(pushes[0], self.flat.snapshot(pushes[0].weights))
 
     def settle_push(
@@ -440,16 +403,10 @@ class Replica:
         """Commit what the receiver acknowledged; fold unacknowledged snapshots back in."""
         acked = tuple(a.segment for a in acks)
         with self.lock, self.core_lock:
-            if out.push.key not in self._outstanding:
+            if not self.dispatch.settle(out.push):
                 return  # settled before (a late duplicate outcome changes nothing)
-            self._outstanding.discard(out.push.key)
-            for action in self.core.handle(PushSettled(out.push.peer, out.push.sequence, acked)):
-                if isinstance(action, FoldBack):
-                    # Our own snapshot coming home: finite, and the blend cannot overflow.
-                    snapshot = out.snapshot[action.segment]
-                    blended = self.flat.blend(action.segment, snapshot, action.alpha)
-                    if blended is not None:
-                        self.flat.load_segment(action.segment, blended)
+            settled = self.core.handle(PushSettled(out.push.peer, out.push.sequence, acked))
+            self.merger.fold_back(out, settled)
             if len(acked) == len(out.push.weights):
                 self.pushes_acked += 1
             else:
@@ -468,103 +425,27 @@ class Replica:
         step boundary, where its snapshot is taken before anything merges.
         """
         with self.core_lock:
-            self._fire_due(mid_step=True)
+            self.dispatch.fire_due(self.clock(), mid_step=True)
 
     def grant(self, granted: PeerGranted) -> None:
         """The coordinator's answer to the core's ``AskPeer``, applied at once, even
         mid-step (like a timer: only the core is touched)."""
         with self.core_lock:
-            self._carry_out(self.core.handle(granted), mid_step=True)
-
-    def _fire_due(self, *, mid_step: bool) -> None:
-        now = self.clock()
-        while self._timers and self._timers[0][0] <= now:
-            _, tag = heapq.heappop(self._timers)
-            self._carry_out(self.core.handle(TimerFired(tag, now)), mid_step=mid_step)
-
-    def _send_deferred(self) -> None:
-        with self.core_lock:
-            deferred, self._deferred = self._deferred, []
-            self._send(deferred)
+            self.dispatch.carry_out(self.core.handle(granted), mid_step=True)
 
     def _handle(self, event: Event) -> list[Push]:
         """Hand ``event`` to the core and carry out what it asks; returns the pushes sent."""
-        return self._carry_out(self.core.handle(event))
-
-    def _send(self, pushes: Sequence[Push]) -> None:
-        # One copy of each segment serves every push of this event (a group exchange
-        # sends the same model to several peers); snapshots are never written.
-        snapshot = self.flat.snapshot(sorted({s for p in pushes for s in p.weights}))
-        for push in pushes:
-            self.port.send_push(OutboundPush(push, {s: snapshot[s] for s in push.weights}))
-
-    def _carry_out(self, actions: Sequence[Action], *, mid_step: bool = False) -> list[Push]:
-        pushes = [a for a in actions if isinstance(a, Push)]
-        for action in actions:
-            match action:
-                case Push():
-                    self._outstanding.add(action.key)
-                case StartTimer():
-                    heapq.heappush(self._timers, (action.at_s, action.tag))
-                    self.port.wake_at(action.at_s)
-                case Pull():
-                    self._pulls_out += 1
-                    out = OutboundPull(action)
-                    if action.merge_at_step is not None:
-                        self._due[id(out)] = (out, action.merge_at_step)
-                    self.port.start_pull(out)
-                case AskPeer():
-                    self.port.ask_peer(action)
-                case ReportTransfer():
-                    self.port.report_transfer(action)
-                case _:
-                    raise GossipdError(
-                        f"protocol {self.core.name} returned {action!r} outside a payload or a "
-                        "settle; only a PayloadArrived or PullArrived may be answered by merges"
-                    )
-        if mid_step:
-            self._deferred.extend(pushes)
-        else:
-            self._send(pushes)
-        return pushes
+        return self.dispatch.carry_out(self.core.handle(event))
 
     def _merge(self, item: InboundPush, report: StepReport) -> None:
         """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
         try:
-            arrival = PayloadArrived(
-                item.sender,
-                item.incarnation,
-                item.sequence,
-                item.round,
-                {seg.segment: seg.sum_weight for seg in item.segments},
-                item.sequence_base,
-            )
-            values = {seg.segment: seg.values for seg in item.segments}
-            what = f"push {item.sender}#{item.sequence}"
-            plan, blends, clipped = self._plan(arrival, values, what, merge_new=item.merge_new)
-            if item.merge_new:
-                self.core.handle(PayloadMerged(arrival))
-            for segment, blended in blends.items():
-                self.flat.load_segment(segment, blended)
-            weights = self.core.status().weights
-            acks = [
-                Ack(a.segment, isinstance(a, Duplicate), weights[a.segment] if weights else 0.0)
-                for a in plan
-                if isinstance(a, Merge | Duplicate)
-            ]
-            if blends:
+            acks, record = self.merger.merge_push(item)
+            if record.merged_segments:
                 self.pushes_merged += 1
-            report.merged.append(
-                MergeRecord(
-                    item.sender,
-                    item.sequence,
-                    tuple(blends),
-                    tuple(a.segment for a in plan if isinstance(a, Duplicate)),
-                    clipped,
-                )
-            )
+            report.merged.append(record)
             # Whoever hears this acknowledgement may read our status next: it must
             # already show the merge, not the previous step boundary's summary.
             self.summary = Summary.of(self)
@@ -583,36 +464,13 @@ class Replica:
         if out.adopted is not None:
             _resolve(out.adopted, lambda: self._adopt(pull.peer, pulled, error))
             return
-        if pulled is not None and error is None:
-            arrival = PullArrived(
-                pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
-            )
-            try:
-                _, blends, _ = self._plan(arrival, pulled.values, f"pull from {pull.peer}")
-            except (InvalidFrame, NonFinitePayload, PayloadOutOfBounds) as err:
-                error = str(err)
-            else:
-                actions = self.core.handle(PullMerged(arrival))
-                for segment, blended in blends.items():
-                    self.flat.load_segment(segment, blended)
-                report.pulled.append(
-                    PullRecord(
-                        pull.peer, pull.round, tuple(blends), pulled.nbytes, arrival.transfer_s
-                    )
-                )
-                self._carry_out(actions)
-                return
-        report.pulled.append(PullRecord(pull.peer, pull.round, (), error=error))
-        self._carry_out(self.core.handle(PullFailed(pull.peer, pull.round, str(error))))
+        actions, record = self.merger.merge_pull(pull, pulled, error)
+        report.pulled.append(record)
+        self.dispatch.carry_out(actions)
 
     def _adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
         """Load a joiner's bootstrap model whole (on the trainer thread, like any merge)."""
-        if pulled is None or error is not None:
-            raise GossipdError(f"join: pulling the model from {peer} failed: {error}")
-        if sorted(pulled.values) != list(range(len(self.flat.plan))):
-            raise GossipdError(f"join: {peer} sent segments {sorted(pulled.values)}, not all")
-        for index, values in pulled.values.items():
-            self.flat.load_segment(index, values)
+        self.merger.adopt(peer, pulled, error)
         self.summary = Summary.of(self)
 
     def restore(
@@ -629,51 +487,6 @@ class Replica:
             self.core.load_state_dict(core)
             self.steps = steps
             self.summary = Summary.of(self)
-
-    def _plan(
-        self,
-        arrival: PayloadArrived | PullArrived,
-        values: Mapping[int, torch.Tensor],
-        what: str,
-        *,
-        merge_new: bool = True,
-    ) -> tuple[list[Action], dict[int, torch.Tensor], tuple[int, ...]]:
-        """The core's answer to ``arrival``, every blend it asks for (checked against the
-        payload bound, none applied) and the segments the robust merge clipped.
-
-        ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges nothing).
-        """
-        try:
-            plan = self.core.handle(arrival)
-        except Refused as err:
-            refusal = WeightOverCap if isinstance(err, WeightCapExceeded) else InvalidFrame
-            raise refusal(f"{what}: {err}") from None
-        if not merge_new:
-            plan = [a for a in plan if isinstance(a, Duplicate)]
-        blends: dict[int, torch.Tensor] = {}
-        clipped: list[int] = []
-        for action in plan:
-            if not isinstance(action, Merge):
-                continue
-            if action.segment not in values:
-                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
-            own = self.flat.buffers[action.segment]
-            incoming, clip = self.bound.admit(own, values[action.segment], what, action.segment)
-            if clip:
-                clipped.append(action.segment)
-            blended = self.flat.blend(action.segment, incoming, action.alpha)
-            if blended is None:
-                raise NonFinitePayload(
-                    f"merging segment {action.segment} of {what} would make the model "
-                    "non-finite; refused, nothing merged"
-                )
-            blends[action.segment] = blended
-        return plan, blends, tuple(clipped)
-
-
-def _due_step(outcome: PullOutcome) -> int:
-    """The step whose boundary merges this pull (0: the next boundary)."""
-    return outcome.out.pull.merge_at_step or 0
 
 
 def _resolve(reply: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:

@@ -152,7 +152,7 @@ def test_a_pull_that_lands_early_is_held_until_the_end_of_its_due_step() -> None
 
         def held() -> bool:
             a.replica.idle(0)  # apply what arrived, without ending a step
-            return bool(a.replica._held)
+            return bool(a.replica.due_pulls.held)
 
         _wait_until(held, "the pull to land and be held")
         for step in (2, 3):  # landed, and held: the model is the one it had
