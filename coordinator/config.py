@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gossipd.node.config import MetricsConfig, _check_address, explain, read_toml
+from gossipd.node.config import MetricsConfig, check_address, explain, read_toml
 from gossipd.node.scheduler import DEFAULT_LEASE_S, DEFAULT_THRESHOLD, MAX_TIME_S
 
 ID_PATTERN = r"^[A-Za-z0-9._-]+$"
@@ -71,7 +71,7 @@ class CoordinatorConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
-        return _check_address(v)
+        return check_address(v)
 
     @model_validator(mode="after")
     def _drop_after_heartbeats(self) -> CoordinatorConfig:

@@ -17,7 +17,7 @@ import grpc
 
 from gossipd.coordinator.members import Members, View
 from gossipd.coordinator.metrics import CoordinatorMetrics
-from gossipd.node.config import _check_address
+from gossipd.node.config import check_address
 from gossipd.node.errors import GossipdError
 from gossipd.node.rejections import RejectionLog, peer_host
 from gossipd.node.scheduler import MAX_TIME_S, SchedulerError
@@ -83,7 +83,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     raise ValueError(
                         f"{address[:64]!r}... is longer than {MAX_ADDRESS_CHARS} characters"
                     )
-                _check_address(address)
+                check_address(address)
             except ValueError as err:
                 raise Refused(
                     "bad_address",

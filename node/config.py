@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 DEPRECATED_FLAT_KEYS = ("push_probability", "round_steps", "average_every_steps")
 
 
-def _check_address(value: str) -> str:
+def check_address(value: str) -> str:
+    """``value`` if it is HOST:PORT with a port in 0..65535 (the coordinator's config and
+    requests check addresses the same way); ValueError saying what is wrong if not."""
     host, sep, port = value.rpartition(":")
     if (
         not sep
@@ -355,7 +357,7 @@ class MetricsConfig(_Section):
     @field_validator("listen")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
-        return _check_address(v) if v else None
+        return check_address(v) if v else None
 
 
 class TlsConfig(_Section):
@@ -415,7 +417,7 @@ class MqttConfig(_Section):
     @field_validator("broker")
     @classmethod
     def _broker_address(cls, v: str) -> str:
-        return _check_address(v)
+        return check_address(v)
 
     @field_validator("topic_prefix")
     @classmethod
@@ -478,12 +480,12 @@ class NodeConfig(_Section):
     @field_validator("listen", "advertise", "coordinator")
     @classmethod
     def _addresses(cls, v: str | None) -> str | None:
-        return None if v is None else _check_address(v)
+        return None if v is None else check_address(v)
 
     @field_validator("seeds")
     @classmethod
     def _seed_addresses(cls, v: list[str]) -> list[str]:
-        return [_check_address(s) for s in v]
+        return [check_address(s) for s in v]
 
     @model_validator(mode="after")
     def _coordinator_needs_tls(self) -> NodeConfig:
