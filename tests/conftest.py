@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -87,6 +88,30 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
         if isinstance(v, dict)
     ]
     path.write_text("\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n")
+
+
+@contextlib.contextmanager
+def coordinator_process(config: dict[str, Any], workdir: Path) -> Iterator[dict[str, Any]]:
+    """`gossipd coordinator` on ``config`` (written to ``workdir/coord.toml``; give it
+    ``listen`` and ``metrics.listen`` on port 0), once it serves: yields the addresses it
+    bound (its ``coordinator.json``). Always reaped."""
+    from gossipd.coordinator.server import INFO_FILE
+
+    path = workdir / "coord.toml"
+    write_config(path, config)
+    log_path = workdir / "coord.log"
+    proc = spawn_node(path, log_path, "coordinator")
+    try:
+        info = Path(config["data_dir"]) / INFO_FILE
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise AssertionError(f"coordinator exited:\n{log_path.read_text()[-3000:]}")
+
+        wait_until(info.exists, "the coordinator to serve", 30.0, alive)
+        yield json.loads(info.read_text())
+    finally:
+        stop_process(proc, 15.0)
 
 
 def write_node_config(

@@ -28,10 +28,9 @@ from typing import Any
 
 import pytest
 
-from gossipd.coordinator.server import INFO_FILE
 from gossipd.node.certs import check_pair
 from gossipd.node.mesh import free_ports, stop_process
-from tests.conftest import wait_until, write_config
+from tests.conftest import coordinator_process, wait_until
 from tests.mqttbrokers import MOSQUITTO
 from tests.test_containers import (
     BROKER,
@@ -151,24 +150,8 @@ def _coordinator(
         for k in ("ca", "cert", "key")
     }
     data["tls"] = {k: local[v] for k, v in data["tls"].items() if v is not None}
-    path = workdir / "coord.toml"
-    write_config(path, data)
-    log_path = workdir / "coord.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gossipd.node.cli", "coordinator", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = workdir / "coord" / INFO_FILE
-
-        def alive() -> None:
-            if proc.poll() is not None:
-                raise AssertionError(f"coordinator exited:\n{log_path.read_text()[-3000:]}")
-
-        wait_until(info.exists, "the coordinator to serve", WAIT_S, alive)
-        address = json.loads(info.read_text())["address"]
+    with coordinator_process(data, workdir) as bound:
+        address = bound["address"]
         argv = _health_test(service)
         assert argv[0] == "python", argv
         served = f"127.0.0.1:{_port(config.listen)}"
@@ -176,8 +159,6 @@ def _coordinator(
         argv = [sys.executable, *(address if a == served else local.get(a, a) for a in argv[1:])]
         assert not [a for a in argv if a.startswith(CERTS_TARGET)], argv
         yield address, argv
-    finally:
-        stop_process(proc, 15.0)
 
 
 def test_the_coordinators_health_check_gets_serving_from_a_real_coordinator(

@@ -33,11 +33,10 @@ import pytest
 import yaml
 
 from gossipd.coordinator.client import CoordinatorClient, CoordinatorUnavailable
-from gossipd.coordinator.server import INFO_FILE
 from gossipd.node import certs
 from gossipd.node.mesh import LocalMesh, MeshSpec, free_ports, stop_process
 from gossipd.node.tls import Credentials
-from tests.conftest import scrape_metrics, wait_until, write_config
+from tests.conftest import coordinator_process, scrape_metrics, wait_until
 from tests.fakepeer import dead_address, handshake_tls, node_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,27 +180,8 @@ def running_coordinator(mesh: LocalMesh, workdir: Path) -> Iterator[tuple[str, i
     config.update(mesh_id=mesh.mesh_id, listen="127.0.0.1:0", data_dir=str(workdir / "coord"))
     config["metrics"] = {"listen": "127.0.0.1:0"}
     config["tls"] = {"ca": str(tls_dir / certs.CA_CERT_FILE), "cert": str(cert), "key": str(key)}
-    path = workdir / "coord.toml"
-    write_config(path, config)
-    log_path = workdir / "coord.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gossipd.node.cli", "coordinator", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        info = workdir / "coord" / INFO_FILE
-
-        def alive() -> None:
-            if proc.poll() is not None:
-                raise AssertionError(f"coordinator exited:\n{log_path.read_text()[-3000:]}")
-
-        wait_until(info.exists, "the coordinator to serve", 30.0, alive)
-        written = json.loads(info.read_text())
-        yield written["address"], written["metrics_port"]
-    finally:
-        stop_process(proc, 15.0)
+    with coordinator_process(config, workdir) as bound:
+        yield bound["address"], bound["metrics_port"]
 
 
 def drive_coordinator(mesh: LocalMesh, address: str) -> None:
