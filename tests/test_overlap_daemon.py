@@ -19,8 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from gossipd.node.protocols.overlap import OverlapGossip
 from gossipd.node.report import StepReport
 from gossipd.node.status import query_status
 from gossipd.node.tls import Credentials
+from tests.conftest import wait_until
 
 MESH = "overlap-mesh"
 DEADLINE_S = 60.0
@@ -124,14 +124,6 @@ def _merged(report: StepReport) -> list[str]:
     return [p.peer for p in report.pulled if p.merged_segments and p.error is None]
 
 
-def _wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def _served(node: GossipNode) -> float:
     labels = {"direction": "sent", "kind": "pull", "result": "ok"}
     value = node.network.metrics.registry.get_sample_value("gossipd_gossip_messages_total", labels)
@@ -154,7 +146,7 @@ def test_a_pull_that_lands_early_is_held_until_the_end_of_its_due_step() -> None
             a.replica.idle(0)  # apply what arrived, without ending a step
             return bool(a.replica.due_pulls.held)
 
-        _wait_until(held, "the pull to land and be held")
+        wait_until(held, "the pull to land and be held", DEADLINE_S)
         for step in (2, 3):  # landed, and held: the model is the one it had
             report = a.step()
             assert report.step == step and not report.pulled and _values(a) == {0.0}
@@ -271,8 +263,8 @@ def test_a_hurry_sent_right_behind_its_pull_is_not_lost() -> None:
         out = OutboundPull(pull)
         a.replica.port.start_pull(out)
         a.replica.port.hurry_pull(out)
-        _wait_until(lambda: _served(b) == 1.0, "the hurried pull to be served")
-        _wait_until(lambda: a.replica.events.pending() > 0, "the pull's outcome")
+        wait_until(lambda: _served(b) == 1.0, "the hurried pull to be served", DEADLINE_S)
+        wait_until(lambda: a.replica.events.pending() > 0, "the pull's outcome", DEADLINE_S)
 
 
 def test_a_peer_pulled_by_two_serves_one_and_the_other_re_picks_suspecting_nobody() -> None:
@@ -283,15 +275,18 @@ def test_a_peer_pulled_by_two_serves_one_and_the_other_re_picks_suspecting_nobod
     with _mesh(3, period_steps=2) as (a, b, c):
         with b.lock:  # n1 is inside a long step: a pull it serves waits for its snapshot
             a.step()  # n0's queue starts after it: it pulls n1
-            _wait_until(lambda: b.network._serving_pull == "n0", "n1 to start serving n0")
+            wait_until(
+                lambda: b.network._serving_pull == "n0", "n1 to start serving n0", DEADLINE_S
+            )
             # n2's queue is [n0, n1]: its first period pulls n0, its second n1.
             c.step()
             assert _merged(c.step()) == ["n0"] and _values(c) == {8.0}
             assert _core(c).status().extra["pulling_from"] == "n1"
             reports: list[StepReport] = []
-            _wait_until(
+            wait_until(
                 lambda: bool(reports.append(c.step()) or _merged(reports[-1])),
                 "n2's re-picked pull to merge",
+                DEADLINE_S,
             )
             pulled = [p for r in reports for p in r.pulled]
             assert [(p.peer, p.merged_segments == ()) for p in pulled] == [
