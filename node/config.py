@@ -25,6 +25,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from gossipd.node.config_ranks import ALLREDUCE, AllreduceConfig, RanksConfig
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import (
     DEFAULT_PROTOCOL,
@@ -118,15 +119,18 @@ class GossipConfig(_Section):
 
     def options_for(self, protocol: str) -> ProtocolSettings:
         """``protocol``'s settings: its ``[gossip.<protocol>]`` table as validated, or defaults."""
+        if protocol == ALLREDUCE:
+            return ProtocolSettings()
         table = self._tables.get(protocol)
         return table if table is not None else protocol_settings(protocol)
 
     @field_validator("protocol")
     @classmethod
     def _known_protocol(cls, value: str) -> str:
-        if value not in PROTOCOLS:
+        if value not in PROTOCOLS and value != ALLREDUCE:
             raise ValueError(
-                f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
+                f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))} "
+                f"(or {ALLREDUCE}, the synchronous baseline)"
             )
         return value
 
@@ -471,6 +475,10 @@ class NodeConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     link: LinkConfig = LinkConfig()
+    ranks: RanksConfig = RanksConfig()
+    allreduce: AllreduceConfig | None = Field(
+        None, description="the DDP baseline's rendezvous; required with gossip.protocol = allreduce"
+    )
     # No silent default: a site states how it is secured (certificates, or insecure).
     tls: TlsConfig = Field(default=TlsConfig.model_construct(), validate_default=True)
     mqtt: MqttConfig | None = Field(
@@ -486,6 +494,19 @@ class NodeConfig(_Section):
     @classmethod
     def _seed_addresses(cls, v: list[str]) -> list[str]:
         return [check_address(s) for s in v]
+
+    @model_validator(mode="after")
+    def _allreduce_needs_master(self) -> NodeConfig:
+        if (self.gossip.protocol == ALLREDUCE) != (self.allreduce is not None):
+            raise ValueError(
+                "gossip.protocol = allreduce needs an [allreduce] section with master = "
+                '"HOST:PORT" (the rendezvous, the same on every site), and [allreduce] '
+                "is only for that protocol"
+            )
+        check_address(self.ranks.master)
+        if self.allreduce is not None:
+            check_address(self.allreduce.master)
+        return self
 
     @model_validator(mode="after")
     def _coordinator_needs_tls(self) -> NodeConfig:
