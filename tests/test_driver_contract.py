@@ -85,6 +85,10 @@ SCRIPTS = {
     "persyn": Script(
         "persyn", 4, (0, 1, 2, 3) * 2, {"average_every_steps": 2}, True, same_order=False
     ),
+    # Bursts at the epoch ends (3) and at K′ (5): sub-rounds 0, 1, then 0 again at step 5.
+    "persyn-epoch": Script(
+        "persyn", 4, (0, 1, 2, 3) * 5, {"average_every_steps": 5, "epoch_steps": 3}
+    ),
     PULL: Script(PULL, 2, (0, 1, 0, 1)),
     # Pulls merged at their period's last step (held until then), and pulled at the end.
     "overlap": Script("overlap", 3, (0, 1, 2) * 4, {"period_steps": 2}),

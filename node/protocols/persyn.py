@@ -1,22 +1,34 @@
 """Periodic global averaging (PerSyn of GoSGD, Blot et al. 2019; the inter-node average
-every K′ steps of Moreno-Álvarez et al., IEEE TNNLS 2023), without a central node.
+every K′ steps and at each epoch end of Moreno-Álvarez et al., IEEE TNNLS 2023),
+without a central node.
 
-Every ``average_every_steps`` local steps (K′), the mesh averages globally by a
-burst of R = ⌈log2 N⌉ sub-rounds of the exponential-graph exchange: at the j-th
-step of the burst (step ≡ j mod K′, j < R, step ≥ K′: the first burst starts
-at step K′) the node of rank i pushes half of its available weight, every
-segment, to rank (i + 2^j) mod N. The round is the burst's number, step // K′,
-and local training goes on between sub-rounds. PerSyn's master would
+A burst of R = ⌈log2 N⌉ sub-rounds of the exponential-graph exchange starts at every
+step that is a positive multiple of ``average_every_steps`` (K′) and, where
+``epoch_steps`` (E, this site's local steps per epoch) is set, at every positive
+multiple of E too: the node-based mode averages between sites at each epoch end as
+well as every K′ steps. At sub-round j of a burst (step = burst start + j, j < R)
+the node of rank i pushes half of its available weight, every segment, to rank
+(i + 2^j) mod N. Local training goes on between sub-rounds. PerSyn's master would
 collect and broadcast; here the butterfly does it with one push per node per
 sub-round, and no node is special.
+
+The schedule is a pure function of the step count, so every node derives the same
+bursts from its own step number with no shared state: the sub-round is step − (the
+latest burst start at or before step), and the round is the number of bursts started
+by then (step // K′ + step // E − step // lcm(K′, E)), which strictly increases from
+burst to burst and is the same on every node for the same burst. A burst that starts
+while another is under way (an epoch end two steps after a K′ multiple, say) restarts
+the sub-rounds at 0: the earlier burst's remaining sub-rounds are dropped, not queued.
+With E = 0 bursts come every K′ steps only, and the round is step // K′.
 
 Exactness: if N is a power of two and every node merges sub-round j − 1's push
 before it sends sub-round j's (synchronous sub-rounds), the product of the R
 matrices (I + P_j)/2 is J/N and every model ends at the exact average. Otherwise
-(N not a power of two, K′ < R, or pushes still in flight when the next
-sub-round starts, which is the normal case here since nothing waits) each
-sub-round is still a doubly stochastic, contracting mix, so disagreement shrinks
-but the burst is not an exact average; the next burst shrinks it again.
+(N not a power of two, fewer than R steps to the next burst, or pushes still in
+flight when the next sub-round starts, which is the normal case here since nothing
+waits) each sub-round is still a doubly stochastic, contracting mix, so
+disagreement shrinks but the burst is not an exact average; the next burst shrinks
+it again.
 
 Invariant: the sum of weights is constant whatever arrives (the ledger's job);
 a destination still busy with an earlier push is skipped, never queued.
@@ -28,6 +40,7 @@ estimated from ``StepEnded.time_s``), so models leave training averaged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -58,6 +71,27 @@ class PerSynSettings(ProtocolSettings):
     average_every_steps: int = Field(
         50, ge=1, description="local steps between global averages (K′)"
     )
+    epoch_steps: int = Field(
+        0,
+        ge=0,
+        description="local steps in one epoch of this site's data; a global average also "
+        "starts at every multiple of it (0: only every average_every_steps)",
+    )
+
+
+def burst_position(step: int, average_every_steps: int, epoch_steps: int = 0) -> tuple[int, int]:
+    """(round, sub-round) at local step ``step``: the number of bursts started at or before
+    it, and how many steps ago the latest of them started (round 0: none started yet).
+
+    A pure function of the step, so every node places the same burst at the same step and
+    numbers it alike, whatever it saw of the others."""
+    period, epoch = average_every_steps, epoch_steps
+    start = step - step % period
+    bursts = step // period
+    if epoch:
+        start = max(start, step - step % epoch)
+        bursts += step // epoch - step // math.lcm(period, epoch)
+    return bursts, step - start
 
 
 class PerSyn(SumWeightLedger):
@@ -69,7 +103,11 @@ class PerSyn(SumWeightLedger):
 
     @classmethod
     def from_settings(cls, common: CoreSettings, own: PerSynSettings) -> PerSyn:
-        return cls(**common.ledger(), average_every_steps=own.average_every_steps)
+        return cls(
+            **common.ledger(),
+            average_every_steps=own.average_every_steps,
+            epoch_steps=own.epoch_steps,
+        )
 
     def __init__(
         self,
@@ -77,13 +115,17 @@ class PerSyn(SumWeightLedger):
         num_segments: int,
         *,
         average_every_steps: int,
+        epoch_steps: int = 0,
         **ledger: Any,
     ) -> None:
         """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
         if average_every_steps < 1:
             raise ValueError(f"average_every_steps must be at least 1, got {average_every_steps}")
+        if epoch_steps < 0:
+            raise ValueError(f"epoch_steps must be 0 (off) or more, got {epoch_steps}")
         super().__init__(node_id, num_segments, **ledger)
         self.average_every_steps = average_every_steps
+        self.epoch_steps = epoch_steps
         self.step_time_s = DEFAULT_STEP_TIME_S  # until two steps have been seen
         self._step_times_seen = 0
         self._last_step_at_s: float | None = None
@@ -102,14 +144,16 @@ class PerSyn(SumWeightLedger):
 
     def on_step(self, event: StepEnded) -> Iterable[Push]:
         self._observe_step_time(event.time_s)
-        self.round = event.step // self.average_every_steps
+        self.round, sub_round = burst_position(
+            event.step, self.average_every_steps, self.epoch_steps
+        )
         if self.round == 0:
-            return []  # the first burst comes after K′ steps of local training
-        return self.exchange(event.step % self.average_every_steps)
+            return []  # the first burst comes after K′ (or E) steps of local training
+        return self.exchange(sub_round)
 
     def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
         """One more burst, timed: sub-round 0 now, sub-round j at j estimated step-times."""
-        self.round = event.step // self.average_every_steps + 1
+        self.round = burst_position(event.step, self.average_every_steps, self.epoch_steps)[0] + 1
         actions: list[Action] = list(self.exchange(0))
         for j in range(1, ceil_log2(max(len(self.view.members), 1))):
             tag = f"{FINAL_BURST_TAG}:{self.round}:{j}"
