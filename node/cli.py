@@ -56,6 +56,10 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     from gossipd.node.site import Site
 
     torch.set_num_threads(args.threads)
+    if config.gossip.protocol == "allreduce":  # the synchronous DDP baseline, no gossip
+        from gossipd.node.allreduce import run_allreduce
+
+        return run_allreduce(config)
     site = Site(config)
 
     async def main() -> None:

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import GossipdError
 from gossipd.node.joboptions import parse_job_options
 from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
@@ -103,7 +104,10 @@ def _run_mesh(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str) -> None:
+def _add_mesh_args(
+    p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str, baseline: bool = False
+) -> None:
+    """``baseline``: --protocol also offers allreduce, the synchronous DDP baseline."""
     p.add_argument(
         "--nodes",
         type=int,
@@ -119,8 +123,10 @@ def _add_mesh_args(p: argparse.ArgumentParser, *, nodes: int, duration_s: float,
     p.add_argument(
         "--protocol",
         default=DEFAULT_PROTOCOL,
-        choices=sorted(PROTOCOLS),
-        help="gossip protocol of every node (default: %(default)s)",
+        choices=sorted(PROTOCOLS) + ([ALLREDUCE] if baseline else []),
+        help="gossip protocol of every node"
+        + ("; allreduce: the synchronous DDP baseline, no gossip" if baseline else "")
+        + " (default: %(default)s)",
     )
     p.add_argument(
         "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
@@ -227,7 +233,7 @@ def add_mesh_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Spawn N gossipd daemons on loopback, train, print progress and a "
         "per-node table, stop them.",
     )
-    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits", baseline=True)
     p.add_argument(
         "--link-latency-ms",
         metavar="MS[,MS...]",

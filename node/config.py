@@ -504,8 +504,12 @@ class NodeConfig(_Section):
                 "is only for that protocol"
             )
         check_address(self.ranks.master)
-        if self.allreduce is not None:
-            check_address(self.allreduce.master)
+        if self.allreduce is not None and check_address(self.allreduce.master).endswith(":0"):
+            raise ValueError(
+                f"allreduce.master = {self.allreduce.master!r}: port 0 cannot work here, every "
+                "site must dial the same rendezvous; give a fixed free port, the same on every "
+                'site (for example "10.0.0.1:29500")'
+            )
         return self
 
     @model_validator(mode="after")

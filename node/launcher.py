@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
+from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import GossipdError
 from gossipd.node.mesh import (
     STARTUP_TIMEOUT_S,
@@ -161,6 +162,10 @@ def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
 def run_mesh_in(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
     caller owns and removes (the demo keeps its two runs side by side under one directory)."""
+    if spec.protocol == ALLREDUCE:
+        from gossipd.node.allreduce_mesh import run_allreduce_mesh
+
+        return asyncio.run(run_allreduce_mesh(spec, root, progress))
     return asyncio.run(_run(spec, root, progress))
 
 
@@ -178,9 +183,11 @@ def print_table(result: dict[str, Any], file: TextIO) -> None:
         if start is not None and end is not None
         else "no sum-weights (protocol without them)"
     )
+    distance_end = result["consensus_distance_end"]
+    ended = "unknown (model checksums differ)" if distance_end is None else f"{distance_end:.3e}"
     print(
-        f"consensus distance {result['consensus_distance_start']:.3e} -> "
-        f"{result['consensus_distance_end']:.3e}; {weights}; {result['wall_s']:.1f} s",
+        f"consensus distance {result['consensus_distance_start']:.3e} -> {ended}; "
+        f"{weights}; {result['wall_s']:.1f} s",
         file=file,
     )
     if "plot" in result:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gossipd.node import certs, checkpoint
+from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import GossipdError
 from gossipd.node.protocols import DEFAULT_PROTOCOL, settings_class
 from gossipd.node.status import query_status
@@ -116,6 +117,7 @@ def node_toml(
     ports: list[int],
     root: Path,
     coordinator: str | None = None,
+    allreduce_master: str | None = None,
 ) -> str:
     addresses = [f"127.0.0.1:{p}" for p in ports]
     seeds = [] if spec.mqtt_broker else [a for i, a in enumerate(addresses) if i != index]
@@ -132,7 +134,8 @@ def node_toml(
         job["learning_rate"] = spec.learning_rate
     gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
     wanted = {"round_steps": spec.round_steps, "push_probability": spec.push_probability}
-    takes = settings_class(spec.protocol).model_fields  # [gossip.<protocol>]: what it has
+    # [gossip.<protocol>]: what it has (the allreduce baseline is no gossip protocol: none)
+    takes = {} if allreduce_master else settings_class(spec.protocol).model_fields
     own = {k: v for k, v in wanted.items() if v is not None and k in takes}
     own.update(spec.protocol_options)
     tls_dir = root / "tls"
@@ -162,7 +165,7 @@ def node_toml(
         "[gossip]",
         *(f"{k} = {json.dumps(v)}" for k, v in gossip.items()),
         "",
-        f"[gossip.{spec.protocol}]",
+        *([] if allreduce_master else [f"[gossip.{spec.protocol}]"]),
         *(f"{k} = {json.dumps(v)}" for k, v in own.items()),
         "",
         "[membership]",
@@ -179,6 +182,8 @@ def node_toml(
     ]
     if spec.mqtt_broker:
         lines += ["", "[mqtt]", f"broker = {json.dumps(spec.mqtt_broker)}"]
+    if allreduce_master:
+        lines += ["", "[allreduce]", f"master = {json.dumps(allreduce_master)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -265,7 +270,10 @@ class LocalMesh:
         self.spec = spec
         self.root = root
         self.mesh_id = f"local-{secrets.token_hex(3)}"
-        self.ports = free_ports(spec.nodes)
+        # The allreduce baseline's sites meet at one more port, the rendezvous node-0 hosts.
+        ports = free_ports(spec.nodes + (spec.protocol == ALLREDUCE))
+        self.ports = ports[: spec.nodes]
+        self.allreduce_master = f"127.0.0.1:{ports[-1]}" if spec.protocol == ALLREDUCE else None
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.configs: list[Path] = []
@@ -283,7 +291,15 @@ class LocalMesh:
         for i in range(spec.nodes):
             path = root / f"node-{i}.toml"
             path.write_text(
-                node_toml(spec, self.mesh_id, i, self.ports, root, self.coordinator_address)
+                node_toml(
+                    spec,
+                    self.mesh_id,
+                    i,
+                    self.ports,
+                    root,
+                    self.coordinator_address,
+                    self.allreduce_master,
+                )
             )
             self.configs.append(path)
 
