@@ -9,16 +9,21 @@ start of another; every namespace, link and qdisc of a testbed starts with its t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import itertools
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 from gossipd.node.errors import GossipdError
 
 PREFIX = "gwan"  # every testbed's names start with it; a tag is PREFIX + 5 + 2 characters
 COMMAND_TIMEOUT_S = 30.0
+LOCK_PATH = Path("/run/gossipd/wan-testbed.lock")  # root only, like the testbed itself
 # tbf's bucket (burst): what the link may send at once after idling. One timer tick
 # of the rate (4 ms: HZ = 250 here; tbf's own timer is finer) keeps a fast link from
 # stalling between ticks, and 4 full Ethernet frames let a small link pass one
@@ -54,7 +59,7 @@ def have_root() -> tuple[bool, str]:
     """Whether this process can build a :class:`Testbed`, and if not, why: tried for real
     in a throwaway namespace (a container may be root and still refuse namespaces)."""
     if os.geteuid() != 0:
-        return False, f"uid {os.geteuid()} is not root; run as root (sudo) to use namespaces"
+        return False, f"running as uid {os.geteuid()}, not 0; run as root (sudo) to use namespaces"
     missing = [name for name in ("ip", "tc") if which(name) is None]
     if missing:
         return (
@@ -131,6 +136,19 @@ def namespaces(ip: str) -> list[str]:
         for line in run([ip, "netns", "list"], "listing namespaces").splitlines()
         if line.strip()
     ]
+
+
+@contextlib.contextmanager
+def network_lock() -> Iterator[None]:
+    """Held from choosing a testbed's network until its bridge has the address, so a
+    testbed built at the same time, in another process, sees it taken."""
+    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK_PATH.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def free_network(tag: str, ip: str) -> ipaddress.IPv4Network:

@@ -39,6 +39,7 @@ from gossipd.bench.wan_iproute import (
     free_network,
     have_root,
     leftovers,
+    network_lock,
     new_tag,
     process_prefix,
     remove,
@@ -158,17 +159,21 @@ class Testbed(_Sites):
         self.bridge = f"{self.tag}b"
         self._ip = tool("ip")
         self._tc = tool("tc")
-        self.network = free_network(self.tag, self._ip)
-        self.bridge_address = str(self.network.network_address + 254)
-        self.label = (
-            f"network namespaces on {self.network}, bandwidth shaped by tc tbf (testbed {self.tag})"
-        )
+        self.label = f"network namespaces, bandwidth shaped by tc tbf (testbed {self.tag})"
         wan_cleanup.register(self)
         try:
-            self._build()
+            # Chosen and taken under one lock: two testbeds built at once get two networks.
+            with network_lock():
+                self.network = free_network(self.tag, self._ip)
+                self.bridge_address = str(self.network.network_address + 254)
+                self._build_bridge()
+            self._build_sites()
         except BaseException:
             self.close()
             raise
+        self.label = (
+            f"network namespaces on {self.network}, bandwidth shaped by tc tbf (testbed {self.tag})"
+        )
 
     def netns(self, i: int) -> str:
         """Site i's network namespace (``ip netns exec NAME ...`` runs inside it)."""
@@ -199,14 +204,18 @@ class Testbed(_Sites):
     def _argv(self, i: int, argv: Sequence[str]) -> list[str]:
         return [self._ip, "netns", "exec", self.netns(i), *argv]
 
-    def _build(self) -> None:
-        ip, tc, br = self._ip, self._tc, self.bridge
-        prefix = self.network.prefixlen
+    def _build_bridge(self) -> None:
+        ip, br = self._ip, self.bridge
         self._run([ip, "link", "add", br, "type", "bridge"], "creating the bridge")
         self._run(
-            [ip, "addr", "add", f"{self.bridge_address}/{prefix}", "dev", br], "bridge address"
+            [ip, "addr", "add", f"{self.bridge_address}/{self.network.prefixlen}", "dev", br],
+            "bridge address",
         )
         self._run([ip, "link", "set", br, "up"], "bringing the bridge up")
+
+    def _build_sites(self) -> None:
+        ip, tc, br = self._ip, self._tc, self.bridge
+        prefix = self.network.prefixlen
         for i, link in enumerate(self.links):
             ns, site, host = self.netns(i), self.interface(i), self.host_interface(i)
             self._run([ip, "netns", "add", ns], f"creating site {i}'s namespace")
@@ -234,7 +243,7 @@ class Testbed(_Sites):
                 f"`python -m gossipd.bench.wan_net --clean {self.tag}`"
             )
 
-    def run(self, argv: list[str], what: str) -> str:
+    def _run(self, argv: list[str], what: str) -> str:
         try:
             return run(argv, f"testbed {self.tag}: {what}")
         except TestbedError as err:
