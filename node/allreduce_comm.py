@@ -172,6 +172,7 @@ class Heartbeats:
         self.rank = rank
         self.world = world
         self._stop = threading.Event()
+        self._probe: dist.TCPStore | None = None  # the diagnosis's own client
         self._store = self._client()
         self._thread = threading.Thread(target=self._beat, name="allreduce-heartbeat", daemon=True)
         self._thread.start()
@@ -204,22 +205,27 @@ class Heartbeats:
         survivors, diagnosing at the same time, do not count it as gone.
         """
         try:
-            probe = self._client()
+            self._probe = self._client()
             keys = [f"{KEY}/beat/{r}" for r in range(self.world)]
-            before = [probe.add(k, 0) for k in keys]
+            before = [self._probe.add(k, 0) for k in keys]
             time.sleep(SILENCE_S)
-            after = [probe.add(k, 0) for k in keys]
+            after = [self._probe.add(k, 0) for k in keys]
         except (RuntimeError, dist.DistError):
+            self._probe = None  # asked no more: each try would wait for the timeout again
             return [0]
         return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
 
-    def announce_left(self) -> None:
-        """Tell sites still diagnosing that this one stopped on purpose (not a crash)."""
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            self._client().set(f"{KEY}/left/{self.rank}", "1")
-
     def left_on_purpose(self, rank: int) -> bool:
+        """Whether ``rank`` said it stopped because it lost the group (after :meth:`gone`)."""
+        if self._probe is None:
+            return False
         try:
-            return bool(self._client().check([f"{KEY}/left/{rank}"]))
+            return bool(self._probe.check([f"{KEY}/left/{rank}"]))
         except (RuntimeError, dist.DistError):
             return False
+
+    def announce_left(self) -> None:
+        """Tell sites still diagnosing that this one stopped on purpose (not a crash)."""
+        if self._probe is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self._probe.set(f"{KEY}/left/{self.rank}", "1")

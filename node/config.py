@@ -504,9 +504,14 @@ class NodeConfig(_Section):
                 "is only for that protocol"
             )
         check_address(self.ranks.master)
-        if self.allreduce is not None and check_address(self.allreduce.master).endswith(":0"):
+        master = self.allreduce.master if self.allreduce is not None else None
+        try:
+            port_0 = master is not None and int(check_address(master).rpartition(":")[2]) == 0
+        except ValueError as err:
+            raise ValueError(f"allreduce.master: {err}") from None
+        if port_0:
             raise ValueError(
-                f"allreduce.master = {self.allreduce.master!r}: port 0 cannot work here, every "
+                f"allreduce.master = {master!r}: port 0 cannot work here, every "
                 "site must dial the same rendezvous; give a fixed free port, the same on every "
                 'site (for example "10.0.0.1:29500")'
             )

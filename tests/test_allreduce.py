@@ -1,0 +1,232 @@
+"""The synchronous DDP baseline (``gossip.protocol = "allreduce"``): real `gossipd node`
+processes in one gloo process group, on loopback ports picked free at run time.
+
+It has no sum-weights (``sum_weights: []``); what a healthy group keeps instead is
+one model on every site, so each run checks that the sites' model checksums agree.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gossipd.node.allreduce import resolve_backend
+from gossipd.node.config import parse_config
+from gossipd.node.errors import ConfigError
+from gossipd.node.launcher import run_mesh
+from gossipd.node.mesh import MeshSpec, free_ports, spawn_node, stop_process
+from tests.conftest import wait_until, write_config
+
+COLLECTIVE_TIMEOUT_S = 10.0
+EXIT_SLACK_S = 30.0  # start-up of the failure path and diagnosis on a loaded machine
+
+
+def site_config(tmp_path: Path, index: int, world: int, master: str, **sections: Any) -> Path:
+    """Site ``index`` of ``world``: synthetic job (fast), rendezvous at ``master``."""
+    config: dict[str, Any] = {
+        "mesh_id": "baseline",
+        "node_id": f"site-{index}",
+        "data_dir": str(tmp_path / f"site-{index}"),
+        "progress_interval_s": 1,
+        "job": {
+            "name": "synthetic",
+            "seed": index,
+            "shard_index": index,
+            "num_shards": world,
+            "learning_rate": 0.01,
+            "eval_every_steps": 10,
+        },
+        "gossip": {"protocol": "allreduce"},
+        "allreduce": {"master": master},
+        "ranks": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S},
+        "tls": {"insecure": True},
+    }
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value}
+    path = tmp_path / f"site-{index}.toml"
+    write_config(path, config)
+    return path
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[Any]:
+    """Factory: ``group(world, **sections)`` starts ``world`` sites; all are reaped."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(world: int, **sections: Any) -> list[subprocess.Popen[bytes]]:
+        master = f"127.0.0.1:{free_ports(1)[0]}"
+        for i in range(world):
+            config = site_config(tmp_path, i, world, master, **sections)
+            procs.append(spawn_node(config, tmp_path / f"site-{i}" / "node.log"))
+        return list(procs)
+
+    yield start
+    for proc in procs:
+        stop_process(proc, 30.0)
+
+
+def summary(tmp_path: Path, index: int, name: str = "site") -> dict[str, Any]:
+    return json.loads((tmp_path / f"{name}-{index}" / "summary.json").read_text())
+
+
+def log_of(tmp_path: Path, index: int) -> str:
+    path = tmp_path / f"site-{index}" / "node.log"
+    return path.read_text() if path.exists() else ""
+
+
+def history(tmp_path: Path, index: int, name: str = "site") -> list[dict[str, Any]]:
+    path = tmp_path / f"{name}-{index}" / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what} still running after {timeout_s:.0f} s") from None
+
+
+def test_digits_mesh_reaches_090_with_identical_models(tmp_path: Path) -> None:
+    """mesh up --protocol allreduce: 3 sites train digits to >= 0.90 each, one model."""
+    spec = MeshSpec(
+        nodes=3,
+        job="digits",
+        protocol="allreduce",
+        insecure=True,
+        duration_s=0.0,
+        max_steps=200,
+        workdir=tmp_path,
+        quiet=True,
+    )
+    result = run_mesh(spec)
+    assert result["exit_codes"] == [0, 0, 0], result
+    assert result["ok"] and result["models_identical"]
+    checksums = {node["model_checksum"] for node in result["nodes"]}
+    assert len(checksums) == 1 and None not in checksums
+    for i, node in enumerate(result["nodes"]):
+        assert node["steps"] == 200
+        assert node["test_accuracy"] >= 0.90, node
+        written = summary(tmp_path, i, "node")
+        assert written["training_done"] is True
+        assert written["sum_weights"] == []  # no weights to conserve: one model instead
+        assert written["model_checksum"] == node["model_checksum"]
+        assert history(tmp_path, i, "node")[-1]["step"] == 200
+        node_json = json.loads((tmp_path / f"node-{i}" / "node.json").read_text())
+        assert node_json["address"] is None and node_json["node_id"] == f"node-{i}"
+
+
+def test_latency_knob_delays_every_bucket_2_n_minus_1_times(tmp_path: Path, group: Any) -> None:
+    """wait_s >= steps x 2(N-1) x latency_ms: the hops a ring all-reduce makes, injected."""
+    latency_ms, world, steps = 5.0, 3, 40
+    procs = group(world, job={"max_steps": steps}, link={"latency_ms": latency_ms})
+    for i, proc in enumerate(procs):
+        assert wait_exit(proc, 180.0, f"site-{i}") == 0, log_of(tmp_path, i)
+    summaries = [summary(tmp_path, i) for i in range(world)]
+    assert len({s["model_checksum"] for s in summaries}) == 1
+    for s in summaries:
+        assert s["steps"] == steps and s["training_done"] is True
+        assert s["wait_s"] >= steps * 2 * (world - 1) * latency_ms / 1000.0, s
+        assert 0.0 < s["wait_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["rank0-store-host", "rank2"])
+def test_sigkill_one_site_ends_the_others_with_one_clear_line(
+    tmp_path: Path, group: Any, victim: int
+) -> None:
+    """The survivors exit 1 naming the rank that left, within the collective timeout."""
+    world = 3
+    procs = group(world)  # no max_steps or duration: only the kill ends it
+
+    def alive() -> None:
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
+
+    for i in range(world):
+        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    procs[victim].kill()
+    procs[victim].wait(timeout=30)
+    survivors = [i for i in range(world) if i != victim]
+    for i in survivors:
+        code = wait_exit(procs[i], COLLECTIVE_TIMEOUT_S + EXIT_SLACK_S, f"site-{i}")
+        log = log_of(tmp_path, i)
+        assert code == 1, log
+        assert (
+            f"site with rank {victim} left the all-reduce group:" in log
+            and "the synchronous baseline cannot continue without it" in log
+        ), log
+        assert summary(tmp_path, i)["training_done"] is False
+    # They stopped in the same collective, so they still hold one model.
+    assert len({summary(tmp_path, i)["model_checksum"] for i in survivors}) == 1
+
+
+def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group: Any) -> None:
+    """Any site's SIGTERM reaches all through the stop flag: all exit 0 at the same step."""
+    world = 3
+    procs = group(world)
+
+    def alive() -> None:
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
+
+    for i in range(world):
+        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    procs[1].send_signal(signal.SIGTERM)
+    for i, proc in enumerate(procs):
+        assert wait_exit(proc, 60.0, f"site-{i}") == 0, log_of(tmp_path, i)
+    summaries = [summary(tmp_path, i) for i in range(world)]
+    assert len({s["steps"] for s in summaries}) == 1
+    assert len({s["model_checksum"] for s in summaries}) == 1
+    assert all(s["training_done"] is False for s in summaries)
+    assert all(history(tmp_path, i)[-1]["step"] == summaries[0]["steps"] for i in range(world))
+
+
+BASE = {"mesh_id": "m", "node_id": "a", "tls": {"insecure": True}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"gossip": {"protocol": "allreduce"}}, "needs an [allreduce] section"),
+        (
+            {"gossip": {"protocol": "allreduce"}, "allreduce": {"master": "127.0.0.1:0"}},
+            "port 0 cannot work here",
+        ),
+        ({"allreduce": {"master": "127.0.0.1:29500"}}, "is only for that protocol"),
+        (
+            {"gossip": {"protocol": "allreduce"}, "allreduce": {"master": "nowhere"}},
+            "is not HOST:PORT",
+        ),
+    ],
+    ids=["no-section", "port-0", "other-protocol", "not-an-address"],
+)
+def test_allreduce_config_mistakes_are_clear_errors(extra: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigError, match="allreduce") as err:
+        parse_config({**BASE, **extra})
+    assert expected in str(err.value)
+
+
+def test_port_0_master_fails_gossipd_node_at_start(tmp_path: Path) -> None:
+    """`gossipd node` exits 2 with the fix, before loading torch."""
+    config = site_config(tmp_path, 0, 2, "127.0.0.1:0")
+    proc = spawn_node(config, tmp_path / "node.log")
+    assert wait_exit(proc, 60.0, "gossipd node") == 2
+    assert "port 0 cannot work here" in (tmp_path / "node.log").read_text()
+
+
+def test_nccl_with_a_cpu_model_and_unmodelled_link_knobs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nccl only reduces CUDA tensors"):
+        resolve_backend("nccl", torch.nn.Linear(2, 2))
+    assert resolve_backend("auto", torch.nn.Linear(2, 2)) == "gloo"
+    config = site_config(tmp_path, 0, 2, "127.0.0.1:29500", link={"rate_mbit": 100.0})
+    proc = spawn_node(config, tmp_path / "node.log")
+    assert wait_exit(proc, 120.0, "gossipd node") == 2
+    assert "models only link.latency_ms" in (tmp_path / "node.log").read_text()
