@@ -3,7 +3,8 @@
 #
 # Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
 # compose files; Mosquitto is the MQTT broker of the discovery tests, and its client
-# mosquitto_sub the compose broker's health check. They are
+# mosquitto_sub the compose broker's health check; iproute2's ip and tc build and
+# shape the wide-area testbed's namespaces (those tests need root). They are
 # installed when missing and apt-get can run (root, or sudo without a password);
 # otherwise this says which are missing and how to install them, and stops before
 # pytest, since the tests that need them would fail.
@@ -11,8 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # mosquitto lands in /usr/sbin, outside a normal user's PATH: looked for there too.
-packages=(prometheus docker-compose mosquitto mosquitto-clients)
-commands=(prometheus docker-compose mosquitto mosquitto_sub)
+packages=(prometheus docker-compose mosquitto mosquitto-clients iproute2)
+commands=(prometheus docker-compose mosquitto mosquitto_sub tc)
 
 missing=()
 for i in "${!commands[@]}"; do
