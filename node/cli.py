@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -50,9 +51,20 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     config = load_config(args.config)
     check_site(config)
     log = logging.getLogger("gossipd.node.site")
+    if config.gossip.protocol == "allreduce" and (args.ranks > 1 or "WORLD_SIZE" in os.environ):
+        raise GossipdError(
+            "the allreduce baseline runs one process per site (its sites are the ranks of one "
+            "DDP group): drop --ranks / torchrun, or pick a gossip protocol"
+        )
+    if args.ranks > 1:
+        from gossipd.node.rank_launcher import launch
+
+        return launch(args.config, config, args.ranks, args.threads, args.log_level)
     log.info("config %s checked; loading torch and building job %s", args.config, config.job.name)
     import torch
 
+    from gossipd.node import ranks
+    from gossipd.node.jobs import build_job
     from gossipd.node.site import Site
 
     torch.set_num_threads(args.threads)
@@ -60,7 +72,10 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
         from gossipd.node.allreduce import run_allreduce
 
         return run_allreduce(config)
-    site = Site(config)
+    rank_env = ranks.RankEnv.from_environ()
+    if rank_env is not None and rank_env.rank != 0:
+        return ranks.follow(config, rank_env, build_job)
+    site = Site(config, rank_env=rank_env)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -76,6 +91,8 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     # A start-up failure raised inside the loop (port taken, join timeout) leaves
     # asyncio.run as itself and reaches main's `except GossipdError`: exit 2.
     asyncio.run(main())
+    if site.ranks is not None:
+        ranks.end_leader(site.ranks, site.replica.steps, site.loop_thread.is_alive())
     code = 0
     if site.loop_thread.error is not None:
         print(f"gossipd: training failed: {site.loop_thread.error!r}", file=sys.stderr)
@@ -256,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default: %(default)s)"
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="processes in this site: rank 0 gossips, all all-reduce gradients each step "
+        "(same as torchrun --standalone --nproc-per-node=R --no-python gossipd node; "
+        "default: %(default)s)",
     )
     p.set_defaults(func=_run_node)
 

@@ -59,6 +59,7 @@ class MeshSpec:
     sample_interval_s: float = 2.0
     job_options: dict[str, Any] = field(default_factory=dict)
     eval_every_steps: int = 100
+    ranks: int = 1  # processes per site (rank 0 gossips; gloo all-reduce inside)
     checkpoint_every_steps: int = 200
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
     # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
@@ -229,9 +230,11 @@ def coordinator_toml(mesh_id: str, address: str, root: Path) -> str:
     )
 
 
-def spawn_node(config: Path, log_path: Path, command: str = "node") -> subprocess.Popen[bytes]:
+def spawn_node(
+    config: Path, log_path: Path, command: str = "node", extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     """`gossipd node --config CONFIG` (or another ``command``: `coordinator`) as a child
-    process, output appended to ``log_path``."""
+    process, output appended to ``log_path``; ``extra``: more arguments (``--ranks R``)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -244,6 +247,7 @@ def spawn_node(config: Path, log_path: Path, command: str = "node") -> subproces
                 command,
                 "--config",
                 str(config),
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -321,7 +325,10 @@ class LocalMesh:
             self.coordinator = None
 
     def start(self, index: int) -> None:
-        self.procs[index] = spawn_node(self.configs[index], self.node_dir(index) / "node.log")
+        extra = ("--ranks", str(self.spec.ranks)) if self.spec.ranks > 1 else ()
+        self.procs[index] = spawn_node(
+            self.configs[index], self.node_dir(index) / "node.log", extra=extra
+        )
 
     def kill(self, index: int) -> None:
         """SIGKILL, as a crash would: no leave, no final checkpoint."""

@@ -11,6 +11,7 @@ that names the key, the value and the fix; ``gossipd node`` exits 2 with it.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def check_port(key: str, address: str) -> None:
 
 def check_data_dir(data_dir: Path) -> None:
     """Create ``data_dir`` if need be and write a probe file into it."""
-    probe = data_dir / ".write-probe"
+    probe = data_dir / f".write-probe-{os.getpid()}"  # the ranks of a site share data_dir
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"gossipd")

@@ -125,6 +125,9 @@ class FlatModel:
         named = shareable_tensors(module)
         self.plan = plan_segments(named, segment_bytes)
         self.module = module
+        # Counts writes other than the optimizer's (merges, restores, a joiner's bootstrap):
+        # a multi-rank site broadcasts its parameters to its other ranks only when it moved.
+        self.version = 0
         self.buffers: list[torch.Tensor] = []
         by_name = dict(named)
         for seg in self.plan.segments:
@@ -165,6 +168,7 @@ class FlatModel:
     def load_segment(self, index: int, values: torch.Tensor) -> None:
         with torch.no_grad():
             self.buffers[index].copy_(values)
+        self.version += 1
 
     def merge_segment(self, index: int, values: torch.Tensor, alpha: float) -> bool:
         """x ← (1 − α)·x + α·values unless that would be non-finite; False if refused."""

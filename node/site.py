@@ -28,11 +28,21 @@ from typing import Any
 from gossipd.node import checkpoint
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
-from gossipd.node.jobs import Job, JobSpec, build_job
+from gossipd.node.jobs import Job, build_job
 from gossipd.node.metrics import NodeMetrics
 from gossipd.node.mqtt import MqttAgent, start_mqtt
 from gossipd.node.network import Network
 from gossipd.node.progress_log import ProgressLog
+from gossipd.node.ranks import (
+    Leader,
+    RankEnv,
+    join_group,
+    model_device,
+    rank_record,
+    site_spec,
+    sync_gradients,
+    write_record,
+)
 from gossipd.node.replica import Replica
 from gossipd.node.report import StepReport
 
@@ -108,15 +118,17 @@ class TrainingLoop(threading.Thread):
         site, cfg = self.site, self.site.config.job
         try:
             while not (self.go.is_set() or self.halt.is_set()):
-                site.replica.idle(0.05)
+                self._idle()
             started = time.monotonic()
             while not self.halt.is_set():
                 if self.finished.is_set() or not self.resumed.is_set():
-                    site.replica.idle(0.05)
+                    self._idle()
                     continue
                 self.stepped = True
                 t0 = time.perf_counter()
                 with site.replica.lock:
+                    if site.ranks is not None:
+                        site.ranks.before_step(site.replica.steps)
                     loss = site.job.train_step()
                     report = site.replica.step(loss)
                 site.record(report, time.perf_counter() - t0, loss)
@@ -134,6 +146,9 @@ class TrainingLoop(threading.Thread):
                     site.replica.finish_training()
                     site.write_summary(training_done=True)
                     self.finished.set()
+            if site.ranks is not None:
+                site.evaluate()  # every rank records the model the site stops with
+                site.ranks.stop(site.replica.steps)
             site.replica.idle_until(self.release)
         except BaseException as err:
             log.exception("trainer thread failed")
@@ -141,22 +156,33 @@ class TrainingLoop(threading.Thread):
             self.on_fatal()
             self.finished.set()
 
+    def _idle(self) -> None:
+        self.site.replica.idle(0.05)
+        if self.site.ranks is not None:
+            self.site.ranks.tick(self.site.replica.steps)
+
 
 class Site:
-    def __init__(self, config: NodeConfig, job: Job | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, job: Job | None = None, rank_env: RankEnv | None = None
+    ) -> None:
+        """``rank_env``: this process is rank 0 of a multi-rank site (torchrun or
+        ``--ranks``): it joins the site's process group and drives the other ranks."""
         self.config = config
-        self.job = job or build_job(
-            JobSpec(
-                name=config.job.name,
-                seed=config.job.seed,
-                shard_index=config.job.shard_index,
-                num_shards=config.job.num_shards,
-                learning_rate=config.job.learning_rate,
-                batch_size=config.job.batch_size,
-                options=dict(config.job.options),
-            )
-        )
+        self.job = job or build_job(site_spec(config, rank_env))
         self.replica = Replica.from_config(config, self.job.model)
+        self.ranks: Leader | None = None
+        self.rank_env = rank_env
+        if rank_env is not None:
+            device = model_device(self.job.model)
+            join_group(config, rank_env, device)
+            sync_gradients(self.job.optimizer, rank_env.world)
+            self.ranks = Leader(
+                self.replica.flat,
+                self.job.optimizer,
+                device,
+                heartbeat_s=min(1.0, config.ranks.collective_timeout_s / 4),
+            )
         self.metrics = NodeMetrics()
         self.network = Network(config, self.replica, self.metrics)
         self.data_dir = Path(config.data_dir)
@@ -194,9 +220,15 @@ class Site:
             log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
 
     def evaluate(self) -> None:
+        """Test metrics of this site's model (on the trainer thread); every rank of a
+        multi-rank site evaluates the same parameters and records its own result."""
         with self.replica.lock:
+            if self.ranks is not None:
+                self.ranks.evaluate(self.replica.steps)
             result = {k: float(v) for k, v in self.job.evaluate().items()}
             step, loss = self.replica.steps, self.replica.last_loss
+            if self.ranks is not None:
+                write_record(self.data_dir, 0, rank_record(0, step, self.replica.flat, result))
         self.last_eval = result
         for key, value in result.items():
             self.metrics.eval_metric.labels(key).set(value)
@@ -293,7 +325,7 @@ class Site:
 
     def check_writable(self) -> None:
         """Probe data_dir with a small write, so a resumed node fails at start, not later."""
-        probe = self.data_dir / ".write-probe"
+        probe = self.data_dir / f".write-probe-{os.getpid()}"  # ranks share data_dir
         try:
             probe.write_bytes(b"gossipd")
             probe.unlink()
