@@ -129,7 +129,6 @@ class AllreduceSite:
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> None:
         """Join, train until rank 0 says stop (or a site was signalled), write files."""
-        self._catch_signals()
         self._write_node_json()
         master = self.config.allreduce.master  # type: ignore[union-attr]
         ranks = self.config.ranks
@@ -142,7 +141,12 @@ class AllreduceSite:
             self.world,
             self.config.join_timeout_s,
         )
+        # Until every site is there nothing needs saving, and the wait is in C++, where a
+        # Python signal handler would only run once it ends: SIGTERM and SIGINT end it now.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
         store = rendezvous(master, self.rank, self.world, self.config.join_timeout_s)
+        self._catch_signals()
         beats = Heartbeats(master, self.rank, self.world)
         try:
             dist.init_process_group(

@@ -49,7 +49,7 @@ def site_config(tmp_path: Path, index: int, world: int, master: str, **sections:
         "tls": {"insecure": True},
     }
     for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value}
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
     path = tmp_path / f"site-{index}.toml"
     write_config(path, config)
     return path
@@ -187,6 +187,34 @@ def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group:
     assert len({s["model_checksum"] for s in summaries}) == 1
     assert all(s["training_done"] is False for s in summaries)
     assert all(history(tmp_path, i)[-1]["step"] == summaries[0]["steps"] for i in range(world))
+
+
+def test_a_shard_index_taken_twice_is_refused_and_waiting_sites_stop_at_sigterm(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0, 1, 1 of 3: one rank 1 exits 2 saying so; the others, still waiting for a
+    third site (join_timeout_s is long), end at SIGTERM at once, not after the wait."""
+    master = f"127.0.0.1:{free_ports(1)[0]}"
+    procs = []
+    try:
+        for i, rank in enumerate([0, 1, 1]):
+            config = site_config(tmp_path, i, 3, master, join_timeout_s=600)
+            text = config.read_text().replace(f"shard_index = {i}", f"shard_index = {rank}")
+            config.write_text(text)
+            procs.append(spawn_node(config, tmp_path / f"site-{i}" / "node.log"))
+        wait_until(
+            lambda: any(p.poll() is not None for p in procs), "a duplicate rank 1 to exit", 180.0
+        )
+        refused = next(i for i, p in enumerate(procs) if p.poll() is not None)
+        assert refused in (1, 2) and procs[refused].returncode == 2, log_of(tmp_path, refused)
+        assert "job.shard_index = 1 is taken by another site" in log_of(tmp_path, refused)
+        for i, proc in enumerate(procs):
+            if i != refused:
+                proc.send_signal(signal.SIGTERM)
+                assert wait_exit(proc, 30.0, f"site-{i}") == -signal.SIGTERM
+    finally:
+        for proc in procs:
+            stop_process(proc, 30.0)
 
 
 BASE = {"mesh_id": "m", "node_id": "a", "tls": {"insecure": True}}
