@@ -41,7 +41,7 @@ from gossipd.node.allreduce_comm import (
 )
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import ConfigError
-from gossipd.node.jobs import Job, JobSpec, build_job
+from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.site import write_json
 
 log = logging.getLogger("gossipd.node.allreduce")
@@ -98,14 +98,14 @@ def _check_link(config: NodeConfig) -> None:
 class AllreduceSite:
     """One site of the baseline: joins the group, trains in lockstep, writes its files."""
 
-    def __init__(self, config: NodeConfig, job: Job | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         _check_link(config)
         self.config = config
         self.rank = config.job.shard_index
         self.world = config.job.num_shards
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.job = job or build_job(
+        self.job = build_job(
             JobSpec(
                 name=config.job.name,
                 seed=config.job.seed,

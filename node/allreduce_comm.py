@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -98,9 +98,9 @@ def rendezvous(master: str, rank: int, world: int, timeout_s: float) -> dist.TCP
     return store
 
 
-def _try(read: object) -> str:
+def _try(read: Callable[[], object]) -> str:
     try:
-        return str(read())  # type: ignore[operator]
+        return str(read())
     except (RuntimeError, dist.DistError):
         return "?"
 

@@ -49,7 +49,7 @@ def site_config(tmp_path: Path, index: int, world: int, master: str, **sections:
         "tls": {"insecure": True},
     }
     for key, value in sections.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     path = tmp_path / f"site-{index}.toml"
     write_config(path, config)
     return path
@@ -163,8 +163,13 @@ def test_sigkill_one_site_ends_the_others_with_one_clear_line(
             and "the synchronous baseline cannot continue without it" in log
         ), log
         assert summary(tmp_path, i)["training_done"] is False
-    # They stopped in the same collective, so they still hold one model.
-    assert len({summary(tmp_path, i)["model_checksum"] for i in survivors}) == 1
+    # What the group keeps instead of a sum of weights: one model. A collective the victim
+    # left half done can complete on one survivor and fail on the other, so they may part
+    # by that one step, never more; at the same step they hold the same model.
+    ends = [summary(tmp_path, i) for i in survivors]
+    assert abs(ends[0]["steps"] - ends[1]["steps"]) <= 1, ends
+    if ends[0]["steps"] == ends[1]["steps"]:
+        assert ends[0]["model_checksum"] == ends[1]["model_checksum"], ends
 
 
 def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group: Any) -> None:
