@@ -37,13 +37,44 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "workdir": Path(args.workdir) if args.workdir else None,
         "plot_path": Path(args.plot) if args.plot else None,
         "seed": args.seed,
+        "ranks": args.ranks,
         "quiet": args.json,
         "job_options": parse_job_options(args.job_option),
         "coordinator": args.coordinator == "local",
         "protocol_options": _overlap_options(args),
     }
+    if args.node_based is not None:
+        fields.update(_node_based(args))
     fields.update(overrides)
     return MeshSpec(**fields)  # type: ignore[arg-type]
+
+
+def _node_based(args: argparse.Namespace) -> dict[str, object]:
+    """eDNNcomm's node-based mode: persyn between site leaders every K′ steps and at the end
+    of each epoch of a rank's data (the same epoch length on every site)."""
+    if args.protocol not in (DEFAULT_PROTOCOL, "persyn"):
+        raise GossipdError(f"--node-based runs persyn between sites, not {args.protocol}")
+    if args.node_based < 1:
+        raise GossipdError(f"--node-based {args.node_based}: give K′ >= 1 steps between averages")
+    from gossipd.node.jobs import JobSpec, build_job
+    from gossipd.node.ranks import RankEnv
+
+    site = JobSpec(
+        args.job,
+        shard_index=0,
+        num_shards=args.nodes,
+        learning_rate=args.learning_rate,
+        options=parse_job_options(args.job_option),
+    )
+    job = build_job(RankEnv(0, args.ranks, 0).job_spec(site) if args.ranks > 1 else site)
+    epoch = getattr(job, "steps_per_epoch", None)
+    if not isinstance(epoch, int) or epoch < 1:
+        raise GossipdError(
+            f"--node-based: job {args.job!r} does not say how many steps an epoch has "
+            "(a steps_per_epoch attribute); set [gossip.persyn] epoch_steps in its configs"
+        )
+    options = {"average_every_steps": args.node_based, "epoch_steps": epoch}
+    return {"protocol": "persyn", "protocol_options": options}
 
 
 def _overlap_options(args: argparse.Namespace) -> dict[str, object]:
@@ -113,6 +144,21 @@ def _add_mesh_args(
         type=int,
         default=nodes,
         help="daemons to start, at least 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="processes per site: rank 0 gossips, all ranks all-reduce gradients (gloo) every "
+        "step; the --json summary lists every rank's test accuracy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--node-based",
+        type=int,
+        default=None,
+        metavar="K",
+        help="node-based mode (with --ranks): persyn between sites every K steps and at each "
+        "epoch end of a rank's data (default: off)",
     )
     p.add_argument(
         "--job",

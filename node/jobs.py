@@ -202,6 +202,11 @@ class _SupervisedJob:
         return self.batches.batch_size
 
     @property
+    def steps_per_epoch(self) -> int:
+        """Steps in one pass over this node's shard (node-based mode averages at its end)."""
+        return self.batches.n // self.batches.batch_size
+
+    @property
     def frozen(self) -> bool:
         """True when no parameter group can move; read each step so a live lr change counts."""
         return all(group["lr"] == 0.0 for group in self.optimizer.param_groups)

@@ -30,6 +30,8 @@ from gossipd.node.mesh import (
     as_vector,
     consensus_distance,
 )
+from gossipd.node.rank_launcher import MAX_RANKS
+from gossipd.node.ranks import read_records
 
 SAMPLE_PATIENCE_S = 10.0  # a progress sample is skipped, not waited for, past this
 
@@ -109,6 +111,11 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
                 "scheduling": state["scheduling"],
             }
             entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
+            if spec.ranks > 1:
+                entry["ranks"] = [
+                    {k: r[k] for k in ("rank", "step", "test_accuracy", "model_checksum") if k in r}
+                    for r in read_records(mesh.node_dir(i))
+                ]
             nodes.append(entry)
     result = {
         "mesh_id": mesh.mesh_id,
@@ -143,6 +150,13 @@ def check_spec(spec: MeshSpec) -> None:
 
     if spec.nodes < 2:
         raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
+    if not 1 <= spec.ranks <= MAX_RANKS:
+        raise GossipdError(f"--ranks {spec.ranks}: give 1..{MAX_RANKS} processes per site")
+    if spec.ranks > 1 and spec.protocol == ALLREDUCE:
+        raise GossipdError(
+            "--ranks with --protocol allreduce: the baseline runs one process per site; "
+            "drop --ranks"
+        )
     check_job_options(spec.job, spec.job_options)
 
 

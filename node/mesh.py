@@ -60,6 +60,7 @@ class MeshSpec:
     job_options: dict[str, Any] = field(default_factory=dict)
     eval_every_steps: int = 100
     ranks: int = 1  # processes per site (rank 0 gossips; gloo all-reduce inside)
+    collective_timeout_s: float | None = None  # [ranks] collective_timeout_s; None: default
     checkpoint_every_steps: int = 200
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
     # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
@@ -181,6 +182,8 @@ def node_toml(
         "[tls]",
         *tls,
     ]
+    if spec.collective_timeout_s is not None:
+        lines += ["", "[ranks]", f"collective_timeout_s = {spec.collective_timeout_s}"]
     if spec.mqtt_broker:
         lines += ["", "[mqtt]", f"broker = {json.dumps(spec.mqtt_broker)}"]
     if allreduce_master:

@@ -153,6 +153,8 @@ class TrainingLoop(threading.Thread):
         except BaseException as err:
             log.exception("trainer thread failed")
             self.error = err
+            if site.ranks is not None:
+                site.ranks.broken = True  # its collectives cannot be trusted any more
             self.on_fatal()
             self.finished.set()
 
@@ -447,7 +449,8 @@ class Site:
                 await self.network.coordinator.close()
             self.loop_thread.halt.set()
             driver = self.loop_thread
-            if not driver.is_alive():  # never started, or died: something must drive
+            # Never started, or died (it may not have returned yet): something must drive.
+            if not driver.is_alive() or driver.error is not None:
                 driver = threading.Thread(
                     target=self.replica.idle_until, args=(driver.release,), daemon=True
                 )

@@ -1,0 +1,192 @@
+"""Multi-rank sites: real `gossipd node --ranks 2` processes, real gloo, real gRPC between sites.
+
+Rank 0 of each site gossips; every rank all-reduces gradients each step; rank 0
+sends its parameters to the others when a merge moved them. These tests check
+what an operator is promised: every rank learns, the ranks of a site never
+disagree, node-based mode averages on its schedule, and a dead rank ends its
+site cleanly without stopping the other sites or losing their weight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gossipd.node.config import parse_config
+from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.launcher import run_mesh_in
+from gossipd.node.mesh import LocalMesh, MeshSpec
+from gossipd.node.protocols.persyn import burst_position
+from gossipd.node.rank_launcher import launch
+from gossipd.node.ranks import RankEnv, backend_for, read_records
+from tests.conftest import wait_until
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_sites_of_two_ranks_learn_digits_and_ranks_agree_bit_for_bit(tmp_path: Path) -> None:
+    spec = MeshSpec(
+        nodes=2, job="digits", protocol="sumweight", insecure=True, duration_s=0,
+        max_steps=600, ranks=2, eval_every_steps=100, quiet=True,
+    )  # fmt: skip
+    result = run_mesh_in(spec, tmp_path, io.StringIO())
+    assert result["ok"], result["exit_codes"]
+    for i, node in enumerate(result["nodes"]):
+        ranks = node["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for r in ranks:
+            assert r["test_accuracy"] >= 0.90, (node["node_id"], r)
+        # Every evaluation (each after the parameters rank 0 sent, if any) saw one model.
+        folder = tmp_path / f"node-{i}" / "ranks"
+        leader, other = _lines(folder / "rank-0.jsonl"), _lines(folder / "rank-1.jsonl")
+        assert len(leader) == len(other) >= 6  # 6 evaluations plus the one at stop
+        for a, b in zip(leader, other, strict=True):
+            assert (a["step"], a["model_checksum"]) == (b["step"], b["model_checksum"])
+    # Gossip between the sites went on: their weights moved and still sum to 2.
+    assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
+
+
+def _expected_bursts(steps: int, every: int, epoch: int) -> int:
+    return burst_position(steps, every, epoch)[0]
+
+
+def test_node_based_mode_averages_every_k_steps_and_at_each_epoch_end(tmp_path: Path) -> None:
+    every, steps = 40, 300
+    rank_job = build_job(RankEnv(0, 2, 0).job_spec(JobSpec("digits", num_shards=2)))
+    epoch = rank_job.steps_per_epoch  # what mesh up --node-based sets
+    spec = MeshSpec(
+        nodes=2, job="digits", protocol="persyn", insecure=True, duration_s=0,
+        max_steps=steps, ranks=2, eval_every_steps=100, quiet=True,
+        protocol_options={"average_every_steps": every, "epoch_steps": epoch},
+    )  # fmt: skip
+    result = run_mesh_in(spec, tmp_path, io.StringIO())
+    assert result["ok"], result["exit_codes"]
+    bursts = _expected_bursts(steps, every, epoch)
+    assert bursts > steps // every  # the epoch ends added bursts of their own
+    for node in result["nodes"]:
+        # The core counts bursts by step (one more for the burst at the end of training).
+        assert node["round"] == bursts + 1, node
+        assert all(r["test_accuracy"] >= 0.90 for r in node["ranks"]), node
+    assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The child of a `--ranks` launcher running ``rank`` (from its environment)."""
+    try:
+        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in children:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+def test_killed_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
+    tmp_path: Path,
+) -> None:
+    spec = MeshSpec(
+        nodes=2, job="digits", protocol="sumweight", insecure=True, duration_s=600,
+        ranks=2, collective_timeout_s=10.0, quiet=True,
+    )  # fmt: skip
+    with LocalMesh(spec, tmp_path) as mesh:
+        for i in range(2):
+            mesh.start(i)
+        asyncio.run(mesh.wait_ready())
+        wait_until(
+            lambda: asyncio.run(mesh.status(0))["step"] > 50, "site 0 to train", 120,
+            also=mesh.check_alive,
+        )  # fmt: skip
+        victim = _rank_pid(mesh.procs[0].pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        # Rank 0's next collective fails at once (the dead rank's sockets close) or at the
+        # collective timeout: the site leaves, checkpoints and exits non-zero.
+        code = mesh.procs[0].wait(timeout=10.0 + spec.collective_timeout_s + 60)
+        mesh.procs.pop(0)
+        assert code != 0
+        log = (tmp_path / "node-0" / "node.log").read_text()
+        assert "a rank of this site died" in log
+        assert "wrote the final checkpoint" in log
+        # The other site saw the leave, holds the whole mesh's weight and trains on.
+        wait_until(
+            lambda: asyncio.run(mesh.status(1))["sum_weights"] == pytest.approx([2.0]),
+            "site 1 to hold all the weight", 60, also=mesh.check_alive,
+        )  # fmt: skip
+        before = asyncio.run(mesh.status(1))["step"]
+        wait_until(
+            lambda: asyncio.run(mesh.status(1))["step"] > before + 50, "site 1 to go on", 60,
+            also=mesh.check_alive,
+        )  # fmt: skip
+        ranks = read_records(tmp_path / "node-1")
+        assert [r["rank"] for r in ranks] == [0, 1]
+
+
+def test_torch_environment_is_read_and_checked() -> None:
+    assert RankEnv.from_environ({}) is None
+    assert RankEnv.from_environ({"WORLD_SIZE": "1"}) is None
+    env = {"WORLD_SIZE": "4", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    assert RankEnv.from_environ(env) == RankEnv(rank=2, world=4, local_rank=2)
+    with pytest.raises(ConfigError, match=r"RANK=4 is outside 0\.\.3"):
+        RankEnv.from_environ({**env, "RANK": "4"})
+    with pytest.raises(ConfigError, match="MASTER_PORT unset"):
+        RankEnv.from_environ({k: v for k, v in env.items() if k != "MASTER_PORT"})
+    with pytest.raises(ConfigError, match="must be integers"):
+        RankEnv.from_environ({**env, "WORLD_SIZE": "two"})
+
+
+def test_a_rank_trains_its_slice_of_the_site_shard() -> None:
+    site = JobSpec("digits", shard_index=1, num_shards=3)
+    slices = [RankEnv(r, 2, r).job_spec(site) for r in range(2)]
+    assert [(s.shard_index, s.num_shards) for s in slices] == [(2, 6), (3, 6)]
+    ids = [set(build_job(s).sample_ids.tolist()) for s in slices]
+    assert not ids[0] & ids[1]
+
+
+def test_nccl_without_a_gpu_model_and_bad_rank_counts_are_refused(tmp_path: Path) -> None:
+    import torch
+
+    config = parse_config(
+        {"mesh_id": "m", "node_id": "a", "tls": {"insecure": True}, "ranks": {"backend": "nccl"}}
+    )
+    with pytest.raises(ConfigError, match="needs the job's model on a GPU"):
+        backend_for(config, torch.device("cpu"))
+    assert backend_for(config.model_copy(update={"ranks": config.ranks.model_copy(
+        update={"backend": "auto"})}), torch.device("cpu")) == "gloo"  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--ranks 1: give 2\.\.64"):
+        launch(tmp_path / "site.toml", config, 1, 1, None)
+    with pytest.raises(ConfigError, match="collective_timeout_s"):
+        parse_config(
+            {"mesh_id": "m", "node_id": "a", "tls": {"insecure": True},
+             "ranks": {"collective_timeout_s": 0}}
+        )  # fmt: skip
+
+
+def test_mesh_up_rejects_ranks_with_the_allreduce_baseline() -> None:
+    from gossipd.node.launcher import check_spec
+
+    with pytest.raises(GossipdError, match="one process per site"):
+        check_spec(MeshSpec(nodes=2, protocol="allreduce", ranks=2))
+
+
+def test_gossipd_node_ranks_flag_is_documented_in_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", "node", "--help"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "--ranks" in out and "torchrun" in out
