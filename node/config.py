@@ -71,6 +71,12 @@ class JobConfig(_Section):
     max_steps: int = Field(0, ge=0, description="stop training after this many steps; 0: never")
     duration_s: float = Field(0.0, ge=0.0, description="stop training after this long; 0: never")
     eval_every_steps: int = Field(100, ge=0)
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="where a built-in job trains: cpu, cuda (cuda:LOCAL_RANK in a multi-rank "
+        "site, else cuda:0) or cuda:N",
+    )
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

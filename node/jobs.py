@@ -44,6 +44,7 @@ class JobSpec:
     learning_rate: float | None = None  # None: the job's default; 0.0: averaging only
     batch_size: int | None = None  # None: the job's default
     options: dict[str, object] = field(default_factory=dict)  # job-specific knobs
+    device: str = "cpu"  # "cpu" or "cuda:N": where a built-in job's model and data live
 
 
 class Job(Protocol):
@@ -86,6 +87,23 @@ def _check_spec(spec: JobSpec) -> None:
         raise JobError(f"learning_rate must be finite and >= 0 (0.0 = averaging only), got {lr}")
     if spec.batch_size is not None and spec.batch_size < 1:
         raise JobError(f"batch_size must be >= 1, got {spec.batch_size}")
+    if spec.device != "cpu":
+        _check_cuda(spec.device)
+
+
+def _check_cuda(device: str) -> None:
+    if not device.startswith("cuda"):
+        raise JobError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if not torch.cuda.is_available():
+        raise JobError(
+            f"job.device = {device!r} but torch sees no GPU (a CPU build of torch, or no "
+            "driver); use job.device = 'cpu' or install torch's CUDA build"
+        )
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise JobError(
+            f"job.device = {device!r} but only {torch.cuda.device_count()} GPU(s) are visible"
+        )
 
 
 def _options(spec: JobSpec, defaults: dict[str, object]) -> dict[str, object]:
@@ -192,6 +210,11 @@ class _SupervisedJob:
     DEFAULT_BATCH = 32
 
     def _start_training(self, spec: JobSpec, num_samples: int, momentum: float) -> None:
+        if spec.device != "cpu":  # model and data move once; batches are indexed there
+            device = torch.device(spec.device)
+            self.model.to(device)
+            self.train_x, self.train_y = self.train_x.to(device), self.train_y.to(device)
+            self.test_x, self.test_y = self.test_x.to(device), self.test_y.to(device)
         lr = self.DEFAULT_LR if spec.learning_rate is None else spec.learning_rate
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=momentum)
         self.batches = _Batches(num_samples, spec.batch_size or self.DEFAULT_BATCH, spec.seed)

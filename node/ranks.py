@@ -19,6 +19,7 @@ ranks see rank 0 go and exit 1. Nothing waits for ever.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -91,6 +92,7 @@ class RankEnv:
             learning_rate=spec.learning_rate,
             batch_size=spec.batch_size,
             options=dict(spec.options),
+            device=f"cuda:{self.local_rank}" if spec.device == "cuda" else spec.device,
         )
 
 
@@ -348,10 +350,13 @@ def _site_spec(config: NodeConfig) -> JobSpec:
         learning_rate=j.learning_rate,
         batch_size=j.batch_size,
         options=dict(j.options),
+        device=j.device,  # "cuda" is made a GPU index by site_spec or RankEnv.job_spec
     )
 
 
 def site_spec(config: NodeConfig, env: RankEnv | None) -> JobSpec:
     """The JobSpec this process trains: the site's, or this rank's slice of it."""
     spec = _site_spec(config)
-    return spec if env is None else env.job_spec(spec)
+    if env is not None:
+        return env.job_spec(spec)
+    return dataclasses.replace(spec, device="cuda:0") if spec.device == "cuda" else spec

@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -128,6 +129,7 @@ class FlatModel:
         # Counts writes other than the optimizer's (merges, restores, a joiner's bootstrap):
         # a multi-rank site broadcasts its parameters to its other ranks only when it moved.
         self.version = 0
+        self._host: Any = None  # a HostCopies once a GPU model is first snapshotted
         self.buffers: list[torch.Tensor] = []
         by_name = dict(named)
         for seg in self.plan.segments:
@@ -161,8 +163,15 @@ class FlatModel:
                     )
 
     def snapshot(self, segments: Iterable[int] | None = None) -> dict[int, torch.Tensor]:
-        """Detached CPU copies of the given segments, safe to stream while training goes on."""
+        """Detached CPU copies of the given segments, safe to stream while training goes on
+        (from a GPU: reusable pinned buffers filled on a side stream, see hostcopy)."""
         idx = range(len(self.buffers)) if segments is None else segments
+        if self.buffers[0].is_cuda:
+            if self._host is None:
+                from gossipd.node.hostcopy import HostCopies
+
+                self._host = HostCopies(self.buffers)
+            return self._host.snapshot(idx)
         return {i: self.buffers[i].detach().to("cpu", copy=True) for i in idx}
 
     def load_segment(self, index: int, values: torch.Tensor) -> None:
