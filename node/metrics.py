@@ -160,6 +160,17 @@ class NodeMetrics:
             "Share of wall time since the first step that the trainer spent waiting for pulls",
             registry=r,
         )
+        self.site_ranks = Gauge(
+            "gossipd_site_ranks",
+            "Processes training in this site (rank 0 gossips; 1 for a one-process site)",
+            registry=r,
+        )
+        self.site_ranks.set(1)
+        self.rank_broadcasts = Counter(
+            "gossipd_rank_broadcasts_total",
+            "Times rank 0 sent its parameters to the site's other ranks (after a merge moved them)",
+            registry=r,
+        )
         self.dial_failures = Counter(
             "gossipd_dial_failures_total",
             "Handshakes this node made that failed, by reason (tls: certificate refused or "

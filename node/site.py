@@ -175,6 +175,7 @@ class Site:
         self.replica = Replica.from_config(config, self.job.model)
         self.ranks: Leader | None = None
         self.rank_env = rank_env
+        self._broadcasts_counted = 0
         if rank_env is not None:
             device = model_device(self.job.model)
             join_group(config, rank_env, device)
@@ -186,6 +187,7 @@ class Site:
                 heartbeat_s=min(1.0, config.ranks.collective_timeout_s / 4),
             )
         self.metrics = NodeMetrics()
+        self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
         self.network = Network(config, self.replica, self.metrics)
         self.data_dir = Path(config.data_dir)
         try:
@@ -217,7 +219,12 @@ class Site:
 
     # -- trainer-thread helpers -------------------------------------------------------
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
-        self.metrics.record_step(report, step_time_s, loss, getattr(self.job, "batch_size", 0))
+        world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
+        samples = getattr(self.job, "batch_size", 0) * world
+        self.metrics.record_step(report, step_time_s, loss, samples)
+        if self.ranks is not None:
+            self.metrics.rank_broadcasts.inc(self.ranks.broadcasts - self._broadcasts_counted)
+            self._broadcasts_counted = self.ranks.broadcasts
         for failure in report.failed:
             log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
 

@@ -13,9 +13,11 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,12 @@ def test_killed_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
         )  # fmt: skip
         ranks = read_records(tmp_path / "node-1")
         assert [r["rank"] for r in ranks] == [0, 1]
+        port = json.loads((tmp_path / "node-1" / "node.json").read_text())["metrics_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert "gossipd_site_ranks 2.0" in metrics
+        broadcasts = re.search(r"^gossipd_rank_broadcasts_total (\S+)$", metrics, re.M)
+        assert broadcasts is not None and float(broadcasts.group(1)) > 0  # merges reached rank 1
 
 
 def test_torch_environment_is_read_and_checked() -> None:
