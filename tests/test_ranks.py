@@ -99,12 +99,13 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_killed_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
-    tmp_path: Path,
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_dead_or_hung_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
+    tmp_path: Path, fault: signal.Signals
 ) -> None:
     spec = MeshSpec(
         nodes=2, job="digits", protocol="sumweight", insecure=True, duration_s=600,
-        ranks=2, collective_timeout_s=10.0, quiet=True,
+        ranks=2, collective_timeout_s=5.0 if fault == signal.SIGSTOP else 10.0, quiet=True,
     )  # fmt: skip
     with LocalMesh(spec, tmp_path) as mesh:
         for i in range(2):
@@ -116,9 +117,10 @@ def test_killed_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
         )  # fmt: skip
         victim = _rank_pid(mesh.procs[0].pid, 1)
         assert victim is not None
-        os.kill(victim, signal.SIGKILL)
-        # Rank 0's next collective fails at once (the dead rank's sockets close) or at the
-        # collective timeout: the site leaves, checkpoints and exits non-zero.
+        os.kill(victim, fault)
+        # Rank 0's next collective fails at once (the dead rank's sockets close) or, for a
+        # hung rank, at the collective timeout: the site leaves, checkpoints and exits
+        # non-zero; the launcher kills the hung rank once its grace is over.
         code = mesh.procs[0].wait(timeout=10.0 + spec.collective_timeout_s + 60)
         mesh.procs.pop(0)
         assert code != 0
