@@ -338,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.set_defaults(func=_bench, takes_extra=True)
+    p = bench_sub.add_parser(
+        "wan",
+        help="time to accuracy of every protocol against DDP on a shaped wide-area network; "
+        "see gossipd bench wan --help",
+        add_help=False,
+    )
+    p.set_defaults(func=_bench, takes_extra=True)
 
     p = sub.add_parser(
         "coordinator",

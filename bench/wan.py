@@ -1,0 +1,307 @@
+"""`gossipd bench wan`: time to accuracy of every protocol against the DDP baseline on a
+shaped wide-area network.
+
+For each protocol, one after another (side by side they would share the cores and
+time each other), N `gossipd node` sites run on a fresh wide-area testbed
+(:mod:`gossipd.bench.wan_sites`: a network namespace per site, bandwidth shaped by
+``tc tbf`` both ways, latency injected by each site's ``[link] latency_ms``; without
+root, every site on loopback shaped by ``[link]`` alone, labelled so). Each row: the
+time from the moment every site had started until every site had evaluated at or
+past the target, the final metric, the bytes each site sent, the trainer's wait and
+the speedup over ``allreduce`` (plain torch DDP across all sites). A last pair of
+runs measures what gossip costs the trainer: the same N sites with ``sumweight`` on,
+then with no seeds (each trains alone, the same CPU contention).
+
+``--json`` puts one JSON object on the last stdout line (the table then goes to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+from gossipd.bench import wan_results as results
+from gossipd.bench.wan_scenarios import DEFAULT_PATH, scenario
+from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
+from gossipd.node.config_ranks import ALLREDUCE
+from gossipd.node.errors import ConfigError
+from gossipd.node.protocols import PROTOCOLS
+
+log = logging.getLogger("gossipd.bench.wan")
+
+SYNTHETIC_NUMEL = 10_000_000  # --job synthetic: a 40 MB model, where bandwidth dominates
+THROUGHPUT_PROTOCOL = "sumweight"
+GOAL_SPEEDUP = 5.0  # the issue's goal against all-reduce at 50 ms
+GOAL_THROUGHPUT = 0.97  # gossip on must keep this share of the trainer's steps
+
+
+def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict[str, Any]:
+    """One protocol's numbers (speedup filled in once allreduce's time is known)."""
+    t0 = run.t0_unix_s
+    steps = [s.get("steps") for s in run.summaries]
+    return {
+        "time_to_target_s": None
+        if t0 is None
+        else results.time_to_target_s(run.histories, target, t0),
+        "final_accuracy": results.final_metric(run.histories, target.metric),
+        "bytes_per_site": results.mean(run.tx_bytes) if run.tx_bytes is not None else None,
+        "wait_fraction": results.mean([s.get("wait_fraction") for s in run.summaries]),
+        "speedup_vs_allreduce": None,
+        "steps_per_site": results.mean(steps),
+        "steps_per_s": None if results.mean(steps) is None else results.mean(steps) / budget_s,
+        "load_average": run.load_average,
+        "finished": run.finished,
+        "workdir": str(run.workdir),
+    }
+
+
+def add_speedups(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's speedup over allreduce's time to target (None without that run)."""
+    base = rows.get(ALLREDUCE, {}).get("time_to_target_s")
+    for row in rows.values():
+        row["speedup_vs_allreduce"] = results.speedup(base, row["time_to_target_s"])
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def print_table(result: dict[str, Any], file: IO[str]) -> None:
+    target = result["target"]
+    print(
+        f"gossipd bench wan · {result['date']} · {result['machine']} · scenario "
+        f"{result['scenario']} · {result['sites']} sites · job {result['job']} · target "
+        f"{target['describe']}\ntestbed: {result['testbed']}",
+        file=file,
+    )
+    metric = "final loss" if target["lower_is_better"] else "final acc"
+    head = (
+        f"{'protocol':<17} {'to target':>9} {'vs allreduce':>12} {metric:>10} "
+        f"{'MB/site':>8} {'wait':>6} {'steps/site':>10} {'load':>5}"
+    )
+    print(head, file=file)
+    print("-" * len(head), file=file)
+    for name, row in result["protocols"].items():
+        mb = None if row["bytes_per_site"] is None else row["bytes_per_site"] / 1e6
+        wait = None if row["wait_fraction"] is None else 100 * row["wait_fraction"]
+        print(
+            f"{name:<17} {_num(row['time_to_target_s'], '8.1f') + 's':>9} "
+            f"{_num(row['speedup_vs_allreduce'], '11.2f') + '×':>12} "
+            f"{_num(row['final_accuracy'], '10.4f'):>10} {_num(mb, '8.1f'):>8} "
+            f"{_num(wait, '5.1f') + '%':>6} {_num(row['steps_per_site'], '10.0f'):>10} "
+            f"{row['load_average']:>5.1f}",
+            file=file,
+        )
+    tp = result.get("throughput")
+    if tp:
+        print(
+            f"trainer throughput, {tp['protocol']} gossip on / off (each site alone): "
+            f"{_num(tp['on_steps_per_s'], '.1f')} / {_num(tp['off_steps_per_s'], '.1f')} "
+            f"steps/s per site = {_num(tp['ratio'], '.3f')} (goal >= {GOAL_THROUGHPUT})",
+            file=file,
+        )
+    print("'-': never reached (or no allreduce run to compare with)", file=file)
+
+
+def plot(runs: list[SitesRun], target: results.Target, title: str, path: Path) -> Path:
+    """Mean test metric over sites against seconds since every site started, a line per
+    protocol, with the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, run in enumerate(runs):
+        if run.t0_unix_s is None:
+            continue
+        times, values = results.mean_curve(run.histories, target.metric, run.t0_unix_s)
+        ax.plot(times, values, "-", color=f"C{i}", label=run.name)
+    ax.axhline(target.value, color="k", ls="--", lw=1, label=f"target {target.describe()}")
+    if target.lower_is_better:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(0.5, 1.0)
+    ax.set(xlabel="seconds since every site started", ylabel=f"mean {target.metric} over sites")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+DESCRIPTION = (
+    "Time to accuracy of every gossip protocol against plain DDP (allreduce) on a shaped "
+    "wide-area network: a network namespace per site with tc tbf (root), else loopback with "
+    "gossipd's own [link] shaping. One protocol after another, then the trainer's throughput "
+    "with gossip on and off."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gossipd bench wan", description=DESCRIPTION)
+    p.add_argument("--scenario", required=True, help=f"a scenario of {DEFAULT_PATH}")
+    p.add_argument("--sites", type=int, default=8, help="number of sites (default: %(default)s)")
+    p.add_argument(
+        "--job",
+        choices=sorted(results.DEFAULT_TARGETS),
+        default="digits",
+        help=f"digits, or synthetic padded to {SYNTHETIC_NUMEL:,} parameters (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--protocols",
+        default=",".join([*PROTOCOLS, ALLREDUCE]),
+        help="comma-separated protocols to run, in order (default: %(default)s)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=90.0,
+        help="seconds of training per protocol, each site (default: %(default)s)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="digits: test_accuracy to reach (default 0.90); synthetic: test_loss to get "
+        "under (default 0.02)",
+    )
+    p.add_argument(
+        "--no-throughput",
+        action="store_true",
+        help=f"skip the last pair of runs ({THROUGHPUT_PROTOCOL} gossip on, then off)",
+    )
+    p.add_argument("--loopback", action="store_true", help="loopback even as root")
+    p.add_argument(
+        "--workdir", default=None, help="where the sites' files go (default: a temp dir)"
+    )
+    p.add_argument("--plot", default="bench-wan.png", help="PNG path, '' for none")
+    p.add_argument("--json", action="store_true", help="one JSON object as the last stdout line")
+    return p
+
+
+def _protocols(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = [*PROTOCOLS, ALLREDUCE]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ConfigError(
+            f"--protocols {text!r}: give distinct names from {', '.join(known)}, comma-separated"
+        )
+    return names
+
+
+def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
+    """Every protocol, then the throughput pair; the result object of ``--json``."""
+    names = _protocols(args.protocols)
+    target = results.target_for(args.job, args.target)
+    if args.sites < 2 or args.budget_s <= 0:
+        raise ConfigError(
+            f"--sites {args.sites} --budget-s {args.budget_s:g}: a wide-area run needs at "
+            "least 2 sites and a budget above 0 s"
+        )
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gossipd-bench-wan-"))
+    spec = WanSpec(
+        scenario=scenario(args.scenario),
+        sites=args.sites,
+        job=args.job,
+        budget_s=args.budget_s,
+        workdir=workdir,
+        loopback=args.loopback,
+        job_options={"numel": SYNTHETIC_NUMEL} if args.job == "synthetic" else {},
+    )
+    log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
+    runs, rows = [], {}
+    for name in names:
+        run_ = run_sites(spec, name)
+        runs.append(run_)
+        rows[name] = protocol_row(run_, target, args.budget_s)
+        row = rows[name]
+        print(
+            f"  {name}: to target {_num(row['time_to_target_s'], '.1f')} s, final "
+            f"{_num(row['final_accuracy'], '.4f')}, {_num(row['steps_per_site'], '.0f')} steps",
+            file=out,
+            flush=True,
+        )
+    add_speedups(rows)
+    result: dict[str, Any] = {
+        "scenario": args.scenario,
+        "sites": args.sites,
+        "job": args.job,
+        "target": {
+            "metric": target.metric,
+            "value": target.value,
+            "lower_is_better": target.lower_is_better,
+            "describe": target.describe(),
+        },
+        "testbed": runs[0].testbed,
+        "budget_s": args.budget_s,
+        "protocols": rows,
+        "throughput": None if args.no_throughput else throughput(spec, out),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "workdir": str(workdir),
+    }
+    if args.plot:
+        title = (
+            f"gossipd bench wan · {args.scenario} · {args.sites} sites · job {args.job} · "
+            f"{result['testbed'][:60]}"
+        )
+        result["plot"] = str(plot(runs, target, title, Path(args.plot)))
+    return result
+
+
+def throughput(spec: WanSpec, out: IO[str]) -> dict[str, Any]:
+    """Mean steps/s per site with gossip on and with no seeds (each site alone)."""
+    rates = {}
+    for on in (True, False):
+        name = f"{THROUGHPUT_PROTOCOL}-{'on' if on else 'off'}"
+        run_ = run_sites(spec, THROUGHPUT_PROTOCOL, gossip=on, name=name)
+        steps = results.mean([s.get("steps") for s in run_.summaries])
+        rates[on] = None if steps is None else steps / spec.budget_s
+        print(f"  throughput {name}: {_num(rates[on], '.1f')} steps/s per site", file=out)
+    ratio = rates[True] / rates[False] if rates[True] is not None and rates[False] else None
+    return {
+        "protocol": THROUGHPUT_PROTOCOL,
+        "on_steps_per_s": rates[True],
+        "off_steps_per_s": rates[False],
+        "ratio": ratio,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    # Which protocol runs and where its files are: said at INFO, whatever the CLI's level.
+    logging.getLogger("gossipd.bench").setLevel(logging.INFO)
+    try:
+        result = run(args, out)
+    except ConfigError as err:
+        print(f"gossipd bench wan: {err}", file=sys.stderr)
+        return 2
+    print_table(result, out)
+    if result.get("plot"):
+        print(f"plot: {result['plot']}", file=out)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""One protocol's run of `gossipd bench wan`: N `gossipd node` sites on the wide-area testbed.
+
+:func:`run_sites` builds the testbed for the scenario (a network namespace per site,
+``tc tbf`` both ways; or the loopback fallback), writes each site's config (listen
+on its testbed address, the other sites as seeds, ``[link] latency_ms`` from the
+scenario, job shard i of N, ``duration_s`` = the budget), starts ``gossipd node`` in
+each site, waits (bounded) until every site has written ``summary.json`` with
+``training_done`` or has exited, stops them (SIGTERM, then SIGKILL; all reaped), reads
+the interfaces' byte counters and tears the testbed down, also on failure or Ctrl-C.
+
+The sites run plaintext gRPC (``[tls] insecure = true``): the bench times protocols,
+and the all-reduce baseline it compares with has no TLS either. Checkpoints are
+written only at shutdown, so no site spends its budget on the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gossipd.bench import wan_cleanup
+from gossipd.bench.wan_net import LoopbackTestbed, Testbed, open_testbed
+from gossipd.bench.wan_results import History, eval_every_steps
+from gossipd.bench.wan_scenarios import Scenario
+from gossipd.node.config_ranks import ALLREDUCE
+from gossipd.node.mesh import free_ports
+from gossipd.node.plot import read_history
+
+log = logging.getLogger(__name__)
+
+STARTUP_S = 120.0  # every site listening and in touch (or at the rendezvous), generously
+FINISH_S = 60.0  # after the budget: the last evaluation, summary.json, a slow stop
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class WanSpec:
+    """What every protocol's run shares."""
+
+    scenario: Scenario
+    sites: int
+    job: str
+    budget_s: float
+    workdir: Path
+    loopback: bool = False
+    job_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SitesRun:
+    """What one run left: each site's history and summary, the common start, the bytes."""
+
+    name: str
+    protocol: str
+    testbed: str
+    workdir: Path
+    histories: list[History]
+    summaries: list[dict[str, Any]]
+    t0_unix_s: float | None  # the last site's node.json: every site had started
+    tx_bytes: list[int] | None  # per site, from the testbed's counters; None on loopback
+    exit_codes: list[int | None]
+    load_average: float
+    finished: bool  # every site wrote training_done (or exited) before the deadline
+
+
+def site_toml(
+    spec: WanSpec,
+    protocol: str,
+    index: int,
+    addresses: list[str],
+    latency_ms: float,
+    rate_mbit: float | None,
+    data_dir: Path,
+    *,
+    gossip: bool = True,
+    allreduce_master: str | None = None,
+) -> str:
+    """Site ``index``'s config: ``rate_mbit`` only where gossipd must shape the rate itself
+    (the loopback fallback; the all-reduce baseline models latency only); ``gossip``
+    False: no seeds, the site trains alone."""
+    n = len(addresses)
+    seeds = [a for i, a in enumerate(addresses) if i != index] if gossip else []
+    job = {
+        "name": spec.job,
+        "seed": index,
+        "shard_index": index,
+        "num_shards": n,
+        "duration_s": spec.budget_s,
+        "eval_every_steps": eval_every_steps(protocol, n, latency_ms),
+    }
+    link = {"latency_ms": latency_ms}
+    if rate_mbit is not None and protocol != ALLREDUCE:
+        link["rate_mbit"] = rate_mbit
+    lines = [
+        f'mesh_id = "wan-{protocol}"',
+        f'node_id = "site-{index}"',
+        f"listen = {json.dumps(addresses[index])}",
+        f"seeds = {json.dumps(seeds)}",
+        f"data_dir = {json.dumps(str(data_dir))}",
+        "progress_interval_s = 10",
+        "",
+        "[job]",
+        *(f"{k} = {json.dumps(v)}" for k, v in job.items()),
+        "",
+        "[job.options]",
+        *(f"{k} = {json.dumps(v)}" for k, v in spec.job_options.items()),
+        "",
+        "[gossip]",
+        f"protocol = {json.dumps(protocol)}",
+        f"seed = {index}",
+        "",
+        "[membership]",
+        f"start_after_peers = {n - 1 if gossip and protocol != ALLREDUCE else 0}",
+        "",
+        "[checkpoint]",
+        "every_steps = 0",
+        "",
+        "[link]",
+        *(f"{k} = {json.dumps(v)}" for k, v in link.items()),
+        "",
+        "[tls]",
+        "insecure = true",
+    ]
+    if allreduce_master is not None:
+        lines += ["", "[allreduce]", f"master = {json.dumps(allreduce_master)}"]
+    return "\n".join(lines) + "\n"
+
+
+def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = "") -> SitesRun:
+    """One run of ``protocol`` on a fresh testbed (see the module docstring)."""
+    name = name or protocol
+    root = spec.workdir / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    load = os.getloadavg()[0]
+    with open_testbed(spec.scenario.links(spec.sites), force_loopback=spec.loopback) as bed:
+        label = testbed_label(bed)
+        log.info(
+            "running %s: %d sites, job %s, %g s of training each, files in %s (%s)",
+            name,
+            spec.sites,
+            spec.job,
+            spec.budget_s,
+            root,
+            label,
+        )
+        dirs = [root / f"site-{i}" for i in range(spec.sites)]
+        procs = _start(spec, bed, protocol, gossip, root, dirs)
+        finished = _wait(spec, procs, dirs)
+        wan_cleanup.stop_processes(procs)
+        counters = [bed.counters(i) for i in range(spec.sites)]
+    codes = [p.returncode for p in procs]
+    for i, code in enumerate(codes):
+        if code not in (0, None) and not _done(dirs[i]):
+            log.warning("%s site %d exited with %s; see %s", name, i, code, dirs[i] / "node.log")
+    starts = [dirs[i] / "node.json" for i in range(spec.sites)]
+    return SitesRun(
+        name=name,
+        protocol=protocol,
+        testbed=label,
+        workdir=root,
+        histories=[read_history(d) for d in dirs],
+        summaries=[_summary(d) for d in dirs],
+        t0_unix_s=max(p.stat().st_mtime for p in starts)
+        if all(p.exists() for p in starts)
+        else None,
+        tx_bytes=None if any(c is None for c in counters) else [c[0] for c in counters if c],
+        exit_codes=codes,
+        load_average=load,
+        finished=finished,
+    )
+
+
+def testbed_label(bed: Testbed | LoopbackTestbed) -> str:
+    """How the network was made, for the table and the JSON."""
+    return bed.label if bed.kernel_shaping else f"loopback: {bed.label}"
+
+
+def _start(
+    spec: WanSpec,
+    bed: Testbed | LoopbackTestbed,
+    protocol: str,
+    gossip: bool,
+    root: Path,
+    dirs: list[Path],
+) -> list[Any]:
+    ports = free_ports(spec.sites + 1)
+    addresses = [f"{bed.address(i)}:{ports[i]}" for i in range(spec.sites)]
+    master = f"{bed.address(0)}:{ports[-1]}" if protocol == ALLREDUCE else None
+    procs = []
+    for i, data_dir in enumerate(dirs):
+        data_dir.mkdir(parents=True)
+        config = root / f"site-{i}.toml"
+        rate = None if bed.kernel_shaping else bed.rate_mbit(i)
+        config.write_text(
+            site_toml(
+                spec,
+                protocol,
+                i,
+                addresses,
+                bed.latency_ms(i),
+                rate,
+                data_dir,
+                gossip=gossip,
+                allreduce_master=master,
+            )
+        )
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if isinstance(bed, Testbed):
+            # gloo would pick the interface of the machine's hostname, absent in a namespace.
+            env["GLOO_SOCKET_IFNAME"] = bed.interface(i)
+        argv = [sys.executable, "-m", "gossipd.node.cli", "--log-level", "INFO", "node"]
+        with open(data_dir / "node.log", "ab") as out:
+            procs.append(
+                bed.popen(i, [*argv, "--config", str(config)], stdout=out, stderr=out, env=env)
+            )
+    return procs
+
+
+def _wait(spec: WanSpec, procs: list[Any], dirs: list[Path]) -> bool:
+    """Until every site is done or exited; False if the deadline came first."""
+    deadline = time.monotonic() + STARTUP_S + spec.budget_s + FINISH_S
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None or _done(d) for p, d in zip(procs, dirs, strict=True)):
+            return True
+        time.sleep(POLL_S)
+    late = [i for i, d in enumerate(dirs) if not _done(d) and procs[i].poll() is None]
+    log.warning(
+        "sites %s had not finished %g s after the start; stopping them (their logs are in %s)",
+        late,
+        STARTUP_S + spec.budget_s + FINISH_S,
+        dirs[0].parent,
+    )
+    return False
+
+
+def _summary(data_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((data_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _done(data_dir: Path) -> bool:
+    return bool(_summary(data_dir).get("training_done"))

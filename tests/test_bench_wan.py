@@ -1,0 +1,224 @@
+"""`gossipd bench wan`: the rules behind its numbers on hand-made histories, then real runs
+(real `gossipd node` processes in real network namespaces shaped by tc, and on loopback).
+
+The namespace run needs root and iproute2 and is skipped, with have_root()'s reason,
+where those are missing; the loopback run works everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gossipd.bench import wan_net
+from gossipd.bench.wan import add_speedups
+from gossipd.bench.wan_results import (
+    DEFAULT_TARGETS,
+    Target,
+    eval_every_steps,
+    final_metric,
+    first_reached_unix_s,
+    mean_curve,
+    speedup,
+    target_for,
+    time_to_target_s,
+)
+from gossipd.node.errors import ConfigError
+
+ROOT, WHY_NOT = wan_net.have_root()
+RUN_TIMEOUT_S = 400.0
+ROW_FIELDS = {
+    "time_to_target_s",
+    "final_accuracy",
+    "bytes_per_site",
+    "wait_fraction",
+    "speedup_vs_allreduce",
+    "steps_per_site",
+}
+TOP_FIELDS = {"scenario", "sites", "job", "target", "testbed", "protocols", "throughput"}
+ACCURACY = Target("test_accuracy", 0.9, lower_is_better=False)
+LOSS = Target("test_loss", 0.02, lower_is_better=True)
+
+
+def rows(*points: tuple[float, float], metric: str = "test_accuracy") -> list[dict[str, Any]]:
+    return [{"unix_s": t, "step": 10 * k, metric: v} for k, (t, v) in enumerate(points)]
+
+
+# -- the rules, on hand-made histories ---------------------------------------------------
+def test_time_to_target_waits_for_the_last_site_to_reach_it() -> None:
+    early = rows((101.0, 0.5), (102.0, 0.91), (103.0, 0.85))
+    late = rows((101.5, 0.6), (104.0, 0.89), (107.5, 0.92))
+    assert first_reached_unix_s(early, ACCURACY) == 102.0
+    assert time_to_target_s([early, late], ACCURACY, t0_unix_s=100.0) == 7.5
+
+
+def test_time_to_target_is_none_when_one_site_never_reaches_it() -> None:
+    reached = rows((101.0, 0.95))
+    never = rows((101.0, 0.5), (105.0, 0.899))
+    assert time_to_target_s([reached, never], ACCURACY, 100.0) is None
+    assert time_to_target_s([reached, []], ACCURACY, 100.0) is None
+    assert time_to_target_s([], ACCURACY, 100.0) is None
+
+
+def test_a_loss_target_is_reached_from_above() -> None:
+    a = rows((11.0, 0.5), (12.0, 0.019), metric="test_loss")
+    b = rows((11.0, 0.02), metric="test_loss")
+    assert time_to_target_s([a, b], LOSS, 10.0) == 2.0
+    assert LOSS.reached({"test_loss": math.nan}) is False
+
+
+def test_final_metric_is_the_mean_of_each_sites_last_evaluation() -> None:
+    a = rows((1.0, 0.5), (2.0, 0.8))
+    b = rows((1.0, 0.9), (3.0, 1.0))
+    assert final_metric([a, b], "test_accuracy") == pytest.approx(0.9)
+    assert final_metric([a, []], "test_accuracy") is None
+
+
+def test_speedup_is_allreduce_time_over_the_protocols() -> None:
+    assert speedup(50.0, 10.0) == 5.0
+    assert speedup(None, 10.0) is None and speedup(50.0, None) is None
+    table = {
+        "allreduce": {"time_to_target_s": 40.0},
+        "sumweight": {"time_to_target_s": 8.0},
+        "persyn": {"time_to_target_s": None},
+    }
+    add_speedups(table)
+    assert [r["speedup_vs_allreduce"] for r in table.values()] == [1.0, 5.0, None]
+    lone = {"sumweight": {"time_to_target_s": 8.0}}
+    add_speedups(lone)
+    assert lone["sumweight"]["speedup_vs_allreduce"] is None
+
+
+def test_each_job_has_its_target_and_a_bad_bar_is_refused() -> None:
+    assert target_for("digits") == Target("test_accuracy", 0.90, lower_is_better=False)
+    assert target_for("synthetic") == Target("test_loss", 0.02, lower_is_better=True)
+    assert target_for("digits", 0.95).value == 0.95
+    assert set(DEFAULT_TARGETS) == {"digits", "synthetic"}
+    with pytest.raises(ConfigError, match=r"--target 1\.5 .* 0 to 1"):
+        target_for("digits", 1.5)
+    with pytest.raises(ConfigError, match="no target known for job 'mnist'"):
+        target_for("mnist")
+
+
+def test_mean_curve_starts_once_every_site_evaluated() -> None:
+    a = rows((11.0, 0.2), (13.0, 0.6))
+    b = rows((12.0, 0.4))
+    times, values = mean_curve([a, b], "test_accuracy", 10.0)
+    assert times == [2.0, 3.0]
+    assert values == pytest.approx([0.3, 0.5])
+
+
+def test_allreduce_evaluates_every_step_at_50ms_and_gossip_less_often() -> None:
+    assert eval_every_steps("allreduce", 8, 50.0) == 1  # 0.7 s a step
+    assert eval_every_steps("allreduce", 8, 5.0) == 6  # 72 ms a step
+    assert eval_every_steps("sumweight", 8, 50.0) > eval_every_steps("allreduce", 8, 5.0)
+
+
+# -- real runs ---------------------------------------------------------------------------
+def bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.Popen[str], str]:
+    """`gossipd bench wan ... --json`, bounded: on timeout it gets SIGTERM (it then stops
+    its sites and removes its testbed) and is reaped."""
+    argv = [sys.executable, "-m", "gossipd.node.cli", "bench", "wan", *args, "--json"]
+    argv += ["--workdir", str(tmp_path / "work"), "--plot", str(tmp_path / "wan.png")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"bench wan did not end in {RUN_TIMEOUT_S:.0f} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), proc, err
+
+
+def left_running(workdir: Path) -> list[int]:
+    """Processes whose command line names the run's files (its sites)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(workdir).encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def check_fields(result: dict[str, Any], protocols: list[str]) -> None:
+    assert set(result) >= TOP_FIELDS
+    assert list(result["protocols"]) == protocols
+    for name in protocols:
+        assert set(result["protocols"][name]) >= ROW_FIELDS, name
+
+
+@pytest.mark.skipif(not ROOT, reason=f"the testbed needs namespaces: {WHY_NOT}")
+def test_namespace_run_compares_sumweight_with_allreduce_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    result, proc, err = bench(
+        tmp_path,
+        "--scenario",
+        "uniform-100mbit-5ms",
+        "--sites",
+        "3",
+        "--protocols",
+        "sumweight,allreduce",
+        "--budget-s",
+        "15",
+        "--no-throughput",
+    )
+    check_fields(result, ["sumweight", "allreduce"])
+    assert result["testbed"].startswith("network namespaces on ")
+    assert result["sites"] == 3 and result["job"] == "digits"
+    assert result["throughput"] is None
+    rows_ = result["protocols"]
+    assert rows_["allreduce"]["speedup_vs_allreduce"] in (1.0, None)
+    for name, row in rows_.items():
+        assert row["bytes_per_site"] > 0, name
+        assert row["steps_per_site"] > 0, name
+        assert 0.0 <= row["wait_fraction"] <= 1.0, name
+        assert 0.0 < row["final_accuracy"] <= 1.0, name
+    # DDP waits on the 5 ms latency hook every step; gossip never waits for the network.
+    assert rows_["allreduce"]["wait_fraction"] > rows_["sumweight"]["wait_fraction"]
+    assert "running allreduce" in err and str(tmp_path / "work" / "allreduce") in err
+    assert Path(result["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert wan_net.leftovers(wan_net.process_prefix(proc.pid)) == []
+    assert left_running(tmp_path / "work") == []
+
+
+def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
+    result, _proc, err = bench(
+        tmp_path,
+        "--scenario",
+        "uniform-100mbit-5ms",
+        "--sites",
+        "2",
+        "--protocols",
+        "sumweight",
+        "--budget-s",
+        "5",
+        "--loopback",
+    )
+    check_fields(result, ["sumweight"])
+    assert result["testbed"].startswith("loopback: in-process shaping")
+    row = result["protocols"]["sumweight"]
+    assert row["bytes_per_site"] is None
+    assert row["speedup_vs_allreduce"] is None  # no allreduce run to compare with
+    throughput = result["throughput"]
+    assert throughput["protocol"] == "sumweight"
+    assert throughput["on_steps_per_s"] > 0 and throughput["off_steps_per_s"] > 0
+    assert throughput["ratio"] == pytest.approx(
+        throughput["on_steps_per_s"] / throughput["off_steps_per_s"]
+    )
+    assert "testbed: loopback: in-process shaping" in err
+    assert left_running(tmp_path / "work") == []
+    assert os.path.exists(result["plot"])
