@@ -108,6 +108,12 @@ def print_table(result: dict[str, Any], file: IO[str]) -> None:
             f"steps/s per site = {_num(tp['ratio'], '.3f')} (goal >= {GOAL_THROUGHPUT})",
             file=file,
         )
+        print(
+            f"each site alone (no gossip): to target "
+            f"{_num(tp['alone_time_to_target_s'], '.1f')} s, final "
+            f"{_num(tp['alone_final_accuracy'], '.4f')}",
+            file=file,
+        )
     print("'-': never reached (or no allreduce run to compare with)", file=file)
 
 
@@ -249,7 +255,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "testbed": runs[0].testbed,
         "budget_s": args.budget_s,
         "protocols": rows,
-        "throughput": None if args.no_throughput else throughput(spec, out),
+        "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "workdir": str(workdir),
@@ -263,21 +269,24 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
     return result
 
 
-def throughput(spec: WanSpec, out: IO[str]) -> dict[str, Any]:
-    """Mean steps/s per site with gossip on and with no seeds (each site alone)."""
-    rates = {}
+def throughput(spec: WanSpec, target: results.Target, out: IO[str]) -> dict[str, Any]:
+    """Mean steps/s per site with gossip on and with no seeds (each site alone), and how
+    soon the sites alone reach the target: what gossip adds over local training."""
+    rows = {}
     for on in (True, False):
         name = f"{THROUGHPUT_PROTOCOL}-{'on' if on else 'off'}"
-        run_ = run_sites(spec, THROUGHPUT_PROTOCOL, gossip=on, name=name)
-        steps = results.mean([s.get("steps") for s in run_.summaries])
-        rates[on] = None if steps is None else steps / spec.budget_s
-        print(f"  throughput {name}: {_num(rates[on], '.1f')} steps/s per site", file=out)
-    ratio = rates[True] / rates[False] if rates[True] is not None and rates[False] else None
+        rows[on] = protocol_row(
+            run_sites(spec, THROUGHPUT_PROTOCOL, gossip=on, name=name), target, spec.budget_s
+        )
+        print(f"  throughput {name}: {_num(rows[on]['steps_per_s'], '.1f')} steps/s", file=out)
+    on_rate, off_rate = rows[True]["steps_per_s"], rows[False]["steps_per_s"]
     return {
         "protocol": THROUGHPUT_PROTOCOL,
-        "on_steps_per_s": rates[True],
-        "off_steps_per_s": rates[False],
-        "ratio": ratio,
+        "on_steps_per_s": on_rate,
+        "off_steps_per_s": off_rate,
+        "ratio": on_rate / off_rate if on_rate is not None and off_rate else None,
+        "alone_time_to_target_s": rows[False]["time_to_target_s"],
+        "alone_final_accuracy": rows[False]["final_accuracy"],
     }
 
 

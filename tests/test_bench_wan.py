@@ -219,6 +219,8 @@ def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
     assert throughput["ratio"] == pytest.approx(
         throughput["on_steps_per_s"] / throughput["off_steps_per_s"]
     )
+    assert 0.0 < throughput["alone_final_accuracy"] <= 1.0
     assert "testbed: loopback: in-process shaping" in err
+    assert "each site alone (no gossip): to target" in err
     assert left_running(tmp_path / "work") == []
     assert os.path.exists(result["plot"])
