@@ -46,7 +46,9 @@ def register(bed: Closable) -> None:
     if not _atexit_registered:
         atexit.register(close_all)
         _atexit_registered = True
-    if not _open and threading.current_thread() is threading.main_thread():
+    # _previous is empty while ours are not installed (a close from another thread
+    # cannot put the previous ones back; the next close from the main thread does).
+    if not _previous and threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             _previous[signum] = signal.signal(signum, _on_signal)
     _open.append(bed)

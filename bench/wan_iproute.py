@@ -15,6 +15,7 @@ import ipaddress
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,10 +116,17 @@ def leftovers(tag: str = PREFIX) -> list[str]:
 
 def remove(tag: str) -> None:
     """Delete every link and namespace whose name starts with ``tag`` (qdiscs go with
-    their links); what is already gone is skipped."""
+    their links), after SIGKILL to any process still in those namespaces: a namespace
+    lives on, unnamed, while a process is in it, and after a harness was killed its
+    sites' daemons would keep running. What is already gone is skipped."""
     ip = which("ip")
     if ip is None:
         return
+    for name in namespaces(ip):
+        if name.startswith(tag):
+            for pid in run([ip, "netns", "pids", name], f"listing {name}'s processes").split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
     for line in run([ip, "-o", "link", "show"], "listing links").splitlines():
         name = line.split(": ")[1].split("@")[0]
         if name.startswith(tag):
@@ -142,8 +150,15 @@ def namespaces(ip: str) -> list[str]:
 def network_lock() -> Iterator[None]:
     """Held from choosing a testbed's network until its bridge has the address, so a
     testbed built at the same time, in another process, sees it taken."""
-    LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK_PATH.open("a") as lock:
+    try:
+        LOCK_PATH.parent.mkdir(parents=True, exist_ok=True)
+        lock = LOCK_PATH.open("a")
+    except OSError as err:
+        raise TestbedError(
+            f"cannot open the testbed's lock {LOCK_PATH}: {err.strerror or err}; the testbed "
+            f"needs root (have_root() says what is missing here)"
+        ) from err
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield

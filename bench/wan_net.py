@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from gossipd.bench import wan_cleanup
 from gossipd.bench.wan_iproute import (
@@ -136,7 +136,7 @@ class _Sites:
             raise IndexError(f"no site {i!r}: this testbed has sites 0 to {len(self.links) - 1}")
         return i
 
-    def __enter__(self) -> _Sites:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *_exc: object) -> None:
@@ -170,6 +170,10 @@ class Testbed(_Sites):
             self._build_sites()
         except BaseException:
             self.close()
+            # A signal's handler closes the testbed while an `ip` it started may still
+            # be running; what that one made is removed now.
+            if leftovers(self.tag):
+                remove(self.tag)
             raise
         self.label = (
             f"network namespaces on {self.network}, bandwidth shaped by tc tbf (testbed {self.tag})"

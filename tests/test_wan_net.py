@@ -22,6 +22,7 @@ import pytest
 
 from gossipd.bench import wan_net
 from gossipd.bench.wan_scenarios import SiteLink
+from tests.conftest import wait_until
 
 ROOT, WHY_NOT = wan_net.have_root()
 needs_root = pytest.mark.skipif(not ROOT, reason=f"the testbed needs namespaces: {WHY_NOT}")
@@ -73,29 +74,41 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as co
 """
 
 
-def lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str]:
-    """The process's stdout lines as they come, for waits with a timeout."""
-    lines: queue.Queue[str] = queue.Queue()
+def lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    """The process's stdout lines as they come, for waits with a timeout; None at EOF."""
+    lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
         for line in proc.stdout or ():
             lines.put(line.strip())
+        lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
     return lines
 
 
-def next_line(lines: queue.Queue[str], proc: subprocess.Popen[str], what: str) -> str:
+def next_line(lines: queue.Queue[str | None], proc: subprocess.Popen[str], what: str) -> str:
     try:
-        return lines.get(timeout=WAIT_S)
+        line = lines.get(timeout=WAIT_S)
     except queue.Empty:
         raise AssertionError(f"no {what} within {WAIT_S} s (exit {proc.poll()})") from None
+    if line is None:
+        raise AssertionError(f"no {what}: the process closed its output (exit {proc.wait(WAIT_S)})")
+    return line
 
 
 def python(bed: Any, site: int, script: str, *args: object) -> subprocess.Popen[str]:
     return bed.popen(
         site, [sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True
     )
+
+
+def sleeping(pid: str) -> bool:
+    """Whether the testbed child's site process (marked wan-sleeper) is still alive."""
+    try:
+        return b"wan-sleeper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def netns_names() -> str:
@@ -200,11 +213,15 @@ def test_a_build_that_fails_half_way_removes_what_it_made() -> None:
 
 
 CHILD = """
-import sys
+import subprocess, sys
 from gossipd.bench import wan_net
 from gossipd.bench.wan_scenarios import SiteLink
 with wan_net.Testbed([SiteLink(100.0, 5.0)] * 2) as bed:
-    sleeper = bed.popen(1, [sys.executable, "-c", "import time; time.sleep(600)", "wan-sleeper"])
+    sleeper = bed.popen(
+        1,
+        [sys.executable, "-c", "import time; time.sleep(600)", "wan-sleeper"],
+        stdout=subprocess.DEVNULL,
+    )
     print("ready", bed.tag, sleeper.pid, flush=True)
     sys.stdin.read()
 """
@@ -232,7 +249,7 @@ def test_a_harness_stopped_by_a_signal_removes_its_testbed_and_still_dies_of_it(
     try:
         ready = next_line(lines_of(child), child, "ready line").split()
         assert ready[0] == "ready", ready
-        tag, sleeper = ready[1], int(ready[2])
+        tag, sleeper = ready[1], ready[2]
         assert wan_net.leftovers(tag)
         child.send_signal(signum)
         assert child.wait(WAIT_S) == -signum, child.stderr.read() if child.stderr else ""
@@ -245,8 +262,7 @@ def test_a_harness_stopped_by_a_signal_removes_its_testbed_and_still_dies_of_it(
                 stream.close()
     assert wan_net.leftovers(tag) == []
     assert tag not in netns_names()
-    cmdline = Path(f"/proc/{sleeper}/cmdline")
-    assert not cmdline.exists() or b"wan-sleeper" not in cmdline.read_bytes()
+    assert not sleeping(sleeper)
 
 
 @needs_root
@@ -317,3 +333,35 @@ def test_without_root_open_testbed_falls_back_to_loopback_and_names_the_reason()
     assert kind == "LoopbackTestbed"
     assert label.startswith("in-process shaping (not root: running as uid ")
     assert "run as root with iproute2 installed" in done.stderr
+
+
+@needs_root
+def test_check_lists_what_a_killed_harness_left_and_clean_removes_it_with_its_processes() -> None:
+    # SIGKILL is the one way out nothing can clean up after: the command is for that.
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        _, tag, sleeper = next_line(lines_of(child), child, "ready line").split()
+    finally:
+        child.kill()
+        child.wait(WAIT_S)
+        for stream in (child.stdin, child.stdout):
+            if stream:
+                stream.close()
+    command = [sys.executable, "-m", "gossipd.bench.wan_net"]
+    try:
+        check = subprocess.run(
+            [*command, "--check", tag], capture_output=True, text=True, timeout=WAIT_S
+        )
+        assert check.returncode == 1
+        assert f"netns {tag}n0" in check.stdout and f"qdisc tbf on {tag}h1" in check.stdout
+        assert sleeping(sleeper)  # the site's process outlived its harness
+        clean = subprocess.run(
+            [*command, "--clean", tag], capture_output=True, text=True, timeout=WAIT_S
+        )
+        assert clean.returncode == 0, clean.stdout + clean.stderr
+    finally:
+        wan_net.remove(tag)
+    assert wan_net.leftovers(tag) == []
+    wait_until(lambda: not sleeping(sleeper), "the orphaned site process to die", WAIT_S)
