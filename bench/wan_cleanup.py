@@ -71,8 +71,8 @@ def close_all() -> None:
             bed.close()
         except Exception:
             log.exception(
-                "closing a wide-area testbed failed; `python -m "
-                "gossipd.bench.wan_net --check` lists what is left"
+                "closing a wide-area testbed failed; `python -m gossipd.bench.wan_net "
+                "--check` lists what it left and `--clean TAG` removes it"
             )
 
 

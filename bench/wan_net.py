@@ -331,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="?",
         const=PREFIX,
         metavar="TAG",
-        help="remove them (only while no testbed of that tag runs)",
+        help="remove them, killing what still runs in those namespaces (only while no "
+        "testbed of that tag runs: without TAG, every testbed's)",
     )
     args = parser.parse_args(argv)
     if args.clean is not None:
