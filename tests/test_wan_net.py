@@ -335,6 +335,25 @@ def test_without_root_open_testbed_falls_back_to_loopback_and_names_the_reason()
     assert "run as root with iproute2 installed" in done.stderr
 
 
+AT_EXIT = """
+from gossipd.bench import wan_net
+from gossipd.bench.wan_scenarios import SiteLink
+bed = wan_net.Testbed([SiteLink(100.0, 5.0)] * 2)
+print(bed.tag, flush=True)
+"""
+
+
+@needs_root
+def test_a_testbed_left_open_is_removed_when_the_interpreter_exits() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", AT_EXIT], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert done.returncode == 0, done.stderr
+    tag = done.stdout.strip()
+    assert tag.startswith(wan_net.PREFIX) and len(tag) == 11
+    assert wan_net.leftovers(tag) == []
+
+
 @needs_root
 def test_check_lists_what_a_killed_harness_left_and_clean_removes_it_with_its_processes() -> None:
     # SIGKILL is the one way out nothing can clean up after: the command is for that.
