@@ -42,7 +42,7 @@ from gossipd.node.allreduce_comm import (
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import ConfigError
 from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.site import write_json
+from gossipd.node.statefiles import write_json
 
 log = logging.getLogger("gossipd.node.allreduce")
 

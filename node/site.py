@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,123 +44,10 @@ from gossipd.node.ranks import (
 )
 from gossipd.node.replica import Replica
 from gossipd.node.report import StepReport
+from gossipd.node.statefiles import FailureStreak, write_json
+from gossipd.node.trainer_loop import TrainingLoop
 
 log = logging.getLogger(__name__)
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-class FailureStreak:
-    """Logs the first of a run of failed writes at WARNING and the recovery at INFO.
-
-    A full disk fails every interval; one line per interval would bury the log,
-    so the failures in between are only logged at DEBUG (and counted in metrics).
-    """
-
-    def __init__(self, what: str, advice: str) -> None:
-        self.what = what
-        self.advice = advice
-        self.failures = 0
-
-    def failed(self, err: Exception) -> None:
-        self.failures += 1
-        if self.failures == 1:
-            log.warning("%s failed: %s; %s", self.what, err, self.advice)
-        else:
-            log.debug("%s failed again (%d in a row): %s", self.what, self.failures, err)
-
-    def succeeded(self, path: Path) -> None:
-        if self.failures:
-            log.info(
-                "%s written again to %s after %d failed attempts",
-                self.what,
-                path,
-                self.failures,
-            )
-            self.failures = 0
-
-
-class TrainingLoop(threading.Thread):
-    """The trainer thread: steps, merges at step boundaries, evaluates, checkpoints."""
-
-    def __init__(self, site: Site) -> None:
-        super().__init__(name=f"trainer-{site.config.node_id}", daemon=True)
-        self.site = site
-        self.halt = threading.Event()
-        # Called on the trainer thread if training dies: the daemon must not idle on as a
-        # silent, half-alive peer, so the site shuts down (and `gossipd node` exits 1).
-        self.on_fatal: Callable[[], None] = lambda: None
-        self.finished = threading.Event()
-        # After ``halt`` the thread stops stepping but keeps merging and runs the
-        # leave's hand-off and settlements (parameters are written only here) until this.
-        self.release = threading.Event()
-        # Set once start-up (join bootstrap, start_after_peers) is done: until then the
-        # thread only drives the replica, so the bootstrap model is loaded here too.
-        self.go = threading.Event()
-        # Cleared by the `pause` control command: the thread stops stepping at the next step
-        # boundary and only drives the replica (merges, settlements) until it is set again.
-        self.resumed = threading.Event()
-        self.resumed.set()
-        self.stepped = False
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        site, cfg = self.site, self.site.config.job
-        try:
-            while not (self.go.is_set() or self.halt.is_set()):
-                self._idle()
-            started = time.monotonic()
-            while not self.halt.is_set():
-                if self.finished.is_set() or not self.resumed.is_set():
-                    self._idle()
-                    continue
-                self.stepped = True
-                t0 = time.perf_counter()
-                with site.replica.lock:
-                    if site.ranks is not None:
-                        site.ranks.before_step(site.replica.steps)
-                    loss = site.job.train_step()
-                    report = site.replica.step(loss)
-                site.record(report, time.perf_counter() - t0, loss)
-                step = site.replica.steps
-                if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
-                    site.evaluate()
-                every = site.config.checkpoint.every_steps
-                if every and step % every == 0:
-                    site.periodic_checkpoint()
-                elapsed = time.monotonic() - started
-                if (cfg.max_steps and step >= cfg.max_steps) or (
-                    cfg.duration_s and elapsed >= cfg.duration_s
-                ):
-                    site.evaluate()
-                    site.replica.finish_training()
-                    site.write_summary(training_done=True)
-                    self.finished.set()
-            if site.ranks is not None:
-                site.evaluate()  # every rank records the model the site stops with
-                site.ranks.stop(site.replica.steps)
-            site.replica.idle_until(self.release)
-        except BaseException as err:
-            log.exception("trainer thread failed")
-            self.error = err
-            if site.ranks is not None:
-                site.ranks.broken = True  # its collectives cannot be trusted any more
-            self.on_fatal()
-            self.finished.set()
-
-    def _idle(self) -> None:
-        self.site.replica.idle(0.05)
-        if self.site.ranks is not None:
-            self.site.ranks.tick(self.site.replica.steps)
 
 
 class Site:
