@@ -221,9 +221,10 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
             f"--sites {args.sites} --budget-s {args.budget_s:g}: a wide-area run needs at "
             "least 2 sites and a budget above 0 s"
         )
+    chosen = scenario(args.scenario)  # an unknown name stops here, before any directory
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gossipd-bench-wan-"))
     spec = WanSpec(
-        scenario=scenario(args.scenario),
+        scenario=chosen,
         sites=args.sites,
         job=args.job,
         budget_s=args.budget_s,
