@@ -41,7 +41,8 @@ from gossipd.node.allreduce_comm import (
 )
 from gossipd.node.config import NodeConfig
 from gossipd.node.errors import ConfigError
-from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.jobs import build_job
+from gossipd.node.ranks import site_spec
 from gossipd.node.statefiles import write_json
 
 log = logging.getLogger("gossipd.node.allreduce")
@@ -105,17 +106,8 @@ class AllreduceSite:
         self.world = config.job.num_shards
         self.data_dir = Path(config.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.job = build_job(
-            JobSpec(
-                name=config.job.name,
-                seed=config.job.seed,
-                shard_index=config.job.shard_index,
-                num_shards=config.job.num_shards,
-                learning_rate=config.job.learning_rate,
-                batch_size=config.job.batch_size,
-                options=dict(config.job.options),
-            )
-        )
+        # One process per site: job.device "cuda" is that process's first GPU.
+        self.job = build_job(site_spec(config, None))
         self.model = self.job.model  # the unwrapped module: checksums and what DDP wraps
         self.backend = resolve_backend(config.ranks.backend, self.model)
         self.comm = Collectives(self.world, config.link.latency_ms / 1000.0)

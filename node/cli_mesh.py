@@ -38,6 +38,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "plot_path": Path(args.plot) if args.plot else None,
         "seed": args.seed,
         "ranks": args.ranks,
+        "device": args.device,
         "quiet": args.json,
         "job_options": parse_job_options(args.job_option),
         "coordinator": args.coordinator == "local",
@@ -151,6 +152,12 @@ def _add_mesh_args(
         default=1,
         help="processes per site: rank 0 gossips, all ranks all-reduce gradients (gloo) every "
         "step; the --json summary lists every rank's test accuracy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="job.device of every site: cpu, cuda (one GPU per rank) or cuda:N "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--node-based",

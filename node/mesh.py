@@ -61,6 +61,7 @@ class MeshSpec:
     eval_every_steps: int = 100
     ranks: int = 1  # processes per site (rank 0 gossips; gloo all-reduce inside)
     collective_timeout_s: float | None = None  # [ranks] collective_timeout_s; None: default
+    device: str = "cpu"  # job.device of every site (cuda: a GPU per rank)
     checkpoint_every_steps: int = 200
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
     # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
@@ -131,6 +132,7 @@ def node_toml(
         "duration_s": spec.duration_s,
         "max_steps": spec.max_steps,
         "eval_every_steps": spec.eval_every_steps,
+        "device": spec.device,
     }
     if spec.learning_rate is not None:
         job["learning_rate"] = spec.learning_rate
