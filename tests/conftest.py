@@ -21,6 +21,29 @@ from gossipd.node.mesh import free_ports, spawn_node, stop_process
 from gossipd.node.status import query_status
 from gossipd.node.tls import Credentials
 
+# Files whose tests run real meshes for tens of seconds, roughly longest first. They are
+# queued before the rest (with `--dist loadfile --no-loadscope-reorder`, xdist hands out
+# files in collection order): a long file started last keeps one worker busy long after
+# the other has run out of work, which was a few minutes of the suite's wall time.
+SLOW_FILES_FIRST = (
+    "test_mesh_digits.py", "test_mesh_averaging.py", "test_ranks.py", "test_bench_wan.py",
+    "test_overlap_mesh.py", "test_allreduce.py", "test_insider_streams.py",
+    "test_dashboards.py", "test_containers.py", "test_crash_all_sites.py",
+    "test_crash_one_site.py", "test_crash_recovery.py", "test_insider_weight.py",
+    "test_mqtt_outage.py", "test_coordinator_client.py", "test_demo.py",
+    "test_bench_overlap.py", "test_bench_protocols.py", "test_bench_transport.py",
+    "test_liveness.py", "test_attacks.py", "test_mqtt.py", "test_overlap_daemon.py",
+    "test_operator.py", "test_sim.py", "test_clean_shutdown.py", "test_leaving_receiver.py",
+    "test_lost_ack.py", "test_mass_faults.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow files first, each file's tests in their own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 torch.set_num_threads(1)
 START_TIMEOUT_S = 120.0
 

@@ -173,7 +173,7 @@ def test_namespace_run_compares_sumweight_with_allreduce_and_leaves_nothing(
         "--protocols",
         "sumweight,allreduce",
         "--budget-s",
-        "15",
+        "6",
         "--no-throughput",
     )
     check_fields(result, ["sumweight", "allreduce"])
@@ -205,7 +205,7 @@ def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
         "--protocols",
         "sumweight",
         "--budget-s",
-        "5",
+        "3",
         "--loopback",
     )
     check_fields(result, ["sumweight"])
