@@ -89,7 +89,10 @@ def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path:
             lambda ss: all(s["scheduling"] == "coordinator" for s in ss),
             "every node registered again and scheduling through the restarted coordinator",
         )
-        state = json.loads((tmp_path / "coordinator" / "state.json").read_text())
+        # It writes its state at its next persist interval after the nodes registered.
+        saved = tmp_path / "coordinator" / "state.json"
+        wait_until(saved.exists, "the restarted coordinator to write its state", 60)
+        state = json.loads(saved.read_text())
         assert state, "the coordinator wrote no state"
 
         _wait_statuses(
