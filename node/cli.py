@@ -71,14 +71,7 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     if config.gossip.protocol == "allreduce":  # the synchronous DDP baseline, no gossip
         from gossipd.node.allreduce import run_allreduce
 
-        code = run_allreduce(config)
-        # Everything is written and the group destroyed; torch's C++ store and gloo threads
-        # can still abort the interpreter's own exit ("terminate called without an active
-        # exception", SIGABRT, seen once in 12 runs), so the baseline leaves at once.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return run_allreduce(config)
     rank_env = ranks.RankEnv.from_environ()
     if rank_env is not None and rank_env.rank != 0:
         return ranks.follow(config, rank_env, build_job)
