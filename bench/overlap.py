@@ -33,6 +33,7 @@ from typing import IO, Any
 
 from gossipd.bench.overlap_mesh import MeshSettings, run_mode
 from gossipd.bench.overlap_sim import MODES, SimSettings, run_grid
+from gossipd.node.plot import save_figure
 
 GOAL_WAIT = 0.03  # the goal for scheduled overlap: under 3% of wall time waited
 
@@ -123,11 +124,7 @@ def plot(rows: list[dict[str, Any]], settings: SimSettings, path: Path) -> Path:
         f"{settings.pull_s(False):.2f} s of a {settings.period_steps * settings.step_s:g} s "
         f"period, mean of {len(settings.seeds)} seed(s)"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 DESCRIPTION = (

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gossipd.node.errors import ConfigError
+from gossipd.node.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
 from gossipd.node.sim import SimSpec, run_sim
 from gossipd.node.sim.command import checked_options, parse_setting
@@ -167,11 +168,7 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> Path:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle("gossipd bench protocols (simulator, homogeneous scenario, training off)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 # What `--help` says: the module docstring in plain words, without its markup.

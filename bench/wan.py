@@ -33,6 +33,7 @@ from gossipd.bench.wan_scenarios import DEFAULT_PATH, scenario
 from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
 from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import ConfigError
+from gossipd.node.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS
 
 log = logging.getLogger("gossipd.bench.wan")
@@ -143,11 +144,7 @@ def plot(runs: list[SitesRun], target: results.Target, title: str, path: Path) -
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 DESCRIPTION = (

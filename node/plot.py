@@ -23,6 +23,18 @@ STOP_LABEL = "training stopped"
 LOCAL_ONLY_LABEL = "local only"
 
 
+def save_figure(fig: Figure, path: Path, dpi: int = 100) -> Path:
+    """Lay out, write (making the folder) and close a benchmark's figure: pyplot keeps
+    every open figure alive, and a bench run draws one per invocation."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def read_history(node_dir: Path) -> list[dict[str, float]]:
     """A node's ``history.jsonl`` rows; none when it never evaluated."""
     path = Path(node_dir) / "history.jsonl"
