@@ -22,6 +22,7 @@ removes it.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import logging
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 MAX_SITES = 253  # 10.X.Y.1 to .253 (.254 is the bridge); 3 digits keep names at 15 characters
 
 
-class _Sites:
+class _Sites(abc.ABC):
     """What both testbeds share: the links, the processes they started, closing."""
 
     kernel_shaping = False
@@ -95,14 +96,17 @@ class _Sites:
         """Site i's bandwidth (both directions)."""
         return self.links[self._site(i)].rate_mbit
 
+    @abc.abstractmethod
     def address(self, i: int) -> str:
-        raise NotImplementedError
+        """Each testbed says how (namespace or loopback)."""
 
+    @abc.abstractmethod
     def counters(self, i: int) -> tuple[int, int] | None:
-        raise NotImplementedError
+        """Each testbed says how (namespace or loopback)."""
 
+    @abc.abstractmethod
     def _argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        raise NotImplementedError
+        """Each testbed says how (namespace or loopback)."""
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` as site i, tracked so :meth:`close` stops it and its children (it
@@ -128,7 +132,7 @@ class _Sites:
             finally:
                 wan_cleanup.unregister(self)
 
-    def _teardown(self) -> None:
+    def _teardown(self) -> None:  # noqa: B027 - a hook: loopback sites leave nothing behind
         """Nothing to remove for loopback sites."""
 
     def _site(self, i: int) -> int:
