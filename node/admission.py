@@ -2,8 +2,9 @@
 
 A flood of streams must not stop the mesh, so everything an outsider can make
 this node hold has a cap with a config key: concurrent push and pull streams
-(:class:`Slots`), payload bytes of unfinished pushes (:class:`ByteBudget`), and
-how long a stream may stay silent (:class:`IdleBounded`). Over a cap the
+(:class:`Slots`), memory the segments of unfinished pushes hold (:class:`ByteBudget`),
+how long a stream may stay silent and how long a whole push may take
+(:class:`IdleBounded`), and how long a connection lives (:func:`server_options`). Over a cap the
 request is refused at once with :class:`Busy` (RESOURCE_EXHAUSTED), never
 queued, and the message names the key to raise.
 
@@ -16,10 +17,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from gossipd.node.errors import Busy, ConfigError, PushTooSlow, StreamIdle, TooManyStreams
-from gossipd.node.segments import SegmentPlan
+from gossipd.node import codec as wirecodec
+from gossipd.node.codec import Codec
+from gossipd.node.errors import (
+    Busy,
+    ConfigError,
+    PushTooLong,
+    PushTooSlow,
+    StreamIdle,
+    TooManyStreams,
+)
+from gossipd.node.segments import Segment, SegmentPlan
+
+if TYPE_CHECKING:
+    from gossipd.node.config import NodeConfig
 
 T = TypeVar("T")
 
@@ -116,8 +129,25 @@ class Hold:
         self.release()
 
 
+def held_bytes(segment: Segment, codec: Codec) -> int:
+    """Memory one received segment holds at its peak: the wire buffer plus, when the codec
+    is not the model's dtype, the decoded copy (:func:`codec.decode` makes it while the
+    buffer is alive); with the dtype on the wire the tensor is a view of the buffer."""
+    encoded = segment.numel * wirecodec.encoded_itemsize(codec, segment.dtype)
+    return encoded + wirecodec.decoded_copy_bytes(codec, segment.dtype, segment.numel)
+
+
+def largest_held(plan: SegmentPlan) -> tuple[int, Segment, Codec]:
+    """The most any one segment of ``plan`` may hold, over every codec a peer may choose."""
+    return max(
+        ((held_bytes(seg, codec), seg, codec) for seg in plan.segments for codec in Codec),
+        key=lambda entry: entry[0],
+    )
+
+
 class ByteBudget:
-    """Payload bytes that unfinished inbound pushes may hold, all streams together."""
+    """Memory that segments of unfinished inbound pushes may hold, all streams together
+    (:func:`held_bytes` each, from their header until the merge has answered)."""
 
     def __init__(self, capacity: int, key: str) -> None:
         self.capacity = capacity
@@ -137,14 +167,67 @@ class ByteBudget:
         self.in_use += nbytes
 
     def check_fits(self, plan: SegmentPlan) -> None:
-        """Refuse a budget below the largest segment: no push could ever be received."""
-        largest = max(plan.segments, key=lambda s: s.nbytes)
-        if largest.nbytes > self.capacity:
+        """Refuse a budget below what the largest segment holds: no push of it could ever
+        be received (with fp16 or bf16 that is the wire bytes plus the decoded copy)."""
+        nbytes, largest, codec = largest_held(plan)
+        if nbytes > self.capacity:
             raise ConfigError(
                 f"{self.key} = {self.capacity} is below the largest model segment "
-                f"({largest.nbytes} bytes, segment {largest.index}), so no push could ever be "
-                f"received; raise {self.key} to at least {largest.nbytes}"
+                f"({nbytes} bytes held while received: segment {largest.index} "
+                f"in {codec.name.lower()}), so a push of it could never be received; raise "
+                f"{self.key} to at least {nbytes}"
             )
+
+
+def push_deadline_s(config: NodeConfig, plan: SegmentPlan) -> float:
+    """How long one inbound push stream may take (``limits.max_push_s``), or ConfigError.
+
+    An honest push must fit: one of the largest segment at exactly
+    ``limits.min_push_rate_bytes_s``, after the free first
+    ``limits.stream_idle_timeout_s``. Unset, it is that or ``gossip.push_timeout_s``
+    (a sender's own deadline for a push, from open to answer), whichever is longer,
+    so this node never ends a push its sender is still waiting for.
+    """
+    limits = config.limits
+    largest = max(plan.segments, key=lambda seg: seg.nbytes)  # raw: the most wire bytes
+    wire_bytes = largest.nbytes
+    needed_s = limits.stream_idle_timeout_s + wire_bytes / limits.min_push_rate_bytes_s
+    if limits.max_push_s is None:
+        return max(needed_s, config.gossip.push_timeout_s)
+    if limits.max_push_s < needed_s:
+        raise ConfigError(
+            f"limits.max_push_s = {limits.max_push_s:g} is below the {needed_s:.3g} s a push of "
+            f"the largest segment ({wire_bytes} bytes, segment {largest.index}) may take at "
+            f"limits.min_push_rate_bytes_s = {limits.min_push_rate_bytes_s:g} after the first "
+            f"limits.stream_idle_timeout_s = {limits.stream_idle_timeout_s:g} s; raise it to at "
+            "least that, raise min_push_rate_bytes_s, or leave max_push_s unset"
+        )
+    return limits.max_push_s
+
+
+def server_options(config: NodeConfig, plan: SegmentPlan) -> list[tuple[str, int]]:
+    """gRPC server options that bound how long a connection, and the calls on it, can live.
+
+    grpc cannot cancel a call from the server: a pull whose reader stopped reading
+    is cut off (its slot freed) but lingers in grpc until its client goes away.
+    After ``limits.max_connection_age_s`` the server sends GOAWAY: a well-behaved
+    client opens a new connection for its next call, and calls in flight get a
+    grace of the longest an honest call takes (a push: its deadline and the merge
+    wait; a pull: ``gossip.push_timeout_s``), after which the connection is closed
+    and whatever still lingers on it with it.
+    """
+    limits = config.limits
+    longest_s = max(push_deadline_s(config, plan), config.gossip.push_timeout_s)
+    grace_s = longest_s + limits.merge_wait_s
+    return [
+        ("grpc.max_connection_age_ms", _grpc_ms(limits.max_connection_age_s)),
+        ("grpc.max_connection_age_grace_ms", _grpc_ms(grace_s)),
+    ]
+
+
+def _grpc_ms(seconds: float) -> int:
+    """Milliseconds as grpc's int options take them (a C int: at most about 24 days)."""
+    return min(round(seconds * 1000), 2**31 - 1)
 
 
 class IdleBounded(Generic[T]):
@@ -155,7 +238,10 @@ class IdleBounded(Generic[T]):
     ``min_rate`` (bytes per second, each frame's bytes given by ``size``), the
     waiting as a whole is bounded too: after a first ``idle_s`` that is free, each
     byte buys ``1 / min_rate`` seconds more, so a peer trickling a byte just inside
-    ``idle_s`` is ended all the same (:class:`PushTooSlow`).
+    ``idle_s`` is ended all the same (:class:`PushTooSlow`). With a ``deadline_s``
+    the whole stream, from its first frame awaited to its last, gets that long on
+    the wall clock (:class:`PushTooLong`): a peer sending big chunks just fast
+    enough would otherwise hold its slot and reserved bytes as long as it likes.
     """
 
     def __init__(
@@ -167,6 +253,8 @@ class IdleBounded(Generic[T]):
         min_rate: float | None = None,
         rate_key: str = "",
         size: Callable[[T], int] = lambda frame: 0,
+        deadline_s: float | None = None,
+        deadline_key: str = "",
     ) -> None:
         self.frames = frames
         self.idle_s = idle_s
@@ -174,8 +262,11 @@ class IdleBounded(Generic[T]):
         self.min_rate = min_rate
         self.rate_key = rate_key
         self.size = size
+        self.deadline_s = deadline_s
+        self.deadline_key = deadline_key
         self.waited_s = 0.0
         self.received = 0
+        self.started: float | None = None
 
     def __aiter__(self) -> IdleBounded[T]:
         return self
@@ -186,13 +277,30 @@ class IdleBounded(Generic[T]):
             return float("inf")
         return self.idle_s + self.received / self.min_rate - self.waited_s
 
+    def _left_s(self, now: float) -> float:
+        """Wall-clock time the whole stream may still take (its deadline)."""
+        if self.deadline_s is None or self.started is None:
+            return float("inf")
+        return self.deadline_s - (now - self.started)
+
     async def __anext__(self) -> T:
-        limit_s = min(self.idle_s, self._allowed_s())
         started = time.monotonic()
+        if self.started is None:
+            self.started = started
+        rate_s = self._allowed_s()
+        left_s = self._left_s(started)
+        limit_s = min(self.idle_s, rate_s, left_s)
         try:
             async with asyncio.timeout(max(limit_s, 0.0)):
                 frame = await anext(self.frames)
         except TimeoutError:
+            if limit_s == left_s:
+                raise PushTooLong(
+                    f"{self.received} bytes received and the push still open after "
+                    f"{self.deadline_s:g} s ({self.deadline_key}); the stream was ended and its "
+                    f"slot and reserved bytes released. An honest sender this slow needs a "
+                    f"faster link, or {self.deadline_key} raised on this node"
+                ) from None
             if limit_s < self.idle_s:
                 raise PushTooSlow(
                     f"{self.received} bytes in {self.waited_s + limit_s:.0f} s of waiting, "

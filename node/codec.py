@@ -52,6 +52,14 @@ def encoded_itemsize(codec: Codec, dtype: torch.dtype) -> int:
     return torch.empty((), dtype=wire).element_size()
 
 
+def decoded_copy_bytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
+    """Bytes :func:`decode` allocates besides its input: none when the wire dtype is the
+    model's (the tensor is then a view of the received buffer), else a tensor of ``dtype``."""
+    if _WIRE_DTYPE.get(codec, dtype) == dtype:
+        return 0
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
 def encode(flat: torch.Tensor, codec: Codec) -> memoryview:
     """A byte view of ``flat`` in ``codec``; for ``raw`` on CPU this is zero-copy."""
     wire_dtype = _WIRE_DTYPE.get(codec, flat.dtype)

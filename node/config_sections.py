@@ -114,6 +114,19 @@ class LimitsConfig(_Section):
     stream_idle_timeout_s: float = Field(
         10.0, gt=0, description="an inbound stream silent this long (or a pull not read) is ended"
     )
+    max_push_s: float | None = Field(
+        None,
+        gt=0,
+        description="an inbound push stream still arriving this long after it opened is ended "
+        "(PushTooLong); unset: the longer of gossip.push_timeout_s and what the largest "
+        "segment needs at min_push_rate_bytes_s after the first stream_idle_timeout_s",
+    )
+    max_connection_age_s: float = Field(
+        600.0,
+        gt=0,
+        description="an inbound connection this old is asked to reconnect (GOAWAY); calls on "
+        "it get the longest an honest call takes, then the connection is closed",
+    )
     merge_wait_s: float = Field(
         5.0, gt=0, description="how long a received push waits for a step boundary before Busy"
     )

@@ -81,6 +81,11 @@ class PushTooSlow(StreamIdle):
     time, however short each silence is."""
 
 
+class PushTooLong(StreamIdle):
+    """An inbound push still arriving at ``limits.max_push_s``: fast enough frame by frame,
+    it would still hold its slot and reserved bytes for as long as its sender likes."""
+
+
 class PayloadOutOfBounds(GossipdError):
     """A finite payload too far from this node's own model to be an honest estimate of it
     (``limits.max_payload_distance``); refused whole, so the sender keeps its weight."""

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gossipd.node.admission import server_options
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
 from gossipd.node.errors import (
@@ -209,7 +210,8 @@ class Network:
         listen = self.config.listen
         host = listen.rpartition(":")[0]
         check_port_free(listen)
-        server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+        ages = server_options(self.config, self.replica.flat.plan)
+        server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *ages, ("grpc.so_reuseport", 0)])
         try:
             add_to_server(GossipServicer(self), server)
             health_servicer = health.aio.HealthServicer()

@@ -8,9 +8,10 @@ its status code with the same text the local log gets.
 Streams are admitted against the caps in ``limits`` (see :mod:`admission`):
 concurrent pushes and pulls, pushes per peer (a member with a valid certificate
 still cannot take the slots the others need), payload bytes held by unfinished
-pushes, how long a stream may stay silent and how slowly a push may arrive. A
-silent or trickling push, or a pull whose reader stopped reading, is ended with
-DEADLINE_EXCEEDED (:class:`StreamIdle`, :class:`PushTooSlow`, counted).
+pushes, how long a stream may stay silent, how slowly a push may arrive and how
+long it may take. A silent, trickling or overlong push, or a pull whose reader
+stopped reading, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`,
+:class:`PushTooSlow`, :class:`PushTooLong`, counted).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from gossipd.node import errors
-from gossipd.node.admission import ByteBudget, IdleBounded, PeerSlots, Slots
+from gossipd.node.admission import ByteBudget, IdleBounded, PeerSlots, Slots, push_deadline_s
 from gossipd.node.certs import CertificateError
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
@@ -63,6 +64,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PushTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.PushTooLong: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PayloadOutOfBounds: grpc.StatusCode.INVALID_ARGUMENT,
     IdentityMismatch: grpc.StatusCode.PERMISSION_DENIED,
     NotAllowed: grpc.StatusCode.PERMISSION_DENIED,
@@ -165,7 +167,8 @@ class Handlers(Protocol):
 
 class GossipServicer:
     def __init__(self, node: Handlers) -> None:
-        """Raises ConfigError if ``limits.max_pending_bytes`` could never hold a segment."""
+        """Raises ConfigError if ``limits.max_pending_bytes`` could never hold a segment, or
+        ``limits.max_push_s`` could not fit a push of one at the minimum rate."""
         self.node = node
         limits = node.config.limits
         self.idle_s = limits.stream_idle_timeout_s
@@ -182,7 +185,9 @@ class GossipServicer:
         )
         self.min_push_rate = limits.min_push_rate_bytes_s
         self.pending = ByteBudget(limits.max_pending_bytes, "limits.max_pending_bytes")
-        self.pending.check_fits(node.new_assembler().plan)
+        plan = node.new_assembler().plan
+        self.pending.check_fits(plan)
+        self.push_deadline_s = push_deadline_s(node.config, plan)
         node.metrics.inbound_push_streams.set_function(lambda: self.pushes.in_use)
 
     def check_mesh(self, mesh_id: str, who: str) -> None:
@@ -245,6 +250,8 @@ class GossipServicer:
                     min_rate=self.min_push_rate,
                     rate_key="limits.min_push_rate_bytes_s",
                     size=_frame_size,
+                    deadline_s=self.push_deadline_s,
+                    deadline_key="limits.max_push_s",
                 )
                 first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
                 if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
@@ -305,12 +312,11 @@ class GossipServicer:
     async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``.
 
-        A reader that stops reading is cut off there and the snapshot released.
-        The refusal is sent with ``set_code`` rather than ``abort``: its status
-        queues behind frames the reader never takes, and ``abort`` would wait for
-        them. grpc offers a server no way to cancel such a call, so it ends only
-        when its client reads, cancels, disconnects or passes its deadline;
-        until then it keeps its slot, which bounds what such calls can hold.
+        A reader that stops reading is cut off there, its snapshot and slot released
+        (the slot counts pulls we serve). The refusal is sent with ``set_code``, not
+        ``abort``, which would wait behind frames the reader never takes. grpc keeps
+        such a call (a frame and a window) until its client goes away or its
+        connection is closed (:func:`admission.server_options`).
         """
         peer = context.peer()
         try:
@@ -318,22 +324,21 @@ class GossipServicer:
             check_claim(self.node.tls.peer_id(context), req.requester, "a pull")
             self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
-            slot = self.pulls.take()
-            context.add_done_callback(lambda _: slot.release())
-            async with contextlib.aclosing(self.node.on_pull(req)) as frames:
-                async for frame in frames:
-                    if isinstance(frame, memoryview):
-                        data = pull_chunk_frame(frame)
-                    else:
-                        data = pb.PullFrame(header=frame).SerializeToString()
-                    try:
-                        async with asyncio.timeout(self.idle_s):
-                            await context.write(data)
-                    except TimeoutError:
-                        raise StreamIdle(
-                            f"the reader took no frame for {self.idle_s:g} s "
-                            "(limits.stream_idle_timeout_s); the pull was cut off"
-                        ) from None
+            with self.pulls.take():
+                async with contextlib.aclosing(self.node.on_pull(req)) as frames:
+                    async for frame in frames:
+                        if isinstance(frame, memoryview):
+                            data = pull_chunk_frame(frame)
+                        else:
+                            data = pb.PullFrame(header=frame).SerializeToString()
+                        try:
+                            async with asyncio.timeout(self.idle_s):
+                                await context.write(data)
+                        except TimeoutError:
+                            raise StreamIdle(
+                                f"the reader took no frame for {self.idle_s:g} s "
+                                "(limits.stream_idle_timeout_s); the pull was cut off"
+                            ) from None
         except GossipdError as err:
             self.node.on_rejected(peer, err)
             context.set_code(status_code(err))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gossipd.node import codec as wirecodec
+from gossipd.node.admission import held_bytes
 from gossipd.node.codec import Codec
 from gossipd.node.errors import InvalidFrame, PayloadTooLarge
 from gossipd.node.messages import ReceivedSegment
@@ -101,9 +102,10 @@ def push_chunk_frame(data: bytes | memoryview) -> bytes:
 class SegmentAssembler:
     """Feeds on headers and chunks of one stream; yields complete, verified segments.
 
-    ``reserve`` pays for each segment's buffer: it is called with the payload's
-    byte count once the header is valid and before the buffer exists, and may
-    raise to refuse it (a receiver's memory budget).
+    ``reserve`` pays for each segment's memory: it is called with what the segment
+    will hold (:func:`admission.held_bytes`: the buffer, plus the decoded copy
+    for fp16 or bf16) once the header is valid and before the buffer exists, and
+    may raise to refuse it (a receiver's memory budget).
     """
 
     def __init__(
@@ -162,7 +164,7 @@ class SegmentAssembler:
                 f"sum-weight {weight!r} for segment {seg.index} is not a finite number between "
                 f"0 and {self.limits.max_sum_weight:g} (limits.max_sum_weight)"
             )
-        self.reserve(expected)
+        self.reserve(held_bytes(seg, codec))
         self._header = header
         # Uninitialised memory: a zero-filled bytearray costs a page-faulting pass
         # over the whole segment before the first byte arrives.
