@@ -125,6 +125,13 @@ class GossipConfig(_Section):
         4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
     )
     seed: int = Field(0, description="seed of this node's peer choices")
+    cpu_share: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="most of the node's CPU gossip may take while the trainer steps; "
+        "pushes wait (and so come less often) while it is over; 1: never wait",
+    )
     _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)
 
     @property

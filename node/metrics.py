@@ -85,6 +85,27 @@ class NodeMetrics:
         self.pushes_in_flight = Gauge(
             "gossipd_pushes_in_flight", "Outbound pushes not yet settled", registry=r
         )
+        self.gossip_cpu_share = Gauge(
+            "gossipd_gossip_cpu_share",
+            "Share of this process's CPU that went to gossip (not training) over the last "
+            "2 s; pushes wait while it is over gossipd_gossip_cpu_budget and the trainer steps",
+            registry=r,
+        )
+        self.gossip_cpu_budget = Gauge(
+            "gossipd_gossip_cpu_budget",
+            "Most of the node's CPU gossip may take while the trainer steps (gossip.cpu_share)",
+            registry=r,
+        )
+        self.pushes_held = Counter(
+            "gossipd_pushes_held_total",
+            "Outbound pushes that waited for gossip's CPU budget before going (throttled)",
+            registry=r,
+        )
+        self.push_held_seconds = Counter(
+            "gossipd_push_held_seconds_total",
+            "Seconds outbound pushes waited for gossip's CPU budget",
+            registry=r,
+        )
         self.rejected = Counter(
             "gossipd_rejected_payloads_total",
             "Inbound payloads refused, by reason",

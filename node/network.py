@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from gossipd.node.admission import server_options
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
+from gossipd.node.cpubudget import SAMPLE_S, CpuBudget
 from gossipd.node.errors import (
     Busy,
     ConfigError,
@@ -162,9 +163,13 @@ class Network:
             spawn=self.spawn,
             stopping=self.stopping,
         )
+        self.budget = CpuBudget(config.gossip.cpu_share)
+        self.metrics.gossip_cpu_budget.set(config.gossip.cpu_share)
+        self.metrics.gossip_cpu_share.set_function(self.budget.gossip_share)
         self.outbound = Outbound(
             config=config,
             replica=replica,
+            budget=self.budget,
             membership=self.peering.membership,
             client=self.client,
             metrics=self.metrics,
@@ -262,6 +267,7 @@ class Network:
             )
         )
         self.spawn(self.peering.run(), "anti-entropy")
+        self.spawn(self._measure_cpu(), "cpu-budget")
         log.info(
             "node %s serving on %s with %s (fingerprint %s)",
             self.node_id,
@@ -296,6 +302,12 @@ class Network:
                 await client.close()
         finally:
             self.metrics.close()
+
+    async def _measure_cpu(self) -> None:
+        """Keep the CPU budget's window filled, pushes or not (its samples are its clock)."""
+        while not self.stopping.is_set():
+            self.budget.gossip_share()
+            await asyncio.sleep(SAMPLE_S)
 
     def spawn(self, coro: object, name: str | None = None) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gossipd.node.cpubudget import HOLD_POLL_S, CpuBudget
 from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.messages import Ack, OutboundPush, PushOutcome
 from gossipd.node.peering import RPC_TIMEOUT_S
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
+MAX_HOLD_S = 5.0  # the longest a push waits for gossip's CPU budget
 
 
 class Outbound:
@@ -48,6 +50,7 @@ class Outbound:
         *,
         config: NodeConfig,
         replica: Replica,
+        budget: CpuBudget,
         membership: Membership,
         client: Callable[[str, str], PeerClient],
         metrics: NodeMetrics,
@@ -61,6 +64,7 @@ class Outbound:
         runs a task the node keeps until it closes; ``stopping`` is set when it closes."""
         self.config = config
         self.replica = replica
+        self.budget = budget
         self.membership = membership
         self.client = client
         self.metrics = metrics
@@ -95,10 +99,29 @@ class Outbound:
         error: str | None = "the node stopped before the push was acknowledged"
         started = time.monotonic()
         try:
+            await self._within_budget()
             acks, error = await self.deliver(out)
         finally:
             self.replica.post(PushOutcome(out, tuple(acks), error))
             self.metrics.push_seconds.observe(time.monotonic() - started)
+
+    async def _within_budget(self) -> None:
+        """Wait while gossip is over its CPU share (``gossip.cpu_share``), at most
+        ``MAX_HOLD_S``: a node whose inbound traffic alone is over its share still moves
+        its weight. A leaving or stopping node never waits."""
+        budget = self.budget
+        if not budget.over():
+            return
+        started = time.monotonic()
+        held_until = started + MAX_HOLD_S
+        while budget.over() and not (self.leaving or self.stopping.is_set()):
+            if time.monotonic() >= held_until:
+                break
+            await asyncio.sleep(HOLD_POLL_S)
+        held_s = time.monotonic() - started
+        budget.held(held_s)
+        self.metrics.pushes_held.inc()
+        self.metrics.push_held_seconds.inc(held_s)
 
     async def deliver(self, out: OutboundPush, kind: str = "push") -> tuple[list[Ack], str | None]:
         """Retry with the same sequence until the receiver answers or is declared dead.

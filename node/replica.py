@@ -127,6 +127,7 @@ class Replica:
         self.pushes_acked = 0
         self.pushes_failed = 0
         self.pushes_merged = 0
+        self.merge_cpu_s = 0.0
         self.summary = Summary.of(self)
 
     @classmethod
@@ -441,6 +442,7 @@ class Replica:
         """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
+        cpu0 = time.thread_time()
         try:
             acks, record = self.merger.merge_push(item)
             if record.merged_segments:
@@ -455,6 +457,14 @@ class Replica:
         except Exception as err:  # never strand the waiting servicer
             item.reply.set_exception(err)
             raise
+        finally:
+            self.merge_cpu_s += time.thread_time() - cpu0
+
+    @property
+    def gossip_cpu_s(self) -> float:
+        """CPU this replica's thread spent merging pushes and snapshotting its own (its
+        share of gossip's cost; the network side's is the rest of the process's)."""
+        return self.merge_cpu_s + self.dispatch.snapshot_cpu_s
 
     def _pulled(
         self, out: OutboundPull, pulled: Pulled | None, error: str | None, report: StepReport

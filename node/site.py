@@ -173,6 +173,8 @@ class Site:
                     "sum_weights": s.weights,
                     "wait_s": s.wait_s,
                     "wait_fraction": s.wait_fraction,
+                    "gossip_cpu_share": round(self.network.budget.share_while_training, 4),
+                    "pushes_held": self.network.budget.held_pushes,
                     "training_done": training_done,
                     "resumed_from_step": self.resumed_from,
                     **self.last_eval,

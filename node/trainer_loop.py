@@ -49,17 +49,19 @@ class TrainingLoop(threading.Thread):
             while not (self.go.is_set() or self.halt.is_set()):
                 self._idle()
             started = time.monotonic()
+            budget, replica = site.network.budget, site.replica
             while not self.halt.is_set():
                 if self.finished.is_set() or not self.resumed.is_set():
+                    budget.training = False
                     self._idle()
                     continue
-                self.stepped = True
-                t0 = time.perf_counter()
-                with site.replica.lock:
+                self.stepped = budget.training = True
+                t0, cpu0, gossip0 = time.perf_counter(), time.thread_time(), replica.gossip_cpu_s
+                with replica.lock:
                     if site.ranks is not None:
-                        site.ranks.before_step(site.replica.steps)
+                        site.ranks.before_step(replica.steps)
                     loss = site.job.train_step()
-                    report = site.replica.step(loss)
+                    report = replica.step(loss)
                 site.record(report, time.perf_counter() - t0, loss)
                 step = site.replica.steps
                 if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
@@ -75,6 +77,9 @@ class TrainingLoop(threading.Thread):
                     site.replica.finish_training()
                     site.write_summary(training_done=True)
                     self.finished.set()
+                # All but its merges and push snapshots is the trainer's own work.
+                budget.add_training(time.thread_time() - cpu0 - (replica.gossip_cpu_s - gossip0))
+            budget.training = False
             if site.ranks is not None:
                 site.evaluate()  # every rank records the model the site stops with
                 site.ranks.stop(site.replica.steps)

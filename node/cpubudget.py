@@ -1,0 +1,88 @@
+"""A node's CPU budget for gossip: pushes wait while gossip took more than its share.
+
+On a site whose cores all train, every CPU-second the daemon spends on gossip
+(serialising, TLS, grpc, checksums, merges, snapshots) is taken from a trainer.
+``gossip.cpu_share`` caps gossip's part of the node's CPU while the trainer is
+stepping: over a sliding window, gossip CPU ≤ share × (gossip + training CPU).
+When a push would go while gossip is over that, it waits until it is back under;
+the protocol core meanwhile sees the push still in flight and starts no new one
+to that peer (nor beyond ``gossip.max_pushes_in_flight``), so the push *rate*
+adapts to what pushes really cost, with no weight lost or duplicated: a held push
+is an ordinary unacknowledged push.
+
+Training CPU is what the trainer thread spends on anything but merging inbound
+pushes and snapshotting its own (the job's steps, evaluations, checkpoints, a
+multi-rank site's collectives, the replica's per-step bookkeeping, which costs the
+same with gossip off); everything else the process spends is gossip: the network
+side's threads (grpc, TLS, framing, checksums) and those merges and snapshots. While the trainer
+does not step (start-up, paused, training done) nothing is throttled: there is
+nothing to starve.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+WINDOW_S = 2.0  # the share is measured over about this much of the recent past
+SAMPLE_S = 0.1  # a new sample is taken at most this often
+HOLD_POLL_S = 0.02  # a held push looks again this often
+
+
+class CpuBudget:
+    """The gossip share of this process's CPU, and whether a push may go now."""
+
+    def __init__(
+        self,
+        share: float,
+        *,
+        process_cpu: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``share`` in (0, 1]; 1 never holds a push (the share is still measured)."""
+        self.share = share
+        self._process_cpu = process_cpu
+        self._clock = clock
+        self.training_cpu_s = 0.0  # added to by the trainer thread only
+        self.training = False  # the trainer is stepping (set and cleared by the trainer)
+        self.held_s = 0.0  # total time pushes waited for the budget
+        self.held_pushes = 0
+        # (wall, process CPU, training CPU), oldest first, about WINDOW_S of them
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
+        self._last_share = 0.0
+        self.share_while_training = 0.0  # the last share measured while the trainer stepped
+        self._lock = threading.Lock()  # the loop (metrics, pushes) and the trainer (summary) ask
+
+    def add_training(self, cpu_s: float) -> None:
+        """CPU the trainer thread just spent on training (not on gossip)."""
+        self.training_cpu_s += cpu_s
+
+    def gossip_share(self) -> float:
+        """Gossip's share of the CPU this process used over the last window (0 if none)."""
+        with self._lock:
+            return self._sample(self._clock())
+
+    def _sample(self, now: float) -> float:
+        samples = self._samples
+        if not samples or now - samples[-1][0] >= SAMPLE_S:
+            samples.append((now, self._process_cpu(), self.training_cpu_s))
+            while len(samples) > 2 and now - samples[1][0] >= WINDOW_S:
+                samples.popleft()
+            first, last = samples[0], samples[-1]
+            used = last[1] - first[1]
+            training = last[2] - first[2]
+            self._last_share = min(1.0, max(0.0, (used - training) / used)) if used > 0 else 0.0
+            if self.training:
+                self.share_while_training = self._last_share
+        return self._last_share
+
+    def over(self) -> bool:
+        """Whether a push should wait now: gossip over its share while the trainer steps."""
+        return self.share < 1.0 and self.training and self.gossip_share() > self.share
+
+    def held(self, seconds: float) -> None:
+        """A push waited ``seconds`` for the budget before going."""
+        self.held_s += seconds
+        self.held_pushes += 1
