@@ -129,7 +129,7 @@ class GossipConfig(_Section):
         0.1,
         gt=0,
         le=1,
-        description="most of the node's CPU gossip may take while the trainer steps; "
+        description="most of the node's cores' time gossip may take while the trainer steps; "
         "pushes wait (and so come less often) while it is over; 1: never wait",
     )
     _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)

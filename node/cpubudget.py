@@ -1,48 +1,70 @@
 """A node's CPU budget for gossip: pushes wait while gossip took more than its share.
 
 On a site whose cores all train, every CPU-second the daemon spends on gossip
-(serialising, TLS, grpc, checksums, merges, snapshots) is taken from a trainer.
-``gossip.cpu_share`` caps gossip's part of the node's CPU while the trainer is
-stepping: over a sliding window, gossip CPU ≤ share × (gossip + training CPU).
-When a push would go while gossip is over that, it waits until it is back under;
-the protocol core meanwhile sees the push still in flight and starts no new one
-to that peer (nor beyond ``gossip.max_pushes_in_flight``), so the push *rate*
-adapts to what pushes really cost, with no weight lost or duplicated: a held push
-is an ordinary unacknowledged push.
+(grpc, TLS, framing, checksums, merges, snapshots) is taken from a trainer.
+``gossip.cpu_share`` caps gossip's part of the CPU the node may use (its cores:
+the CPU affinity, or a container's CPU quota when that is lower) while the
+trainer is stepping: over a sliding window, gossip CPU-seconds ≤ share × cores ×
+wall seconds. A push that would go while gossip is over that waits until it is
+back under; the protocol core meanwhile sees the push still in flight and starts
+no new one to that peer (nor beyond ``gossip.max_pushes_in_flight``), so the push
+*rate* adapts to what pushes really cost, with no weight lost or duplicated: a
+held push is an ordinary unacknowledged push. Gossip that only uses CPU nobody
+else wants (a GPU trainer, a cheap step on an idle machine) is never held while
+it stays under the share of the whole node.
 
 Training CPU is what the trainer thread spends on anything but merging inbound
 pushes and snapshotting its own (the job's steps, evaluations, checkpoints, a
 multi-rank site's collectives, the replica's per-step bookkeeping, which costs the
 same with gossip off); everything else the process spends is gossip: the network
-side's threads (grpc, TLS, framing, checksums) and those merges and snapshots. While the trainer
-does not step (start-up, paused, training done) nothing is throttled: there is
-nothing to starve.
+side's threads and those merges and snapshots. While the trainer does not step
+(start-up, paused, training done) nothing is held: there is nothing to starve.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 WINDOW_S = 2.0  # the share is measured over about this much of the recent past
 SAMPLE_S = 0.1  # a new sample is taken at most this often
 HOLD_POLL_S = 0.02  # a held push looks again this often
 
 
+def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
+    """The cores this process may use: its CPU affinity, or a cgroup v2 quota if lower."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max":
+        return cpus
+    try:
+        return max(0.01, min(cpus, int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return cpus
+
+
 class CpuBudget:
-    """The gossip share of this process's CPU, and whether a push may go now."""
+    """Gossip's share of the node's CPU, and whether a push may go now."""
 
     def __init__(
         self,
         share: float,
         *,
+        cpus: float | None = None,
         process_cpu: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``share`` in (0, 1]; 1 never holds a push (the share is still measured)."""
+        """``share`` in (0, 1]; 1 never holds a push (the share is still measured).
+        ``cpus``: the cores the node may use (default: :func:`available_cpus`)."""
         self.share = share
+        self.cpus = cpus or available_cpus()
         self._process_cpu = process_cpu
         self._clock = clock
         self.training_cpu_s = 0.0  # added to by the trainer thread only
@@ -60,7 +82,7 @@ class CpuBudget:
         self.training_cpu_s += cpu_s
 
     def gossip_share(self) -> float:
-        """Gossip's share of the CPU this process used over the last window (0 if none)."""
+        """Gossip's CPU over the last window, as a share of the node's cores' time."""
         with self._lock:
             return self._sample(self._clock())
 
@@ -71,9 +93,9 @@ class CpuBudget:
             while len(samples) > 2 and now - samples[1][0] >= WINDOW_S:
                 samples.popleft()
             first, last = samples[0], samples[-1]
-            used = last[1] - first[1]
-            training = last[2] - first[2]
-            self._last_share = min(1.0, max(0.0, (used - training) / used)) if used > 0 else 0.0
+            wall = last[0] - first[0]
+            gossip = (last[1] - first[1]) - (last[2] - first[2])
+            self._last_share = min(1.0, max(0.0, gossip / (wall * self.cpus))) if wall > 0 else 0.0
             if self.training:
                 self.share_while_training = self._last_share
         return self._last_share

@@ -87,8 +87,9 @@ class NodeMetrics:
         )
         self.gossip_cpu_share = Gauge(
             "gossipd_gossip_cpu_share",
-            "Share of this process's CPU that went to gossip (not training) over the last "
-            "2 s; pushes wait while it is over gossipd_gossip_cpu_budget and the trainer steps",
+            "CPU this process spent on gossip (not training) over the last 2 s, as a share of "
+            "its cores' time; pushes wait while it is over gossipd_gossip_cpu_budget and the "
+            "trainer steps",
             registry=r,
         )
         self.gossip_cpu_budget = Gauge(

@@ -7,12 +7,13 @@ stay under and one without a budget, side by side.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from gossipd.node.config import parse_config
-from gossipd.node.cpubudget import SAMPLE_S, WINDOW_S, CpuBudget
+from gossipd.node.cpubudget import SAMPLE_S, WINDOW_S, CpuBudget, available_cpus
 from gossipd.node.errors import ConfigError
 from gossipd.node.mesh import free_ports
 from tests.conftest import (
@@ -41,10 +42,33 @@ class Clocks:
 
 
 def budget(share: float, clocks: Clocks) -> CpuBudget:
-    return CpuBudget(share, process_cpu=lambda: clocks.cpu, clock=lambda: clocks.wall)
+    return CpuBudget(share, cpus=1.0, process_cpu=lambda: clocks.cpu, clock=lambda: clocks.wall)
 
 
-def test_share_is_the_part_of_the_process_cpu_the_trainer_did_not_spend() -> None:
+def test_share_is_the_cpu_the_trainer_did_not_spend_over_the_nodes_cores() -> None:
+    clocks = Clocks()
+    b = CpuBudget(0.1, cpus=2.0, process_cpu=lambda: clocks.cpu, clock=lambda: clocks.wall)
+    b.gossip_share()
+    clocks.advance(1.0, 1.5)
+    b.add_training(1.1)  # 0.4 CPU-s of gossip in 1 s on 2 cores
+    assert b.gossip_share() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [("max 100000\n", None), ("50000 100000\n", 0.5), ("junk", None), (None, None)],
+)
+def test_the_nodes_cores_are_its_affinity_or_a_lower_cgroup_quota(
+    tmp_path: Path, cpu_max: str | None, expected: float | None
+) -> None:
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    affinity = float(len(os.sched_getaffinity(0)))
+    assert available_cpus(path) == (expected if expected is not None else affinity)
+
+
+def test_share_is_the_part_of_the_cpu_the_trainer_did_not_spend() -> None:
     clocks = Clocks()
     b = budget(0.1, clocks)
     b.gossip_share()
