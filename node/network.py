@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gossipd.node import exchange
 from gossipd.node.admission import server_options
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
@@ -218,7 +219,8 @@ class Network:
         ages = server_options(self.config, self.replica.flat.plan)
         server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *ages, ("grpc.so_reuseport", 0)])
         try:
-            add_to_server(GossipServicer(self), server)
+            servicer = GossipServicer(self)
+            add_to_server(servicer, server, {"Exchange": exchange.method_handler(servicer)})
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             reflection.enable_server_reflection(

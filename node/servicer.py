@@ -102,7 +102,7 @@ def _parser(cls: type[T]) -> Callable[[bytes], T | Malformed]:
 _CHUNK_TAG = (pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3) | 2
 
 
-def _parse_push_frame(data: bytes) -> pb.PushFrame | memoryview | Malformed:
+def parse_push_frame(data: bytes) -> pb.PushFrame | memoryview | Malformed:
     """A chunk frame as a view of its payload (no protobuf copy); anything else parsed.
 
     Chunks are nearly all the bytes of a push; reading them through protobuf
@@ -228,52 +228,61 @@ class GossipServicer:
         return await self._guard(context, context.peer(), call)
 
     async def PushSegments(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        """Receive one push within the caps; what it reserved is released however it ends.
-
-        Completed segments stay charged to ``limits.max_pending_bytes`` until the
-        merge has answered, since until then their buffers are alive.
-        """
+        """One push per call (a peer's Exchange stream carries many: :mod:`exchange`)."""
 
         async def call() -> pb.PushReply:
             who = self.node.tls.peer_id(context)
-            with contextlib.ExitStack() as slots:
-                # A peer's own cap first: over it, a stream never touches the shared one.
-                # In plaintext nobody is known before the open frame names its sender.
-                if who is not None:
-                    slots.enter_context(self.peer_pushes.take(who))
-                slots.enter_context(self.pushes.take())
-                held = slots.enter_context(self.pending.hold())
-                frames = IdleBounded(
-                    aiter(request_iterator),
-                    self.idle_s,
-                    "limits.stream_idle_timeout_s",
-                    min_rate=self.min_push_rate,
-                    rate_key="limits.min_push_rate_bytes_s",
-                    size=_frame_size,
-                    deadline_s=self.push_deadline_s,
-                    deadline_key="limits.max_push_s",
-                )
-                first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
-                if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
-                    raise InvalidFrame("a push stream must start with a PushOpen frame")
-                opened = first.open
-                check_claim(who, opened.sender, "a push")
-                if who is None:
-                    slots.enter_context(self.peer_pushes.take(opened.sender))
-                self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
-                check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
-                self.node.check_sender(opened.sender, opened.incarnation)
-                if not 1 <= opened.sequence_base <= opened.sequence:
-                    raise InvalidFrame(
-                        f"push {opened.sender!r}#{opened.sequence} names sequence_base "
-                        f"{opened.sequence_base}; it must be in 1..{opened.sequence}"
-                    )
-                assembler = self.node.new_assembler()
-                assembler.reserve = held.reserve
-                segments = await self._receive(opened, frames, assembler)
-                return await self.node.on_push(opened, segments, context.time_remaining())
+            return await self.receive_push(who, aiter(request_iterator), context.time_remaining())
 
         return await self._guard(context, context.peer(), call)
+
+    async def receive_push(
+        self, who: str | None, request_frames: AsyncIterator[Any], deadline_s: float | None
+    ) -> pb.PushReply:
+        """Receive one push within the caps; what it reserved is released however it ends.
+
+        ``who``: the node id of the peer's certificate (None in plaintext);
+        ``request_frames``: this push's frames, open first; ``deadline_s``: how long
+        the sender still waits for the reply (None: no deadline). Completed segments
+        stay charged to ``limits.max_pending_bytes`` until the merge has answered,
+        since until then their buffers are alive.
+        """
+        with contextlib.ExitStack() as slots:
+            # A peer's own cap first: over it, a stream never touches the shared one.
+            # In plaintext nobody is known before the open frame names its sender.
+            if who is not None:
+                slots.enter_context(self.peer_pushes.take(who))
+            slots.enter_context(self.pushes.take())
+            held = slots.enter_context(self.pending.hold())
+            frames = IdleBounded(
+                request_frames,
+                self.idle_s,
+                "limits.stream_idle_timeout_s",
+                min_rate=self.min_push_rate,
+                rate_key="limits.min_push_rate_bytes_s",
+                size=_frame_size,
+                deadline_s=self.push_deadline_s,
+                deadline_key="limits.max_push_s",
+            )
+            first = _require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
+            if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
+                raise InvalidFrame("a push stream must start with a PushOpen frame")
+            opened = first.open
+            check_claim(who, opened.sender, "a push")
+            if who is None:
+                slots.enter_context(self.peer_pushes.take(opened.sender))
+            self.check_mesh(opened.mesh_id, f"sender {opened.sender!r}")
+            check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
+            self.node.check_sender(opened.sender, opened.incarnation)
+            if not 1 <= opened.sequence_base <= opened.sequence:
+                raise InvalidFrame(
+                    f"push {opened.sender!r}#{opened.sequence} names sequence_base "
+                    f"{opened.sequence_base}; it must be in 1..{opened.sequence}"
+                )
+            assembler = self.node.new_assembler()
+            assembler.reserve = held.reserve
+            segments = await self._receive(opened, frames, assembler)
+            return await self.node.on_push(opened, segments, deadline_s)
 
     async def _receive(
         self, opened: pb.PushOpen, frames: IdleBounded[Any], assembler: SegmentAssembler
@@ -380,8 +389,13 @@ def _pass_bytes(message: bytes) -> bytes:
     return message
 
 
-def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
-    """Register with tolerant deserializers (the generated helper would answer UNKNOWN)."""
+def add_to_server(
+    servicer: GossipServicer,
+    server: grpc.aio.Server,
+    more: dict[str, grpc.RpcMethodHandler] | None = None,
+) -> None:
+    """Register with tolerant deserializers (the generated helper would answer UNKNOWN);
+    ``more``: handlers of the service's methods served elsewhere (``Exchange``)."""
 
     def ser(message: Message) -> bytes:
         return message.SerializeToString()
@@ -391,7 +405,7 @@ def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
             servicer.Handshake, _parser(pb.HandshakeRequest), ser
         ),
         "PushSegments": grpc.stream_unary_rpc_method_handler(
-            servicer.PushSegments, _parse_push_frame, ser
+            servicer.PushSegments, parse_push_frame, ser
         ),
         "PullModel": grpc.unary_stream_rpc_method_handler(
             servicer.PullModel, _parser(pb.PullRequest), _pass_bytes
@@ -402,4 +416,5 @@ def add_to_server(servicer: GossipServicer, server: grpc.aio.Server) -> None:
             servicer.Status, _parser(pb.StatusRequest), ser
         ),
     }
+    handlers.update(more or {})
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,9 +1,11 @@
 """The client side of the wire: one gRPC channel per peer, pushes and pulls in chunks.
 
-A push splits its segments over up to ``streams`` concurrent client streams so
-several segments are on the wire at once; each stream repeats the push's
-sequence number, and the receiver de-duplicates per (sequence, segment), so a
-retry of any part is safe.
+A push splits its segments over up to ``streams`` concurrent streams so several
+segments are on the wire at once; each part repeats the push's sequence number,
+and the receiver de-duplicates per (sequence, segment), so a retry of any part is
+safe. The streams are long-lived ``Exchange`` calls kept per peer and reused push
+after push (:class:`_Streams`): a call per push cost as much CPU as the rest of a
+small push, on both sides.
 
 One call is one attempt. Its outcome is either known (acknowledged, or refused
 by the receiver before it merged anything) or unknown (the connection broke, a
@@ -15,6 +17,7 @@ sequence instead of guessing.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -45,6 +48,9 @@ from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
 _MAX_MESSAGE_BYTES = 16 << 20
+STREAM_IDLE_S = 2.0  # a push stream unused this long is replaced rather than reused
+STREAM_MAX_AGE_S = 60.0  # and one this old
+_END_FRAME = pb.PushFrame(end=pb.PushEnd()).SerializeToString()
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -95,6 +101,51 @@ class PartialPush(GossipdError):
         self.errors = errors
 
 
+@dataclass
+class _Stream:
+    call: grpc.aio.StreamStreamCall
+    opened_s: float
+    used_s: float
+    reused: bool = False
+
+
+class _Streams:
+    """A peer's idle long-lived push streams (``Exchange``), reused push after push.
+
+    One is replaced when unused for ``STREAM_IDLE_S`` (the receiver ends a stream idle
+    for ``limits.stream_idle_timeout_s``) or older than ``STREAM_MAX_AGE_S`` (a
+    receiver closes a connection past ``limits.max_connection_age_s``, after a grace
+    for the calls on it): either way a new stream costs one call set-up.
+    """
+
+    def __init__(self, open_stream: grpc.aio.StreamStreamMultiCallable) -> None:
+        self._open = open_stream
+        self._idle: list[_Stream] = []
+
+    def take(self, fresh: bool = False) -> _Stream:
+        now = time.monotonic()
+        while self._idle and not fresh:
+            stream = self._idle.pop()
+            if (
+                not stream.call.done()
+                and now - stream.used_s < STREAM_IDLE_S
+                and now - stream.opened_s < STREAM_MAX_AGE_S
+            ):
+                stream.reused = True
+                return stream
+            stream.call.cancel()
+        return _Stream(self._open(), now, now)
+
+    def put_back(self, stream: _Stream) -> None:
+        stream.used_s = time.monotonic()
+        self._idle.append(stream)
+
+    def close(self) -> None:
+        for stream in self._idle:
+            stream.call.cancel()
+        self._idle.clear()
+
+
 @dataclass(frozen=True)
 class Identity:
     """Who we are on the wire."""
@@ -141,8 +192,18 @@ class PeerClient:
         self.expected = expected
         self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
         self.stub = pb_grpc.GossipStub(self.channel)
+        # Frames go out as the bytes _frames made (chunks without a protobuf round trip).
+        method = pb.DESCRIPTOR.services_by_name["Gossip"].methods_by_name["Exchange"]
+        self._streams = _Streams(
+            self.channel.stream_stream(
+                f"/{method.containing_service.full_name}/{method.name}",
+                request_serializer=None,
+                response_deserializer=pb.PushReply.FromString,
+            )
+        )
 
     async def close(self) -> None:
+        self._streams.close()
         await self.channel.close(grace=None)
 
     async def handshake(self, timeout_s: float) -> pb.HandshakeReply:
@@ -229,24 +290,83 @@ class PeerClient:
         """Every stream's reply or failure: one stream failing must not hide what the
         others merged, nor leave them running unobserved."""
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
-        # _frames yields PushFrames already serialized (chunks without a protobuf
-        # round trip), so this call passes request bytes through as they are.
-        method = pb.DESCRIPTOR.services_by_name["Gossip"].methods_by_name["PushSegments"]
-        push_segments = self.channel.stream_unary(
-            f"/{method.containing_service.full_name}/{method.name}",
-            request_serializer=None,
-            response_deserializer=pb.PushReply.FromString,
-        )
 
         async def one(group: list[int]) -> pb.PushReply:
-            reply = await push_segments(self._frames(out, group, progressed), timeout=timeout_s)
-            progressed()
-            return reply
+            async with asyncio.timeout(timeout_s):
+                return await self._on_stream(out, group, timeout_s, progressed)
 
-        return await asyncio.gather(*(one(group) for group in groups), return_exceptions=True)
+        results = await asyncio.gather(*(one(g) for g in groups), return_exceptions=True)
+        return [
+            OutcomeUnknown(
+                f"{self.address}: no reply within {timeout_s:g} s (gossip.push_timeout_s)"
+            )
+            if isinstance(r, TimeoutError)
+            else r
+            for r in results
+        ]
+
+    async def _on_stream(
+        self,
+        out: OutboundPush,
+        group: list[int],
+        timeout_s: float,
+        progressed: Callable[[], None],
+    ) -> pb.PushReply:
+        """``group`` of the push on one of this peer's long-lived streams, and its reply.
+
+        A stream goes back to the idle ones once answered; any failure drops it (the
+        receiver ended it, or this attempt was cut off with frames half sent). A
+        reused stream the receiver had already ended (idle, or its connection aged
+        out) fails at the open frame, before the receiver saw anything of this push:
+        that one attempt moves to a new stream at once.
+        """
+        for fresh in (False, True):
+            stream = self._streams.take(fresh)
+            answered = False
+            try:
+                frames = self._frames(out, group, timeout_s)
+                try:
+                    await stream.call.write(await anext(frames))
+                except asyncio.InvalidStateError:
+                    if stream.reused:
+                        continue  # nothing of this push reached the receiver
+                    raise
+                progressed()
+                async for frame in frames:
+                    await stream.call.write(frame)
+                    progressed()  # grpc took the frame: the receiver is reading
+                reply = await stream.call.read()
+                if reply is grpc.aio.EOF:  # ended OK (idle) just as this push began
+                    raise OutcomeUnknown(
+                        f"{self.address}: the receiver ended the stream without answering "
+                        f"push #{out.push.sequence}"
+                    )
+                progressed()
+                answered = True
+                return reply
+            except asyncio.InvalidStateError:
+                # The receiver ended the call (a refusal, or it went away) while frames
+                # were still going: its status says which.
+                raise await self._ended(stream.call) from None
+            finally:
+                if answered:
+                    self._streams.put_back(stream)
+                else:
+                    stream.call.cancel()
+        raise AssertionError("unreachable: the second pass takes a fresh stream")
+
+    async def _ended(self, call: grpc.aio.StreamStreamCall) -> GossipdError:
+        """A stream the receiver ended, as the error its status means."""
+        code, details = await call.code(), await call.details()
+        if code == grpc.StatusCode.OK or code in _UNKNOWN_OUTCOME:
+            return OutcomeUnknown(f"{self.address}: {code.name}: {details}")
+        return _ERRORS.get(code, GossipdError)(f"{self.address}: {code.name}: {details}")
 
     async def _frames(
-        self, out: OutboundPush, segments: list[int], progressed: Callable[[], None]
+        self,
+        out: OutboundPush,
+        segments: list[int],
+        timeout_s: float,
     ) -> AsyncIterator[bytes]:
         """Serialized PushFrames: open, then per segment a header and its chunks.
 
@@ -268,6 +388,7 @@ class PeerClient:
                 incarnation=self.identity.incarnation,
                 round=out.push.round,
                 sequence_base=out.push.sequence_base,
+                deadline_s=timeout_s,
             )
         ).SerializeToString()
         for index in segments:
@@ -287,7 +408,7 @@ class PeerClient:
                     yield push_chunk_frame(frame)
                 else:
                     yield pb.PushFrame(header=frame).SerializeToString()
-                progressed()  # grpc asked for the next frame: the last one was taken
+        yield _END_FRAME
 
     async def pull(
         self,

@@ -81,7 +81,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class PushOpen(_message.Message):
-    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base")
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class PushOpen(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_BASE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     sender: str
     fingerprint: str
@@ -98,7 +99,12 @@ class PushOpen(_message.Message):
     incarnation: int
     round: int
     sequence_base: int
-    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class PushEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SegmentHeader(_message.Message):
     __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum")
@@ -123,14 +129,16 @@ class SegmentHeader(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PushFrame(_message.Message):
-    __slots__ = ("open", "header", "chunk")
+    __slots__ = ("open", "header", "chunk", "end")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     open: PushOpen
     header: SegmentHeader
     chunk: bytes
-    def __init__(self, open: _Optional[_Union[PushOpen, _Mapping]] = ..., header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    end: PushEnd
+    def __init__(self, open: _Optional[_Union[PushOpen, _Mapping]] = ..., header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., end: _Optional[_Union[PushEnd, _Mapping]] = ...) -> None: ...
 
 class SegmentAck(_message.Message):
     __slots__ = ("segment", "result", "receiver_weight")

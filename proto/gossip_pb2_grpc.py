@@ -44,6 +44,11 @@ class GossipStub:
                 request_serializer=gossipd_dot_proto_dot_gossip__pb2.PushFrame.SerializeToString,
                 response_deserializer=gossipd_dot_proto_dot_gossip__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/gossipd.v1.Gossip/Exchange',
+                request_serializer=gossipd_dot_proto_dot_gossip__pb2.PushFrame.SerializeToString,
+                response_deserializer=gossipd_dot_proto_dot_gossip__pb2.PushReply.FromString,
+                _registered_method=True)
         self.PullModel = channel.unary_stream(
                 '/gossipd.v1.Gossip/PullModel',
                 request_serializer=gossipd_dot_proto_dot_gossip__pb2.PullRequest.SerializeToString,
@@ -78,6 +83,16 @@ class GossipServicer:
 
     def PushSegments(self, request_iterator, context):
         """One sum-weight push: PushOpen, then per segment a SegmentHeader and its chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exchange(self, request_iterator, context):
+        """A sender's long-lived push stream to one receiver: pushes one after another, each
+        framed as in PushSegments and closed by a PushEnd frame, each answered by one
+        PushReply in order. A refused push ends the stream with the status PushSegments
+        would have answered; a stream idle between pushes is ended by the receiver (OK).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +136,11 @@ def add_GossipServicer_to_server(servicer, server):
             ),
             'PushSegments': grpc.stream_unary_rpc_method_handler(
                     servicer.PushSegments,
+                    request_deserializer=gossipd_dot_proto_dot_gossip__pb2.PushFrame.FromString,
+                    response_serializer=gossipd_dot_proto_dot_gossip__pb2.PushReply.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
                     request_deserializer=gossipd_dot_proto_dot_gossip__pb2.PushFrame.FromString,
                     response_serializer=gossipd_dot_proto_dot_gossip__pb2.PushReply.SerializeToString,
             ),
@@ -197,6 +217,33 @@ class Gossip:
             request_iterator,
             target,
             '/gossipd.v1.Gossip/PushSegments',
+            gossipd_dot_proto_dot_gossip__pb2.PushFrame.SerializeToString,
+            gossipd_dot_proto_dot_gossip__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipd.v1.Gossip/Exchange',
             gossipd_dot_proto_dot_gossip__pb2.PushFrame.SerializeToString,
             gossipd_dot_proto_dot_gossip__pb2.PushReply.FromString,
             options,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +28,31 @@ from gossipd.proto import gossip_pb2 as pb
 
 T = TypeVar("T")
 MESH = "test-mesh"
+
+
+def exchange_handler(
+    on_push: Callable[[AsyncIterator[pb.PushFrame], Any], Awaitable[pb.PushReply]],
+) -> grpc.RpcMethodHandler:
+    """``Exchange`` (an honest site's long-lived push stream) served push by push: each
+    push's frames, up to its end frame, go to ``on_push`` as one PushSegments call's
+    would, and its reply goes back on the stream."""
+
+    async def exchange(request_iterator: Any, context: Any) -> AsyncIterator[pb.PushReply]:
+        frames = aiter(request_iterator)
+        while (first := await anext(frames, None)) is not None:
+
+            async def one_push(first: pb.PushFrame = first) -> AsyncIterator[pb.PushFrame]:
+                yield first
+                async for frame in frames:
+                    if frame.WhichOneof("kind") == "end":
+                        return
+                    yield frame
+
+            yield await on_push(one_push(), context)
+
+    return grpc.stream_stream_rpc_method_handler(
+        exchange, pb.PushFrame.FromString, pb.PushReply.SerializeToString
+    )
 
 
 def synthetic_plan(**options: Any) -> SegmentPlan:
@@ -117,6 +142,7 @@ class FakePeer:
             )
         if self.hang_pushes:
             handlers["PushSegments"] = grpc.stream_unary_rpc_method_handler(hang)
+            handlers["Exchange"] = exchange_handler(hang)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler("gossipd.v1.Gossip", handlers),)

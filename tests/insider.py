@@ -24,7 +24,14 @@ from gossipd.node.tls import Credentials
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, check_alive, status_of, wait_until
-from tests.fakepeer import MESH, PushOutcome, _push, push_frames, synthetic_plan
+from tests.fakepeer import (
+    MESH,
+    PushOutcome,
+    _push,
+    exchange_handler,
+    push_frames,
+    synthetic_plan,
+)
 
 T = TypeVar("T")
 
@@ -83,6 +90,7 @@ class Member(ABC):
             "PushSegments": grpc.stream_unary_rpc_method_handler(
                 self.on_push, pb.PushFrame.FromString, pb.PushReply.SerializeToString
             ),
+            "Exchange": exchange_handler(self.on_push),
         }
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers(

@@ -1,0 +1,187 @@
+"""The long-lived push stream (``Exchange``) on a real daemon, driven frame by frame.
+
+Pushes follow each other on one stream, each answered in order with what
+``PushSegments`` answers; a refused push ends the stream with the same status;
+a stream idle between pushes is ended (OK) and holds nothing; streams per peer
+are capped; a push stalled mid-stream is ended by the idle timeout. The receiver's
+sum-weight is checked after each: it moves by exactly what was merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from gossipd.node.mesh import free_ports
+from gossipd.proto import gossip_pb2 as pb
+from tests.conftest import DaemonHandle, start_daemon, wait_until
+from tests.fakepeer import FakePeer, push_frames, synthetic_plan
+
+SENDER = "streamer"
+INCARNATION = 7
+IDLE_S = 1.0
+STREAMS_PER_PEER = 3
+END = pb.PushFrame(end=pb.PushEnd()).SerializeToString()
+PLAN = synthetic_plan()
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[FakePeer]:
+    with FakePeer(SENDER, incarnation=INCARNATION, serve_peers=True) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def receiver(sender: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
+    handle = start_daemon(
+        tmp_path_factory.mktemp("receiver"),
+        "receiver",
+        free_ports(1)[0],
+        limits={
+            "stream_idle_timeout_s": IDLE_S,
+            "max_inbound_pushes_per_peer": STREAMS_PER_PEER,
+        },
+    )
+    sender.introduce_to(handle.address)
+    wait_until(lambda: SENDER in handle.status()["live_peers"], "the receiver to verify us", 30)
+    yield handle
+    assert handle.stop() == 0, handle.log()
+
+
+_sequence = iter(range(2, 1_000_000))
+
+
+def _push(weight: float = 0.25, sequence: int | None = None, **fields: Any) -> list[bytes]:
+    values = torch.full((PLAN.segments[0].numel,), 0.5)
+    return [
+        *push_frames(
+            sender=SENDER,
+            incarnation=INCARNATION,
+            sequence=sequence if sequence is not None else next(_sequence),
+            weight=weight,
+            values=values,
+            **fields,
+        ),
+        END,
+    ]
+
+
+def _weight(handle: DaemonHandle) -> float:
+    return handle.status()["sum_weights"][0]
+
+
+async def _exchange(
+    address: str, pushes: list[list[bytes]]
+) -> list[pb.PushReply | grpc.StatusCode]:
+    """Every push on one stream, one after another; a failure ends the list with its code."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            "/gossipd.v1.Gossip/Exchange",
+            request_serializer=None,
+            response_deserializer=pb.PushReply.FromString,
+        )()
+        answers: list[pb.PushReply | grpc.StatusCode] = []
+        try:
+            for frames in pushes:
+                for frame in frames:
+                    await call.write(frame)
+                reply = await asyncio.wait_for(call.read(), 30)
+                assert reply is not grpc.aio.EOF, "the stream ended without an answer"
+                answers.append(reply)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            answers.append(await call.code())
+        finally:
+            call.cancel()
+        return answers
+
+
+def _results(reply: pb.PushReply | grpc.StatusCode) -> list[int]:
+    assert isinstance(reply, pb.PushReply), reply
+    return [a.result for a in reply.acks]
+
+
+def test_pushes_follow_each_other_on_one_stream_each_answered_in_order(
+    receiver: DaemonHandle,
+) -> None:
+    before = _weight(receiver)
+    first, second = _push(), _push()
+    retry = first[:]  # the same sequence again: a lost acknowledgement's retry
+    answers = asyncio.run(_exchange(receiver.address, [first, second, retry]))
+    assert [_results(a) for a in answers] == [
+        [pb.SEGMENT_RESULT_MERGED],
+        [pb.SEGMENT_RESULT_MERGED],
+        [pb.SEGMENT_RESULT_DUPLICATE],
+    ]
+    assert _weight(receiver) == pytest.approx(before + 0.5, abs=1e-12)
+
+
+def test_a_refused_push_ends_the_stream_with_the_status_push_segments_answers(
+    receiver: DaemonHandle,
+) -> None:
+    before = _weight(receiver)
+    wrong_model = _push(fingerprint="0" * 16)
+    answers = asyncio.run(_exchange(receiver.address, [_push(), wrong_model, _push()]))
+    assert _results(answers[0]) == [pb.SEGMENT_RESULT_MERGED]
+    assert answers[1:] == [grpc.StatusCode.FAILED_PRECONDITION], "the stream ends at the refusal"
+    assert _weight(receiver) == pytest.approx(before + 0.25, abs=1e-12)
+
+
+def test_a_stream_idle_between_pushes_is_ended_ok_and_holds_no_slot(
+    receiver: DaemonHandle,
+) -> None:
+    async def idle_then_push() -> tuple[grpc.StatusCode, list[Any]]:
+        async with grpc.aio.insecure_channel(receiver.address) as channel:
+            call = channel.stream_stream(
+                "/gossipd.v1.Gossip/Exchange",
+                request_serializer=None,
+                response_deserializer=pb.PushReply.FromString,
+            )()
+            for frame in _push():
+                await call.write(frame)
+            assert await call.read() is not grpc.aio.EOF
+            code = await asyncio.wait_for(call.code(), IDLE_S + 30)
+        # Every slot it held is free: as many new streams as the cap allows all push.
+        answers = await asyncio.gather(
+            *(_exchange(receiver.address, [_push()]) for _ in range(STREAMS_PER_PEER))
+        )
+        return code, answers
+
+    code, answers = asyncio.run(idle_then_push())
+    assert code == grpc.StatusCode.OK
+    assert [_results(a[0]) for a in answers] == [[pb.SEGMENT_RESULT_MERGED]] * STREAMS_PER_PEER
+
+
+def test_streams_per_peer_are_capped(receiver: DaemonHandle) -> None:
+    async def one_too_many() -> list[Any]:
+        async with grpc.aio.insecure_channel(receiver.address) as channel:
+            calls = []
+            for _ in range(STREAMS_PER_PEER):  # each proven open by one answered push
+                call = channel.stream_stream(
+                    "/gossipd.v1.Gossip/Exchange",
+                    request_serializer=None,
+                    response_deserializer=pb.PushReply.FromString,
+                )()
+                for frame in _push(weight=0.0):
+                    await call.write(frame)
+                assert await call.read() is not grpc.aio.EOF
+                calls.append(call)
+            extra = await _exchange(receiver.address, [_push(weight=0.0)])
+            for call in calls:
+                call.cancel()
+            return extra
+
+    assert asyncio.run(one_too_many()) == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+
+def test_a_push_stalled_mid_stream_is_ended_by_the_idle_timeout(receiver: DaemonHandle) -> None:
+    before, idled = _weight(receiver), receiver.status()["rejected"].get("StreamIdle", 0)
+    stalled = _push()[:2]  # open and header, then nothing: no chunk, no end
+    answers = asyncio.run(_exchange(receiver.address, [stalled]))
+    assert answers == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    assert _weight(receiver) == pytest.approx(before, abs=1e-12)
+    assert receiver.status()["rejected"]["StreamIdle"] == idled + 1
