@@ -41,6 +41,7 @@ ABSURD_VS_RAW_TCP = 10.0
 COST_PUSHES = 50
 # Steps with pushes over steps without: no real run comes near this in either direction.
 ABSURD_STEP_RATIO = 10.0
+DEADLINE_S = 30.0  # the push deadline the open frame carries
 
 
 class _Recorder:
@@ -248,7 +249,9 @@ def _protobuf_frames(out: OutboundPush, identity: Identity, chunk_bytes: int) ->
                 sequence=out.push.sequence,
                 segment_count=len(out.push.weights),
                 incarnation=identity.incarnation,
+                round=out.push.round,
                 sequence_base=out.push.sequence_base,
+                deadline_s=DEADLINE_S,
             )
         )
     ]
@@ -266,6 +269,7 @@ def _protobuf_frames(out: OutboundPush, identity: Identity, chunk_bytes: int) ->
                 pb.PushFrame(chunk=part) if isinstance(part, bytes) else pb.PushFrame(header=part)
             )
             frames.append(frame)
+    frames.append(pb.PushFrame(end=pb.PushEnd()))
     return [f.SerializeToString() for f in frames]
 
 
@@ -366,7 +370,7 @@ def test_push_frames_encoded_by_hand_equal_protobuf_serialization(chunk_bytes: i
             "127.0.0.1:1", identity, chunk_bytes=chunk_bytes, tls=Credentials(insecure=True)
         )
         try:
-            return [f async for f in client._frames(out, sorted(out.push.weights), lambda: None)]
+            return [f async for f in client._frames(out, sorted(out.push.weights), DEADLINE_S)]
         finally:
             await client.close()
 
