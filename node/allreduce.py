@@ -15,6 +15,7 @@ starts from scratch.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -123,7 +124,6 @@ class AllreduceSite:
         """Join, train until rank 0 says stop (or a site was signalled), write files."""
         self._write_node_json()
         master = self.config.allreduce.master  # type: ignore[union-attr]
-        ranks = self.config.ranks
         log.info(
             "site %s: joining the all-reduce group at %s as rank %d of %d (waiting up to %g s "
             "for every site)",
@@ -133,12 +133,28 @@ class AllreduceSite:
             self.world,
             self.config.join_timeout_s,
         )
-        # Until every site is there nothing needs saving, and the wait is in C++, where a
-        # Python signal handler would only run once it ends: SIGTERM and SIGINT end it now.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        store = rendezvous(master, self.rank, self.world, self.config.join_timeout_s)
-        self._catch_signals()
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            # Until every site is there nothing needs saving, and the wait is in C++, where
+            # a Python signal handler would only run once it ends: SIGTERM and SIGINT end it.
+            for sig in handlers:
+                signal.signal(sig, signal.SIG_DFL)
+            # Rank 0's store is the server every site's clients talk to: dropped last,
+            # when run returns, after everything that uses it.
+            store = rendezvous(master, self.rank, self.world, self.config.join_timeout_s)
+            self._catch_signals()
+            self._in_group(store)
+        finally:
+            # The handler closes over this site, and through it DDP and the group: left
+            # installed, it would keep them alive into interpreter exit (see _leave).
+            for sig, handler in handlers.items():
+                if handler is not None:  # None: set outside Python, not ours to restore
+                    signal.signal(sig, handler)
+
+    def _in_group(self, store: dist.TCPStore) -> None:
+        """Form the process group on ``store``, train, write files, leave in order."""
+        master = self.config.allreduce.master  # type: ignore[union-attr]
+        ranks = self.config.ranks
         beats = Heartbeats(master, self.rank, self.world)
         try:
             dist.init_process_group(
@@ -163,8 +179,23 @@ class AllreduceSite:
                 raise
             self._finish(done)
         finally:
-            beats.close()
-        dist.destroy_process_group()
+            self._leave(beats)
+
+    def _leave(self, beats: Heartbeats) -> None:
+        """Tear the group down now, in order, while the interpreter is whole.
+
+        Left to interpreter exit, the group's last holder (DDP's reducer) went only in
+        finalization, where joining gloo's worker threads, whose work can hold tensors
+        that need the GIL to be freed, aborted one exit in several under load with
+        SIGABRT ("terminate called without an active exception"). So: the heartbeat
+        thread stops and its store clients go, then DDP, then the group itself, whose
+        destructor joins gloo's threads here.
+        """
+        beats.close()
+        self.job.model = self.model
+        gc.collect()  # DDP's own reference cycles: its reducer goes now, not at exit
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _catch_signals(self) -> None:
         def stop(signum: int, frame: FrameType | None) -> None:

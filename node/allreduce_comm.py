@@ -173,7 +173,7 @@ class Heartbeats:
         self.world = world
         self._stop = threading.Event()
         self._probe: dist.TCPStore | None = None  # the diagnosis's own client
-        self._store = self._client()
+        self._store: dist.TCPStore | None = self._client()
         self._thread = threading.Thread(target=self._beat, name="allreduce-heartbeat", daemon=True)
         self._thread.start()
 
@@ -188,15 +188,30 @@ class Heartbeats:
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(BEAT_INTERVAL_S):
+        store = self._store
+        while store is not None and not self._stop.wait(BEAT_INTERVAL_S):
             try:
-                self._store.add(f"{KEY}/beat/{self.rank}", 1)
+                store.add(f"{KEY}/beat/{self.rank}", 1)
             except (RuntimeError, dist.DistError):
                 return  # rank 0, which hosts the store, is gone: the next collective says so
 
     def close(self) -> None:
+        """Stop and join the beat thread, then drop the store clients.
+
+        Bounded: a beat in flight ends within the store timeout. A thread still inside a
+        store call at interpreter exit, or a client left for finalization to free, is
+        what must not happen: the site tears down before it returns.
+        """
         self._stop.set()
         self._thread.join(timeout=STORE_PROBE_TIMEOUT_S + BEAT_INTERVAL_S)
+        if self._thread.is_alive():
+            log.warning(
+                "the heartbeat thread did not stop within %g s; its store client is left to exit",
+                STORE_PROBE_TIMEOUT_S + BEAT_INTERVAL_S,
+            )
+            return
+        self._store = None
+        self._probe = None
 
     def gone(self) -> list[int]:
         """Ranks that stopped beating (rank 0 when its store does not answer at all).

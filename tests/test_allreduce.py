@@ -7,6 +7,7 @@ one model on every site, so each run checks that the sites' model checksums agre
 
 from __future__ import annotations
 
+import gc
 import json
 import signal
 import subprocess
@@ -17,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node.allreduce import resolve_backend
-from gossipd.node.config import parse_config
+from gossipd.node.allreduce import AllreduceSite, resolve_backend
+from gossipd.node.config import load_config, parse_config
 from gossipd.node.errors import ConfigError
 from gossipd.node.launcher import run_mesh
 from gossipd.node.mesh import MeshSpec, free_ports, spawn_node, stop_process
@@ -134,6 +135,24 @@ def test_latency_knob_delays_every_bucket_2_n_minus_1_times(tmp_path: Path, grou
         assert s["steps"] == steps and s["training_done"] is True
         assert s["wait_s"] >= steps * 2 * (world - 1) * latency_ms / 1000.0, s
         assert 0.0 < s["wait_fraction"] <= 1.0
+
+
+def test_a_site_tears_the_group_down_before_run_returns(tmp_path: Path) -> None:
+    """A one-site group in this process: once run returns, DDP (whose reducer holds the
+    gloo group) is gone and SIGTERM/SIGINT are this process's handlers again. Left for
+    interpreter exit, the handler's closure kept DDP and the group alive into
+    finalization, where freeing gloo's threads aborted one exit in several with SIGABRT."""
+    handlers = [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)]
+    master = f"127.0.0.1:{free_ports(1)[0]}"
+    site = AllreduceSite(load_config(site_config(tmp_path, 0, 1, master, job={"max_steps": 10})))
+    site.run()
+    assert summary(tmp_path, 0)["steps"] == 10
+    assert [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)] == handlers
+    assert not torch.distributed.is_initialized()
+    assert site.job.model is site.model
+    gc.collect()
+    ddp = torch.nn.parallel.DistributedDataParallel
+    assert not [o for o in gc.get_objects() if type(o) is ddp]
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0-store-host", "rank2"])
