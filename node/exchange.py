@@ -6,7 +6,9 @@ taken from the trainer at every push. So a sender keeps a few streams open to
 each peer and sends push after push on them.
 
 Each push on the stream is framed exactly as one ``PushSegments`` call (open,
-then per segment a header and its chunks) and closed by a ``PushEnd`` frame. It
+then per segment a header and its chunks) and closed by a ``PushEnd`` frame; a
+small one comes whole in one ``FrameBatch`` message (a message costs both sides a
+grpc operation, more than a small segment's bytes do). It
 is received by the same code (:meth:`GossipServicer.receive_push`) under the
 same caps, which it takes when it opens and gives back when it is answered (one
 ``PushReply``, in order), and a refused push ends the stream with the status
@@ -29,18 +31,34 @@ from typing import Any
 import grpc
 
 from gossipd.node.admission import PeerSlots, Slots
-from gossipd.node.errors import GossipdError, StreamIdle
+from gossipd.node.errors import GossipdError, InvalidFrame, StreamIdle
 from gossipd.node.servicer import GossipServicer, parse_push_frame, status_code
 from gossipd.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
+def _kind(frame: Any) -> str | None:
+    return frame.WhichOneof("kind") if isinstance(frame, pb.PushFrame) else None
+
+
 async def _one_push(first: Any, frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """``first`` and the frames after it up to (not including) the push's end frame."""
+    """``first`` and the frames after it up to (not including) the push's end frame;
+    a batch ``first`` is a whole push on its own, unpacked here."""
+    if _kind(first) == "batch":
+        inner = [parse_push_frame(data) for data in first.batch.frames]
+        ends = [i for i, frame in enumerate(inner) if _kind(frame) == "end"]
+        if ends != [len(inner) - 1]:
+            raise InvalidFrame(
+                f"a batch of {len(inner)} frames must hold one whole push, ending with its "
+                f"end frame (end frames at {ends[:4]})"
+            )
+        for frame in inner[:-1]:
+            yield frame
+        return
     yield first
     async for frame in frames:
-        if isinstance(frame, pb.PushFrame) and frame.WhichOneof("kind") == "end":
+        if _kind(frame) == "end":
             return
         yield frame
 

@@ -50,6 +50,8 @@ from gossipd.proto import gossip_pb2_grpc as pb_grpc
 _MAX_MESSAGE_BYTES = 16 << 20
 STREAM_IDLE_S = 2.0  # a push stream unused this long is replaced rather than reused
 STREAM_MAX_AGE_S = 60.0  # and one this old
+# A push part of at most this many model bytes goes as one message (FrameBatch).
+COALESCE_BYTES = 256 << 10
 _END_FRAME = pb.PushFrame(end=pb.PushEnd()).SerializeToString()
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
@@ -101,12 +103,40 @@ class PartialPush(GossipdError):
         self.errors = errors
 
 
+async def _batched(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A push's frames as one ``FrameBatch`` message."""
+    batch = pb.FrameBatch(frames=[frame async for frame in frames])
+    yield pb.PushFrame(batch=batch).SerializeToString()
+
+
+async def _requests(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    """A stream's frames as grpc asks for them; None half-closes it."""
+    while (frame := await queue.get()) is not None:
+        yield frame
+
+
 @dataclass
 class _Stream:
+    """One ``Exchange`` call and the one-frame queue grpc takes its frames from.
+
+    Frames go through grpc's own request consumer rather than ``write()``: a write
+    that fails because the receiver ended the call records a local INTERNAL status
+    over the receiver's, and the receiver's status is what says whether a push was
+    refused (settle) or its outcome is unknown (retry).
+    """
+
     call: grpc.aio.StreamStreamCall
+    queue: asyncio.Queue[bytes | None]
     opened_s: float
     used_s: float
     reused: bool = False
+
+    def retire(self) -> None:
+        """Half-close an idle stream (the receiver ends it OK), or cancel a busy one."""
+        try:
+            self.queue.put_nowait(None)
+        except asyncio.QueueFull:
+            self.call.cancel()
 
 
 class _Streams:
@@ -133,8 +163,9 @@ class _Streams:
             ):
                 stream.reused = True
                 return stream
-            stream.call.cancel()
-        return _Stream(self._open(), now, now)
+            stream.retire()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
+        return _Stream(self._open(_requests(queue)), queue, now, now)
 
     def put_back(self, stream: _Stream) -> None:
         stream.used_s = time.monotonic()
@@ -142,7 +173,7 @@ class _Streams:
 
     def close(self) -> None:
         for stream in self._idle:
-            stream.call.cancel()
+            stream.retire()
         self._idle.clear()
 
 
@@ -314,46 +345,60 @@ class PeerClient:
     ) -> pb.PushReply:
         """``group`` of the push on one of this peer's long-lived streams, and its reply.
 
-        A stream goes back to the idle ones once answered; any failure drops it (the
-        receiver ended it, or this attempt was cut off with frames half sent). A
-        reused stream the receiver had already ended (idle, or its connection aged
-        out) fails at the open frame, before the receiver saw anything of this push:
-        that one attempt moves to a new stream at once.
+        The frames are fed while the reply is awaited, so a receiver that refuses
+        mid-push is heard at once (the read fails with its status). A stream goes
+        back to the idle ones once answered; any failure drops it. A reused stream
+        the receiver had ended OK had been idle there, so nothing of this push
+        reached it: the attempt moves to a new stream at once.
         """
         for fresh in (False, True):
             stream = self._streams.take(fresh)
+            frames = self._frames(out, group, timeout_s)
+            if self._small(out, group):
+                frames = _batched(frames)
+            feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
             answered = False
             try:
-                frames = self._frames(out, group, timeout_s)
-                try:
-                    await stream.call.write(await anext(frames))
-                except asyncio.InvalidStateError:
-                    if stream.reused:
-                        continue  # nothing of this push reached the receiver
-                    raise
-                progressed()
-                async for frame in frames:
-                    await stream.call.write(frame)
-                    progressed()  # grpc took the frame: the receiver is reading
                 reply = await stream.call.read()
-                if reply is grpc.aio.EOF:  # ended OK (idle) just as this push began
+                if reply is grpc.aio.EOF:  # ended OK: idle at the receiver
+                    if stream.reused and not fresh:
+                        continue
                     raise OutcomeUnknown(
                         f"{self.address}: the receiver ended the stream without answering "
                         f"push #{out.push.sequence}"
                     )
+                if not feeding.done():
+                    raise InvalidFrame(
+                        f"{self.address} answered push #{out.push.sequence} before all of "
+                        "it was sent"
+                    )
                 progressed()
                 answered = True
                 return reply
-            except asyncio.InvalidStateError:
-                # The receiver ended the call (a refusal, or it went away) while frames
-                # were still going: its status says which.
-                raise await self._ended(stream.call) from None
             finally:
+                feeding.cancel()
                 if answered:
                     self._streams.put_back(stream)
                 else:
                     stream.call.cancel()
         raise AssertionError("unreachable: the second pass takes a fresh stream")
+
+    @staticmethod
+    async def _feed(
+        queue: asyncio.Queue[bytes | None],
+        frames: AsyncIterator[bytes],
+        progressed: Callable[[], None],
+    ) -> None:
+        """Hand ``frames`` to grpc one at a time; each taken frame is progress."""
+        async for frame in frames:
+            await queue.put(frame)  # returns once grpc took the one before
+            progressed()
+
+    def _small(self, out: OutboundPush, group: list[int]) -> bool:
+        """Whether ``group`` of the push goes as one message (under ``COALESCE_BYTES``)."""
+        if self.shaper is not None:
+            return False  # shaping paces chunk by chunk
+        return sum(out.snapshot[i].nbytes for i in group) <= COALESCE_BYTES
 
     async def _ended(self, call: grpc.aio.StreamStreamCall) -> GossipdError:
         """A stream the receiver ended, as the error its status means."""

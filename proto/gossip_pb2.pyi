@@ -129,16 +129,24 @@ class SegmentHeader(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PushFrame(_message.Message):
-    __slots__ = ("open", "header", "chunk", "end")
+    __slots__ = ("open", "header", "chunk", "end", "batch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     open: PushOpen
     header: SegmentHeader
     chunk: bytes
     end: PushEnd
-    def __init__(self, open: _Optional[_Union[PushOpen, _Mapping]] = ..., header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., end: _Optional[_Union[PushEnd, _Mapping]] = ...) -> None: ...
+    batch: FrameBatch
+    def __init__(self, open: _Optional[_Union[PushOpen, _Mapping]] = ..., header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., end: _Optional[_Union[PushEnd, _Mapping]] = ..., batch: _Optional[_Union[FrameBatch, _Mapping]] = ...) -> None: ...
+
+class FrameBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, frames: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SegmentAck(_message.Message):
     __slots__ = ("segment", "result", "receiver_weight")

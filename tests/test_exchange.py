@@ -10,14 +10,19 @@ sum-weight is checked after each: it moves by exactly what was merged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
+from gossipd.node.errors import GossipdError, MeshMismatch
 from gossipd.node.mesh import free_ports
+from gossipd.node.messages import Ack, OutboundPush
+from gossipd.node.protocols.base import Push
+from gossipd.node.tls import Credentials
+from gossipd.node.transport import Identity, OutcomeUnknown, PeerClient
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, start_daemon, wait_until
 from tests.fakepeer import FakePeer, push_frames, synthetic_plan
@@ -75,26 +80,39 @@ def _weight(handle: DaemonHandle) -> float:
     return handle.status()["sum_weights"][0]
 
 
+def _open_stream(channel: grpc.aio.Channel) -> tuple[Any, asyncio.Queue[bytes | None]]:
+    """An Exchange call fed from a queue, as the daemon's own client feeds it: grpc's
+    request consumer keeps the receiver's status when the receiver ends the call."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[bytes]:
+        while (frame := await queue.get()) is not None:
+            yield frame
+
+    call = channel.stream_stream(
+        "/gossipd.v1.Gossip/Exchange",
+        request_serializer=None,
+        response_deserializer=pb.PushReply.FromString,
+    )(requests())
+    return call, queue
+
+
 async def _exchange(
     address: str, pushes: list[list[bytes]]
 ) -> list[pb.PushReply | grpc.StatusCode]:
     """Every push on one stream, one after another; a failure ends the list with its code."""
     async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.stream_stream(
-            "/gossipd.v1.Gossip/Exchange",
-            request_serializer=None,
-            response_deserializer=pb.PushReply.FromString,
-        )()
+        call, queue = _open_stream(channel)
         answers: list[pb.PushReply | grpc.StatusCode] = []
         try:
             for frames in pushes:
                 for frame in frames:
-                    await call.write(frame)
+                    queue.put_nowait(frame)
                 reply = await asyncio.wait_for(call.read(), 30)
                 assert reply is not grpc.aio.EOF, "the stream ended without an answer"
                 answers.append(reply)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            answers.append(await call.code())
+        except grpc.aio.AioRpcError as err:
+            answers.append(err.code())
         finally:
             call.cancel()
         return answers
@@ -136,13 +154,9 @@ def test_a_stream_idle_between_pushes_is_ended_ok_and_holds_no_slot(
 ) -> None:
     async def idle_then_push() -> tuple[grpc.StatusCode, list[Any]]:
         async with grpc.aio.insecure_channel(receiver.address) as channel:
-            call = channel.stream_stream(
-                "/gossipd.v1.Gossip/Exchange",
-                request_serializer=None,
-                response_deserializer=pb.PushReply.FromString,
-            )()
+            call, queue = _open_stream(channel)
             for frame in _push():
-                await call.write(frame)
+                queue.put_nowait(frame)
             assert await call.read() is not grpc.aio.EOF
             code = await asyncio.wait_for(call.code(), IDLE_S + 30)
         # Every slot it held is free: as many new streams as the cap allows all push.
@@ -161,13 +175,9 @@ def test_streams_per_peer_are_capped(receiver: DaemonHandle) -> None:
         async with grpc.aio.insecure_channel(receiver.address) as channel:
             calls = []
             for _ in range(STREAMS_PER_PEER):  # each proven open by one answered push
-                call = channel.stream_stream(
-                    "/gossipd.v1.Gossip/Exchange",
-                    request_serializer=None,
-                    response_deserializer=pb.PushReply.FromString,
-                )()
+                call, queue = _open_stream(channel)
                 for frame in _push(weight=0.0):
-                    await call.write(frame)
+                    queue.put_nowait(frame)
                 assert await call.read() is not grpc.aio.EOF
                 calls.append(call)
             extra = await _exchange(receiver.address, [_push(weight=0.0)])
@@ -185,3 +195,81 @@ def test_a_push_stalled_mid_stream_is_ended_by_the_idle_timeout(receiver: Daemon
     assert answers == [grpc.StatusCode.DEADLINE_EXCEEDED]
     assert _weight(receiver) == pytest.approx(before, abs=1e-12)
     assert receiver.status()["rejected"]["StreamIdle"] == idled + 1
+
+
+def _batch(frames: list[bytes]) -> list[bytes]:
+    return [pb.PushFrame(batch=pb.FrameBatch(frames=frames)).SerializeToString()]
+
+
+def test_a_small_push_comes_whole_in_one_batch_message(receiver: DaemonHandle) -> None:
+    before = _weight(receiver)
+    whole = _push()
+    answers = asyncio.run(_exchange(receiver.address, [_batch(whole), _batch(whole)]))
+    assert [_results(a) for a in answers] == [
+        [pb.SEGMENT_RESULT_MERGED],
+        [pb.SEGMENT_RESULT_DUPLICATE],
+    ]
+    assert _weight(receiver) == pytest.approx(before + 0.25, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no end", "frames after the end", "batch inside a push", "batch in a batch"],
+)
+def test_a_batch_that_is_not_one_whole_push_is_refused(receiver: DaemonHandle, case: str) -> None:
+    before = _weight(receiver)
+    whole = _push()
+    messages = {
+        "no end": _batch(whole[:-1]),
+        "frames after the end": _batch([*whole, whole[1]]),
+        "batch inside a push": [whole[0], *_batch(whole[1:])],
+        "batch in a batch": _batch([*_batch(whole[:-1]), whole[-1]]),
+    }[case]
+    assert asyncio.run(_exchange(receiver.address, [messages])) == [
+        grpc.StatusCode.INVALID_ARGUMENT
+    ]
+    assert _weight(receiver) == pytest.approx(before, abs=1e-12)
+
+
+def _client(receiver: DaemonHandle, fingerprint: str = PLAN.fingerprint) -> PeerClient:
+    identity = Identity("test-mesh", SENDER, "127.0.0.1:1", INCARNATION, fingerprint, "sumweight")
+    return PeerClient(receiver.address, identity, tls=Credentials(insecure=True), streams=1)
+
+
+def _outbound(sequence: int, weight: float) -> OutboundPush:
+    values = torch.full((PLAN.segments[0].numel,), 0.5)
+    return OutboundPush(Push("receiver", sequence, {0: weight}), {0: values})
+
+
+def test_the_nodes_client_reuses_its_stream_and_hears_a_refusal_as_one(
+    receiver: DaemonHandle,
+) -> None:
+    """PeerClient: pushes merged push after push on one stream, a retry answered
+    DUPLICATE, and a refusal raised as the receiver's error (settled, not retried)."""
+    before = _weight(receiver)
+
+    async def pushes() -> tuple[list[list[Ack]], int, GossipdError]:
+        client = _client(receiver)
+        try:
+            first, second = next(_sequence), next(_sequence)
+            acks = [
+                await client.push(_outbound(first, 0.25), 30.0),
+                await client.push(_outbound(second, 0.25), 30.0),
+                await client.push(_outbound(first, 0.25), 30.0),
+            ]
+            opened = len(client._streams._idle)
+        finally:
+            await client.close()
+        stranger = _client(receiver, fingerprint="0" * 16)
+        try:
+            with pytest.raises(GossipdError) as refused:
+                await stranger.push(_outbound(next(_sequence), 0.25), 30.0)
+        finally:
+            await stranger.close()
+        return acks, opened, refused.value
+
+    acks, idle_streams, refusal = asyncio.run(pushes())
+    assert [[a.duplicate for a in push] for push in acks] == [[False], [False], [True]]
+    assert idle_streams == 1, "three pushes, one after another, share one stream"
+    assert isinstance(refusal, MeshMismatch) and not isinstance(refusal, OutcomeUnknown)
+    assert _weight(receiver) == pytest.approx(before + 0.5, abs=1e-12)
