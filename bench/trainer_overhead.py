@@ -103,10 +103,13 @@ def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     pushes = sent = 0.0
+    buckets: list[tuple[float, float]] = []  # (upper bound, pushes settled within it)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name == "gossipd_gossip_bytes_total" and labels.get("direction") == "sent":
+            if sample.name == "gossipd_push_seconds_bucket":
+                buckets.append((float(labels["le"]), sample.value))
+            elif sample.name == "gossipd_gossip_bytes_total" and labels.get("direction") == "sent":
                 sent += sample.value
             elif sample.name == "gossipd_gossip_messages_total" and labels == {
                 "direction": "sent",
@@ -114,7 +117,23 @@ def _scrape(port: int) -> dict[str, float]:
                 "result": "ok",
             }:
                 pushes += sample.value
-    return {"pushes": pushes, "bytes_sent": sent}
+    return {"pushes": pushes, "bytes_sent": sent, "push_s_median": _median(sorted(buckets))}
+
+
+def _median(buckets: list[tuple[float, float]]) -> float | None:
+    """The median of a Prometheus histogram, interpolated within its bucket (as
+    ``histogram_quantile`` does); None without observations."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= total / 2:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (total / 2 - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
 
 
 async def _train(mesh: LocalMesh) -> dict[str, Any]:
@@ -146,6 +165,7 @@ async def _train(mesh: LocalMesh) -> dict[str, Any]:
         "steps": [s["step"] for s in states],
         "pushes": [int(c["pushes"]) for c in counters],
         "bytes_sent": [int(c["bytes_sent"]) for c in counters],
+        "push_s_median": [c["push_s_median"] for c in counters],
         "mean_weights": [sum(s["sum_weights"]) / len(s["sum_weights"]) for s in states],
     }
     shares = [s.get("gossip_cpu_share") for s in summaries]
@@ -228,9 +248,15 @@ def _row(job: str, params: int, duration_s: float, runs: list[dict[str, Any]]) -
         "mb_sent_per_node": sum(on["bytes_sent"]) / NODES / MB,
         "runs": runs,
     }
+    medians = [m for m in on["push_s_median"] if m is not None]
+    row["push_ms_median"] = sum(medians) / len(medians) * 1e3 if medians else None
     if "gossip_cpu_share" in on:
         row["gossip_cpu_share"] = sum(on["gossip_cpu_share"]) / NODES
     return row
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def print_overhead(rows: list[dict[str, Any]], file: TextIO) -> None:
@@ -238,7 +264,7 @@ def print_overhead(rows: list[dict[str, Any]], file: TextIO) -> None:
     share = all("gossip_cpu_share" in r for r in rows)
     head = (
         f"{'job':<12} {'params':>7} {'ms/step off':>11} {'steps off':>9} {'steps on':>9} "
-        f"{'on/off':>6} {'pushes':>7} {'MB/node':>8} {'load':>9}"
+        f"{'on/off':>6} {'pushes':>7} {'push ms':>7} {'MB/node':>8} {'load':>9}"
         + (f" {'gossip CPU':>10}" if share else "")
     )
     print(head, file=file)
@@ -248,7 +274,8 @@ def print_overhead(rows: list[dict[str, Any]], file: TextIO) -> None:
         line = (
             f"{r['job']:<12} {r['params'] / 1e6:>6.2f}M {r['step_ms_off']:>11.2f} "
             f"{r['steps_off']:>9} {r['steps_on']:>9} {r['ratio_on_off']:>6.2f} "
-            f"{r['pushes_sent']:>7} {r['mb_sent_per_node']:>8.1f} {load:>9}"
+            f"{r['pushes_sent']:>7} {_ms(r['push_ms_median']):>7} "
+            f"{r['mb_sent_per_node']:>8.1f} {load:>9}"
         )
         if share:
             line += f" {r['gossip_cpu_share']:>10.1%}"
@@ -256,6 +283,7 @@ def print_overhead(rows: list[dict[str, Any]], file: TextIO) -> None:
     print(
         f"steps summed over {NODES} nodes, each training the same time; on: push probability "
         f"{PUSH_PROBABILITIES[1]}, off: {PUSH_PROBABILITIES[0]}; load: 1-minute load average "
-        "as each run started (off/on)",
+        "as each run started (off/on); push ms: median time from a push's first attempt "
+        "until it settled (gossipd_push_seconds, interpolated like histogram_quantile)",
         file=file,
     )

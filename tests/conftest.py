@@ -141,14 +141,16 @@ def write_node_config(
     tmp_path: Path, node_id: str, port: int, data_dir: Path, **config: Any
 ) -> Path:
     """A daemon's TOML with the test defaults (synthetic job, lr 0, no pushes, no periodic
-    checkpoints); sections given in ``config`` are merged key by key over them."""
+    checkpoints, no CPU budget for gossip: tests count pushes against their own timeouts
+    on loaded machines, and tests/test_cpu_budget.py covers the budget); sections given
+    in ``config`` are merged key by key over them."""
     full: dict[str, Any] = {
         "mesh_id": "test-mesh",
         "node_id": node_id,
         "listen": f"127.0.0.1:{port}",
         "data_dir": str(data_dir),
         "job": {"name": "synthetic", "learning_rate": 0.0, "eval_every_steps": 0},
-        "gossip": {"push_probability": 0.0},
+        "gossip": {"push_probability": 0.0, "cpu_share": 1.0},
         "checkpoint": {"every_steps": 0},
         # Plaintext unless a test gives certificates: TLS has its own tests, and a
         # user's paths (demo, mesh up) default to it.

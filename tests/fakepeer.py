@@ -34,14 +34,18 @@ def exchange_handler(
     on_push: Callable[[AsyncIterator[pb.PushFrame], Any], Awaitable[pb.PushReply]],
 ) -> grpc.RpcMethodHandler:
     """``Exchange`` (an honest site's long-lived push stream) served push by push: each
-    push's frames, up to its end frame, go to ``on_push`` as one PushSegments call's
-    would, and its reply goes back on the stream."""
+    push's frames, up to its end frame (a small push's unpacked from its batch), go to
+    ``on_push`` as one PushSegments call's would, and its reply goes back on the stream."""
 
     async def exchange(request_iterator: Any, context: Any) -> AsyncIterator[pb.PushReply]:
         frames = aiter(request_iterator)
         while (first := await anext(frames, None)) is not None:
 
             async def one_push(first: pb.PushFrame = first) -> AsyncIterator[pb.PushFrame]:
+                if first.WhichOneof("kind") == "batch":  # a small push, whole
+                    for data in first.batch.frames[:-1]:
+                        yield pb.PushFrame.FromString(data)
+                    return
                 yield first
                 async for frame in frames:
                     if frame.WhichOneof("kind") == "end":
