@@ -4,7 +4,7 @@ A push splits its segments over up to ``streams`` concurrent streams so several
 segments are on the wire at once; each part repeats the push's sequence number,
 and the receiver de-duplicates per (sequence, segment), so a retry of any part is
 safe. The streams are long-lived ``Exchange`` calls kept per peer and reused push
-after push (:class:`_Streams`): a call per push cost as much CPU as the rest of a
+after push (:mod:`gossipd.node.pushstreams`): a call per push cost as much CPU as the rest of a
 small push, on both sides.
 
 One call is one attempt. Its outcome is either known (acknowledged, or refused
@@ -17,7 +17,6 @@ sequence instead of guessing.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ from gossipd.node.errors import (
     UnknownPeer,
 )
 from gossipd.node.messages import Ack, OutboundPush, Pulled
+from gossipd.node.pushstreams import COALESCE_BYTES, END_FRAME, StreamPool, batched
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.shaping import LinkShaper
 from gossipd.node.tls import Credentials, NotAllowed
@@ -48,11 +48,6 @@ from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
 _MAX_MESSAGE_BYTES = 16 << 20
-STREAM_IDLE_S = 2.0  # a push stream unused this long is replaced rather than reused
-STREAM_MAX_AGE_S = 60.0  # and one this old
-# A push part of at most this many model bytes goes as one message (FrameBatch).
-COALESCE_BYTES = 256 << 10
-_END_FRAME = pb.PushFrame(end=pb.PushEnd()).SerializeToString()
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -103,80 +98,6 @@ class PartialPush(GossipdError):
         self.errors = errors
 
 
-async def _batched(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A push's frames as one ``FrameBatch`` message."""
-    batch = pb.FrameBatch(frames=[frame async for frame in frames])
-    yield pb.PushFrame(batch=batch).SerializeToString()
-
-
-async def _requests(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
-    """A stream's frames as grpc asks for them; None half-closes it."""
-    while (frame := await queue.get()) is not None:
-        yield frame
-
-
-@dataclass
-class _Stream:
-    """One ``Exchange`` call and the one-frame queue grpc takes its frames from.
-
-    Frames go through grpc's own request consumer rather than ``write()``: a write
-    that fails because the receiver ended the call records a local INTERNAL status
-    over the receiver's, and the receiver's status is what says whether a push was
-    refused (settle) or its outcome is unknown (retry).
-    """
-
-    call: grpc.aio.StreamStreamCall
-    queue: asyncio.Queue[bytes | None]
-    opened_s: float
-    used_s: float
-    reused: bool = False
-
-    def retire(self) -> None:
-        """Half-close an idle stream (the receiver ends it OK), or cancel a busy one."""
-        try:
-            self.queue.put_nowait(None)
-        except asyncio.QueueFull:
-            self.call.cancel()
-
-
-class _Streams:
-    """A peer's idle long-lived push streams (``Exchange``), reused push after push.
-
-    One is replaced when unused for ``STREAM_IDLE_S`` (the receiver ends a stream idle
-    for ``limits.stream_idle_timeout_s``) or older than ``STREAM_MAX_AGE_S`` (a
-    receiver closes a connection past ``limits.max_connection_age_s``, after a grace
-    for the calls on it): either way a new stream costs one call set-up.
-    """
-
-    def __init__(self, open_stream: grpc.aio.StreamStreamMultiCallable) -> None:
-        self._open = open_stream
-        self._idle: list[_Stream] = []
-
-    def take(self, fresh: bool = False) -> _Stream:
-        now = time.monotonic()
-        while self._idle and not fresh:
-            stream = self._idle.pop()
-            if (
-                not stream.call.done()
-                and now - stream.used_s < STREAM_IDLE_S
-                and now - stream.opened_s < STREAM_MAX_AGE_S
-            ):
-                stream.reused = True
-                return stream
-            stream.retire()
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1)
-        return _Stream(self._open(_requests(queue)), queue, now, now)
-
-    def put_back(self, stream: _Stream) -> None:
-        stream.used_s = time.monotonic()
-        self._idle.append(stream)
-
-    def close(self) -> None:
-        for stream in self._idle:
-            stream.retire()
-        self._idle.clear()
-
-
 @dataclass(frozen=True)
 class Identity:
     """Who we are on the wire."""
@@ -225,7 +146,7 @@ class PeerClient:
         self.stub = pb_grpc.GossipStub(self.channel)
         # Frames go out as the bytes _frames made (chunks without a protobuf round trip).
         method = pb.DESCRIPTOR.services_by_name["Gossip"].methods_by_name["Exchange"]
-        self._streams = _Streams(
+        self._streams = StreamPool(
             self.channel.stream_stream(
                 f"/{method.containing_service.full_name}/{method.name}",
                 request_serializer=None,
@@ -355,7 +276,7 @@ class PeerClient:
             stream = self._streams.take(fresh)
             frames = self._frames(out, group, timeout_s)
             if self._small(out, group):
-                frames = _batched(frames)
+                frames = batched(frames)
             feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
             answered = False
             try:
@@ -399,13 +320,6 @@ class PeerClient:
         if self.shaper is not None:
             return False  # shaping paces chunk by chunk
         return sum(out.snapshot[i].nbytes for i in group) <= COALESCE_BYTES
-
-    async def _ended(self, call: grpc.aio.StreamStreamCall) -> GossipdError:
-        """A stream the receiver ended, as the error its status means."""
-        code, details = await call.code(), await call.details()
-        if code == grpc.StatusCode.OK or code in _UNKNOWN_OUTCOME:
-            return OutcomeUnknown(f"{self.address}: {code.name}: {details}")
-        return _ERRORS.get(code, GossipdError)(f"{self.address}: {code.name}: {details}")
 
     async def _frames(
         self,
@@ -453,7 +367,7 @@ class PeerClient:
                     yield push_chunk_frame(frame)
                 else:
                     yield pb.PushFrame(header=frame).SerializeToString()
-        yield _END_FRAME
+        yield END_FRAME
 
     async def pull(
         self,
