@@ -307,12 +307,15 @@ def test_trainer_mode_trains_both_runs_the_same_time_and_only_the_second_pushes(
         assert 0.0 <= row["gossip_cpu_share"] <= 1.0
     assert result["machine"]["cpu_count"] == os.cpu_count()
     [line] = [x for x in captured.err.splitlines() if x.startswith("digits ")]
-    assert line.split()[2:8] == [
+    push_ms = row["push_ms_median"]
+    assert push_ms is not None and push_ms > 0, "pushes settled, so their median is known"
+    assert line.split()[2:9] == [
         f"{row['step_ms_off']:.2f}",
         str(row["steps_off"]),
         str(row["steps_on"]),
         f"{row['ratio_on_off']:.2f}",
         str(row["pushes_sent"]),
+        f"{push_ms:.1f}",
         f"{row['mb_sent_per_node']:.1f}",
     ], line
 
