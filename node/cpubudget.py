@@ -69,8 +69,7 @@ class CpuBudget:
         self._clock = clock
         self.training_cpu_s = 0.0  # added to by the trainer thread only
         self.training = False  # the trainer is stepping (set and cleared by the trainer)
-        self.held_s = 0.0  # total time pushes waited for the budget
-        self.held_pushes = 0
+        self.held_pushes = 0  # pushes that waited for the budget (for summary.json)
         # (wall, process CPU, training CPU), oldest first, about WINDOW_S of them
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._last_share = 0.0
@@ -104,7 +103,6 @@ class CpuBudget:
         """Whether a push should wait now: gossip over its share while the trainer steps."""
         return self.share < 1.0 and self.training and self.gossip_share() > self.share
 
-    def held(self, seconds: float) -> None:
-        """A push waited ``seconds`` for the budget before going."""
-        self.held_s += seconds
+    def held(self) -> None:
+        """A push waited for the budget before going."""
         self.held_pushes += 1

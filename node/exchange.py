@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from gossipd.node.admission import PeerSlots, Slots
-from gossipd.node.errors import GossipdError, InvalidFrame, StreamIdle
+from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.servicer import GossipServicer, parse_push_frame, status_code
 from gossipd.proto import gossip_pb2 as pb
 
@@ -106,14 +106,9 @@ class ExchangeServicer:
                     reply = await servicer.receive_push(
                         who, _one_push(first, frames), _deadline_s(first)
                     )
-                    try:
-                        async with asyncio.timeout(servicer.idle_s):
-                            await context.write(reply)
-                    except TimeoutError:
-                        raise StreamIdle(
-                            f"the sender took no reply for {servicer.idle_s:g} s "
-                            "(limits.stream_idle_timeout_s); its stream was ended"
-                        ) from None
+                    await servicer.write_within(
+                        context, reply, "the sender took no reply", "its stream was ended"
+                    )
         except GossipdError as err:
             servicer.node.on_rejected(peer, err)
             await context.abort(status_code(err), str(err))

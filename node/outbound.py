@@ -119,7 +119,7 @@ class Outbound:
                 break
             await asyncio.sleep(HOLD_POLL_S)
         held_s = time.monotonic() - started
-        budget.held(held_s)
+        budget.held()
         self.metrics.pushes_held.inc()
         self.metrics.push_held_seconds.inc(held_s)
 

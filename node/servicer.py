@@ -318,6 +318,19 @@ class GossipServicer:
             )
         return segments
 
+    async def write_within(
+        self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str
+    ) -> None:
+        """One write to a peer that must read within ``limits.stream_idle_timeout_s``;
+        a peer that does not is a :class:`StreamIdle` refusal (``stalled``, ``ended``)."""
+        try:
+            async with asyncio.timeout(self.idle_s):
+                await context.write(data)
+        except TimeoutError:
+            raise StreamIdle(
+                f"{stalled} for {self.idle_s:g} s (limits.stream_idle_timeout_s); {ended}"
+            ) from None
+
     async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``.
 
@@ -340,14 +353,9 @@ class GossipServicer:
                             data = pull_chunk_frame(frame)
                         else:
                             data = pb.PullFrame(header=frame).SerializeToString()
-                        try:
-                            async with asyncio.timeout(self.idle_s):
-                                await context.write(data)
-                        except TimeoutError:
-                            raise StreamIdle(
-                                f"the reader took no frame for {self.idle_s:g} s "
-                                "(limits.stream_idle_timeout_s); the pull was cut off"
-                            ) from None
+                        await self.write_within(
+                            context, data, "the reader took no frame", "the pull was cut off"
+                        )
         except GossipdError as err:
             self.node.on_rejected(peer, err)
             context.set_code(status_code(err))
