@@ -108,6 +108,15 @@ def test_dead_or_hung_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_we
         ranks=2, collective_timeout_s=5.0 if fault == signal.SIGSTOP else 10.0, quiet=True,
     )  # fmt: skip
     with LocalMesh(spec, tmp_path) as mesh:
+        # Only the faulty site needs a short collective timeout; the healthy site gets the
+        # default, or a loaded machine that starves one of its ranks for 5 s ends it too.
+        healthy = mesh.configs[1]
+        healthy.write_text(
+            healthy.read_text().replace(
+                f"collective_timeout_s = {spec.collective_timeout_s}", "collective_timeout_s = 60.0"
+            )
+        )
+        assert "collective_timeout_s = 60.0" in healthy.read_text()
         for i in range(2):
             mesh.start(i)
         asyncio.run(mesh.wait_ready())
