@@ -15,6 +15,7 @@ side can be read, tested and driven without a wire.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import queue
 import threading
@@ -214,28 +215,40 @@ class EventQueue:
 
 
 class Inbox:
-    """Bounded, thread-safe: the loop's ``put`` fails fast with ``Busy`` instead of blocking."""
+    """Bounded, thread-safe: the loop's ``put`` fails fast with ``Busy`` instead of blocking.
+
+    :meth:`wait` lets the trainer wait for a push without taking one, so it can wait
+    without holding the replica's lock (a pull's snapshot or a status needs that lock)
+    and still count a push as pending until it is merged (:meth:`Replica.settled`).
+    """
 
     def __init__(self, capacity: int) -> None:
-        self._items: queue.Queue[InboundPush] = queue.Queue(maxsize=capacity)
+        self._capacity = capacity
+        self._items: collections.deque[InboundPush] = collections.deque()
+        self._ready = threading.Condition()
 
     def put(self, item: InboundPush) -> None:
-        try:
-            self._items.put_nowait(item)
-        except queue.Full:
-            raise Busy(
-                f"receiver inbox is full ({self._items.maxsize} pushes waiting for a step "
-                "boundary); retry later or raise limits.inbox_size"
-            ) from None
+        with self._ready:
+            if len(self._items) >= self._capacity:
+                raise Busy(
+                    f"receiver inbox is full ({self._capacity} pushes waiting for a step "
+                    "boundary); retry later or raise limits.inbox_size"
+                )
+            self._items.append(item)
+            self._ready.notify()
 
     def pending(self) -> int:
-        return self._items.qsize()
+        return len(self._items)
 
-    def get(self, timeout_s: float | None) -> InboundPush | None:
-        try:
-            return self._items.get(timeout=timeout_s) if timeout_s else self._items.get_nowait()
-        except queue.Empty:
-            return None
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a push is waiting, within ``timeout_s``; the push stays queued."""
+        with self._ready:
+            return bool(self._ready.wait_for(lambda: self._items, timeout_s))
+
+    def get(self) -> InboundPush | None:
+        """The oldest waiting push, or None at once."""
+        with self._ready:
+            return self._items.popleft() if self._items else None
 
 
 # -- trainer → loop ------------------------------------------------------------------------

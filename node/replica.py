@@ -302,10 +302,15 @@ class Replica:
             self.summary = Summary.of(self)
 
     def idle(self, wait_s: float) -> StepReport:
-        """After training ends, keep merging what peers push so they can still settle."""
+        """After training ends, keep merging what peers push so they can still settle.
+
+        The wait for a push holds no lock: a pull's snapshot or a status taken meanwhile
+        would otherwise wait out the whole ``wait_s`` (every pull of an idle node did).
+        """
+        self.inbox.wait(wait_s)
         with self.lock, self.core_lock:
             report = StepReport(self.steps)
-            self.drain(report, wait_s)
+            self.drain(report)
             before, self.summary = self.summary, Summary.of(self)
             log_sinks(before, self.summary)
             return report
@@ -330,8 +335,8 @@ class Replica:
         while not stop.is_set():
             self.idle(0.05)
 
-    def drain(self, report: StepReport, wait_s: float | None = None) -> None:
-        """Apply pending events and merge every queued push; optionally wait for the first.
+    def drain(self, report: StepReport) -> None:
+        """Apply pending events and merge every queued push.
 
         Events are applied before the merges (peer changes, push outcomes) and again
         after, so an outcome that arrived while merging is not left for the next step.
@@ -342,10 +347,10 @@ class Replica:
         with self.core_lock:
             self.dispatch.send_deferred()
         self._apply_events(report)
-        item = self.inbox.get(wait_s)
+        item = self.inbox.get()
         while item is not None:
             self._merge(item, report)
-            item = self.inbox.get(None)
+            item = self.inbox.get()
         self._apply_events(report)
         self._release_held(report)
         self.dispatch.fire_due(self.clock(), mid_step=False)

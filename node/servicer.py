@@ -32,7 +32,13 @@ from gossipd.node.certs import CertificateError
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.tls import Credentials, IdentityMismatch, NotAllowed, check_claim
-from gossipd.node.wire import ReceivedSegment, SegmentAssembler, pull_chunk_frame
+from gossipd.node.wire import (
+    PUSH_CHUNK_TAG,
+    ReceivedSegment,
+    SegmentAssembler,
+    chunk_view,
+    pull_chunk_frame,
+)
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -99,27 +105,11 @@ def _parser(cls: type[T]) -> Callable[[bytes], T | Malformed]:
     return parse
 
 
-_CHUNK_TAG = (pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3) | 2
-
-
 def parse_push_frame(data: bytes) -> pb.PushFrame | memoryview | Malformed:
-    """A chunk frame as a view of its payload (no protobuf copy); anything else parsed.
-
-    Chunks are nearly all the bytes of a push; reading them through protobuf
-    copies each megabyte twice more before it reaches the segment buffer.
-    """
-    if data[:1] == bytes((_CHUNK_TAG,)):
-        length, shift, offset = 0, 0, 1
-        while offset < len(data) and offset <= 10:
-            byte = data[offset]
-            length |= (byte & 0x7F) << shift
-            offset += 1
-            shift += 7
-            if not byte & 0x80:
-                if offset + length == len(data):
-                    return memoryview(data)[offset:]
-                break
-    return _push_frame_parser(data)
+    """A chunk frame as a view of its payload (:func:`wire.chunk_view`); anything else
+    parsed, or Malformed."""
+    view = chunk_view(data, PUSH_CHUNK_TAG)
+    return _push_frame_parser(data) if view is None else view
 
 
 def _frame_size(frame: pb.PushFrame | memoryview | Malformed) -> int:

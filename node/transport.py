@@ -40,6 +40,7 @@ from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,
     SegmentAssembler,
+    pull_frame,
     push_chunk_frame,
     segment_frames,
 )
@@ -144,14 +145,20 @@ class PeerClient:
         self.expected = expected
         self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
         self.stub = pb_grpc.GossipStub(self.channel)
-        # Frames go out as the bytes _frames made (chunks without a protobuf round trip).
-        method = pb.DESCRIPTOR.services_by_name["Gossip"].methods_by_name["Exchange"]
+        # Push frames go out as the bytes _frames made, pulled chunks arrive as views of
+        # what grpc received: chunks never take a protobuf round trip.
+        service = pb.DESCRIPTOR.services_by_name["Gossip"].full_name
         self._streams = StreamPool(
             self.channel.stream_stream(
-                f"/{method.containing_service.full_name}/{method.name}",
+                f"/{service}/Exchange",
                 request_serializer=None,
                 response_deserializer=pb.PushReply.FromString,
             )
+        )
+        self._pull_model = self.channel.unary_stream(
+            f"/{service}/PullModel",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pull_frame,
         )
 
     async def close(self) -> None:
@@ -401,12 +408,13 @@ class PeerClient:
             await self.shaper.delay()  # the request's one-way latency; the reply is the server's
         try:
             async with asyncio.timeout(progress_s) as watchdog:
-                async for frame in self.stub.PullModel(request, timeout=timeout_s):
+                async for frame in self._pull_model(request, timeout=timeout_s):
                     watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
-                    kind = frame.WhichOneof("kind")
-                    if kind == "header":
+                    if isinstance(frame, memoryview):
+                        seg = assembler.chunk(frame)
+                    elif frame.WhichOneof("kind") == "header":
                         seg = assembler.header(frame.header)
-                    elif kind == "chunk":
+                    elif frame.WhichOneof("kind") == "chunk":  # a chunk framed unlike ours
                         seg = assembler.chunk(frame.chunk)
                     else:
                         raise InvalidFrame(f"{self.address} sent an empty PullFrame")

@@ -81,8 +81,35 @@ def _varint(n: int) -> bytes:
 
 
 # Field tag of `bytes chunk`, wire type 2 (length-delimited), in each frame message.
-_PULL_CHUNK_TAG = _varint(pb.PullFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
-_PUSH_CHUNK_TAG = _varint(pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
+PULL_CHUNK_TAG = _varint(pb.PullFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
+PUSH_CHUNK_TAG = _varint(pb.PushFrame.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2)
+
+
+def chunk_view(data: bytes, tag: bytes) -> memoryview | None:
+    """The payload of a chunk frame (``tag``, its length, the payload and nothing else)
+    as a view of ``data``; None for any other frame, which the caller parses.
+
+    Chunks are nearly all the bytes of a push or a pull; reading them through
+    protobuf copies each megabyte twice more before it reaches the segment buffer.
+    Push receivers and pull requesters read frames through this one function.
+    """
+    if not data.startswith(tag):
+        return None
+    length, shift, offset = 0, 0, len(tag)
+    while offset < len(data) and offset <= len(tag) + 9:
+        byte = data[offset]
+        length |= (byte & 0x7F) << shift
+        offset += 1
+        shift += 7
+        if not byte & 0x80:
+            return memoryview(data)[offset:] if offset + length == len(data) else None
+    return None
+
+
+def pull_frame(data: bytes) -> pb.PullFrame | memoryview:
+    """A pull reply frame: a chunk as a view of its payload, a header parsed."""
+    view = chunk_view(data, PULL_CHUNK_TAG)
+    return pb.PullFrame.FromString(data) if view is None else view
 
 
 def pull_chunk_frame(data: bytes | memoryview) -> bytes:
@@ -91,12 +118,12 @@ def pull_chunk_frame(data: bytes | memoryview) -> bytes:
     Chunks are nearly all the bytes of a transfer; going through a message would
     copy each megabyte twice more (into the message, then out of it).
     """
-    return b"".join((_PULL_CHUNK_TAG, _varint(len(data)), data))
+    return b"".join((PULL_CHUNK_TAG, _varint(len(data)), data))
 
 
 def push_chunk_frame(data: bytes | memoryview) -> bytes:
     """``PushFrame(chunk=data)`` serialized by hand, like :func:`pull_chunk_frame`."""
-    return b"".join((_PUSH_CHUNK_TAG, _varint(len(data)), data))
+    return b"".join((PUSH_CHUNK_TAG, _varint(len(data)), data))
 
 
 class SegmentAssembler:

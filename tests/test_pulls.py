@@ -9,6 +9,7 @@ and the network, real sockets) and through the simulator.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,8 +19,12 @@ import torch
 
 from gossipd.node.api import GossipNode
 from gossipd.node.errors import GossipdError
+from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.mesh import free_ports
+from gossipd.node.messages import InboundPush
 from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.replica import Replica
+from gossipd.node.wire import ReceivedSegment
 from tests.pullcore import NAME, PullEveryRound
 
 DEADLINE_S = 60.0
@@ -203,3 +208,45 @@ def test_a_core_without_sum_weights_has_status_metrics_and_checkpoints(
     assert saved.weights == [] and saved.core["protocol"] == NAME
     assert samples is not None and samples >= 1
     assert a.sum_weights == []
+
+
+def test_an_idle_trainer_waits_for_a_push_without_holding_the_replica_lock() -> None:
+    """A pull's snapshot (and a status) takes the replica's lock. The idle trainer used to
+    hold it through its whole wait for a push, so every pull of an idle node (training
+    ended, or not yet started) waited out the 50 ms idle tick. The push that ends the
+    wait is merged at once, and counted as pending until it is."""
+    job = build_job(JobSpec("synthetic", seed=3, learning_rate=0.0))
+    replica = Replica("r", job.model, segment_bytes=4 << 20)
+    waiting = threading.Event()
+    wait = replica.inbox.wait
+
+    def announced_wait(timeout_s: float) -> bool:
+        waiting.set()
+        return wait(timeout_s)
+
+    replica.inbox.wait = announced_wait  # type: ignore[method-assign]
+    idle = threading.Thread(target=replica.idle, args=(DEADLINE_S,))
+    idle.start()
+    try:
+        assert waiting.wait(DEADLINE_S), "the idle trainer never waited for a push"
+        locked = threading.Event()
+
+        def take_lock() -> None:
+            with replica.lock:
+                locked.set()
+
+        locker = threading.Thread(target=take_lock)
+        locker.start()
+        assert locked.wait(DEADLINE_S / 4), "idle held the replica's lock while waiting"
+        locker.join(DEADLINE_S)
+        values = torch.full((replica.flat.plan.segments[0].numel,), 3.0)
+        item = InboundPush("s", 1, 1, [ReceivedSegment(0, 1.0, values)])
+        replica.inbox.put(item)
+        assert not replica.settled() or item.reply.done()  # pending until merged
+        [ack] = item.reply.result(timeout=DEADLINE_S)
+    finally:
+        replica.inbox.put(InboundPush("s", 1, 2, []))  # ends a wait the test did not end
+        idle.join(DEADLINE_S)
+    assert not idle.is_alive()
+    assert (ack.segment, ack.duplicate) == (0, False)
+    assert replica.summary.weights == (2.0,)

@@ -30,7 +30,16 @@ from gossipd.node.segments import (
     plan_segments,
     shareable_tensors,
 )
-from gossipd.node.wire import Limits, ReceivedSegment, SegmentAssembler, segment_frames
+from gossipd.node.wire import (
+    PULL_CHUNK_TAG,
+    PUSH_CHUNK_TAG,
+    Limits,
+    ReceivedSegment,
+    SegmentAssembler,
+    chunk_view,
+    pull_frame,
+    segment_frames,
+)
 from gossipd.proto import gossip_pb2 as pb
 
 
@@ -658,3 +667,41 @@ def test_close_after_complete_segments_or_on_an_empty_stream_is_fine(plan):
     header, chunks = _frames(plan, 0)
     _feed(asm, header, chunks)
     asm.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "tag", "parse"),
+    [(pb.PullFrame, PULL_CHUNK_TAG, pull_frame), (pb.PushFrame, PUSH_CHUNK_TAG, None)],
+    ids=["pull", "push"],
+)
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 1 << 20])
+def test_chunk_view_reads_protobufs_own_chunk_frames_without_a_copy(message, tag, parse, size):
+    """Push receivers and pull requesters read chunks through one function: the payload
+    of any chunk protobuf writes, as a view of the received bytes (no copy)."""
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    data = message(chunk=payload).SerializeToString()
+    view = chunk_view(data, tag)
+    assert isinstance(view, memoryview) and view.obj is data and bytes(view) == payload
+    if parse is not None:
+        assert bytes(parse(data)) == payload
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pb.PullFrame(header=pb.SegmentHeader(segment=3, payload_bytes=8)).SerializeToString(),
+        pb.PullFrame(chunk=b"abcd").SerializeToString() + b"\x0a\x00",  # a field after it
+        pb.PullFrame(chunk=b"abcd").SerializeToString()[:-1],  # truncated
+        PULL_CHUNK_TAG + b"\xff" * 11,  # a length that never ends
+        b"",
+    ],
+    ids=["header", "trailing-field", "truncated", "endless-length", "empty"],
+)
+def test_anything_but_a_whole_chunk_frame_is_left_to_protobuf(data):
+    assert chunk_view(data, PULL_CHUNK_TAG) is None
+
+
+def test_a_pulled_header_frame_is_parsed_as_protobuf():
+    header = pb.SegmentHeader(segment=3, payload_bytes=8, sum_weight=0.5)
+    frame = pull_frame(pb.PullFrame(header=header).SerializeToString())
+    assert isinstance(frame, pb.PullFrame) and frame.header == header
