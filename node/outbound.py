@@ -22,10 +22,10 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gossipd.node.cpubudget import HOLD_POLL_S, CpuBudget
-from gossipd.node.errors import GossipdError, InvalidFrame
+from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable
 from gossipd.node.messages import Ack, OutboundPush, PushOutcome
 from gossipd.node.peering import RPC_TIMEOUT_S
 from gossipd.node.rejections import Throttle
@@ -42,6 +42,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
 MAX_HOLD_S = 5.0  # the longest a push waits for gossip's CPU budget
+
+
+class Delivery(NamedTuple):
+    """How a push ended: what the receiver acknowledged, and why the rest did not go.
+
+    ``exact``: the acknowledgements are all the receiver can ever have merged (every
+    failed attempt is known to have merged nothing), so the rest may go elsewhere.
+    """
+
+    acks: list[Ack]
+    error: str | None
+    exact: bool = True
 
 
 class Outbound:
@@ -100,7 +112,7 @@ class Outbound:
         started = time.monotonic()
         try:
             await self._within_budget()
-            acks, error = await self.deliver(out)
+            acks, error, _ = await self.deliver(out)
         finally:
             self.replica.post(PushOutcome(out, tuple(acks), error))
             self.metrics.push_seconds.observe(time.monotonic() - started)
@@ -123,7 +135,7 @@ class Outbound:
         self.metrics.pushes_held.inc()
         self.metrics.push_held_seconds.inc(held_s)
 
-    async def deliver(self, out: OutboundPush, kind: str = "push") -> tuple[list[Ack], str | None]:
+    async def deliver(self, out: OutboundPush, kind: str = "push") -> Delivery:
         """Retry with the same sequence until the receiver answers or is declared dead.
 
         The receiver de-duplicates, so a retry after a lost acknowledgement is
@@ -136,7 +148,7 @@ class Outbound:
         """
         peer, gossip = out.push.peer, self.config.gossip
         if peer not in self.membership.peers:
-            return [], f"peer {peer} left the view"
+            return Delivery([], f"peer {peer} left the view")
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
         last_error = "no attempt made"
@@ -146,9 +158,11 @@ class Outbound:
         while True:
             state = self.membership.peers.get(peer)
             if state is None:
-                return acked, (
+                return Delivery(
+                    acked,
                     f"{peer} was declared dead before acknowledging push "
-                    f"#{out.push.sequence}; last attempt: {last_error}"
+                    f"#{out.push.sequence}; last attempt: {last_error}",
+                    exact=not uncertain,
                 )
             remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
             never_sent = set(remaining) - sent
@@ -160,7 +174,7 @@ class Outbound:
                 self.metrics.messages.labels("sent", kind, "ok").inc()
                 self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
                 self.succeeded(peer)
-                return acked + self._credible(out, acks, never_sent), None
+                return Delivery(acked + self._credible(out, acks, never_sent), None)
             except OutcomeUnknown as err:
                 last_error, uncertain = str(err), True
                 self.failed(peer, err)
@@ -170,17 +184,18 @@ class Outbound:
                 if any(isinstance(e, OutcomeUnknown) for e in err.errors):
                     uncertain = True
                 elif not uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
-                    return self._refused(acked, nbytes, err, kind)  # commit what merged
+                    return self._refused(acked, nbytes, err, kind, uncertain)  # commit merged
             except InvalidFrame as err:  # refused by validation, as any attempt would be
-                return self._refused(acked, nbytes, err, kind)
+                return self._refused(acked, nbytes, err, kind, uncertain)
             except GossipdError as err:
-                if isinstance(err, NotAllowed):  # not transient: stop choosing this peer
+                if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
                     self.failed(peer, err)
-                # Busy, not (yet) a verified peer, leaving: this attempt merged nothing.
+                # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged
+                # nothing.
                 # That settles the push only if no earlier attempt is still unaccounted
                 # for: one may sit in the receiver's inbox and be merged after all.
                 if not uncertain:
-                    return self._refused(acked, nbytes, err, kind)
+                    return self._refused(acked, nbytes, err, kind, uncertain)
                 last_error = str(err)
             self.metrics.messages.labels("sent", kind, "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
@@ -189,7 +204,7 @@ class Outbound:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
             if self.stopping.is_set():
-                return acked, last_error
+                return Delivery(acked, last_error, exact=not uncertain)
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
     def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:
@@ -216,11 +231,11 @@ class Outbound:
         return [a for a in acks if a.segment not in false]
 
     def _refused(
-        self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str
-    ) -> tuple[list[Ack], str]:
+        self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str, uncertain: bool
+    ) -> Delivery:
         self.metrics.messages.labels("sent", kind, "failed").inc()
         self.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
-        return acked, str(err)
+        return Delivery(acked, str(err), exact=not uncertain)
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
         """Retry the pushes to ``peer`` at once and wait (bounded) for them to settle."""
@@ -276,22 +291,28 @@ class Outbound:
         # an unknown outcome, and folding it back while the receiver merged it makes
         # mass, so a slow receiver is the last choice.
         live = [s for s in self.membership.live() if s.node_id in replica.summary.peers]
-        steady = [s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers]
-        candidates = sorted(steady or [s.node_id for s in live])
-        peer = self.rng.choice(candidates) if candidates else None
-        out = await asyncio.wrap_future(replica.request_hand_off(peer)) if peer else None
-        if out is not None:
-            acks: list[Ack] = []
-            error: str | None = "leaving took too long"
+        steady = sorted(s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers)
+        others = sorted({s.node_id for s in live} - set(steady))
+        self.rng.shuffle(steady)
+        self.rng.shuffle(others)
+        # A hand-off that surely merged nothing (the peer died since it was last heard
+        # from, say) goes to the next candidate; one that may have merged ends the tries.
+        for peer in steady + others:
+            out = await asyncio.wrap_future(replica.request_hand_off(peer))
+            if out is None:
+                break
+            delivery = Delivery([], "leaving took too long", exact=False)
             try:
-                acks, error = await self.deliver(out, "handoff")
+                delivery = await self.deliver(out, "handoff")
             finally:
-                replica.post(PushOutcome(out, tuple(acks), error))
+                replica.post(PushOutcome(out, tuple(delivery.acks), delivery.error))
             await asyncio.wrap_future(replica.barrier())
-            if error is None:
+            if delivery.error is None:
                 log.info("handed weight to %s", out.push.peer)
-            else:
-                log.warning("weight hand-off to %s failed: %s", out.push.peer, error)
+                break
+            log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
+            if not delivery.exact:
+                break
         clients = [self.client(s.address, s.node_id) for s in self.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True

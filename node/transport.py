@@ -71,6 +71,10 @@ _UNKNOWN_OUTCOME = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
 }
+# What grpc says of a call it failed before any connection to the peer existed (the
+# channel was in TRANSIENT_FAILURE: connection refused, no route): the push was never
+# sent, so its outcome is known. A call cut on a live connection says otherwise.
+_NEVER_CONNECTED = "failed to connect to all addresses"
 _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: MeshMismatch,
     grpc.StatusCode.UNAUTHENTICATED: UnknownPeer,
@@ -228,8 +232,12 @@ class PeerClient:
     def _outcome(self, err: BaseException) -> GossipdError:
         """One stream's failure as what it tells us: unknown, or refused."""
         if isinstance(err, grpc.aio.AioRpcError):
+            details = err.details() or ""
+            if err.code() == grpc.StatusCode.UNAVAILABLE and _NEVER_CONNECTED in details:
+                # grpc started the call on no connection: not a byte of it left here.
+                return PeerUnreachable(f"{self.address}: nothing was sent: {details}")
             if err.code() in _UNKNOWN_OUTCOME:
-                return OutcomeUnknown(f"{self.address}: {err.code().name}: {err.details()}")
+                return OutcomeUnknown(f"{self.address}: {err.code().name}: {details}")
             return remote_error(err, self.address)
         if isinstance(err, GossipdError):
             return err

@@ -6,6 +6,7 @@ pushes acknowledged, merges, and failures in its own loop, not only in a log.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -144,3 +145,46 @@ def test_replacing_a_parameter_tensor_is_caught(tmp_path: Path) -> None:
         model.weight.data = torch.zeros(1, 2)  # silently detaches it from gossip
         with pytest.raises(GossipdError, match="weight"):
             node.step()
+
+
+def test_a_hand_off_to_a_peer_that_just_died_goes_to_the_next_live_peer(
+    daemons: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer a leaving node picks can have died a moment ago, still live in its view.
+    grpc says such a call reached no connection, so nothing of the hand-off can have
+    merged: the weight goes to the next live peer (it used to wait out the shutdown
+    budget on the dead one and stay behind). Σw over the living stays exact."""
+    dead, heir = daemons("dead"), daemons("heir")
+    job = build_job(JobSpec("synthetic", seed=42, learning_rate=0.0))
+    config = {
+        "mesh_id": "test-mesh",
+        "node_id": "user",
+        "seeds": [dead.address, heir.address],
+        "membership": {"anti_entropy_interval_s": 3600.0},  # nothing notices the death early
+        "gossip": {"sumweight": {"push_probability": 0.0}},
+        "metrics": {"listen": None},
+        "tls": {"insecure": True},
+        "shutdown_timeout_s": 30.0,
+    }
+    node = GossipNode(config, job.model, job.optimizer)
+    try:
+        assert node.wait_for_peers(2, 60.0)
+        _step_until(node, lambda r: set(node.replica.summary.peers) == {"dead", "heir"}, "peers")
+        # One failure on record makes the heir the second choice (suspected only after 3).
+        node._call(_fail_once(node, "heir"), 10.0)
+        dead.proc.kill()
+        dead.proc.wait(30.0)
+        with caplog.at_level(logging.INFO, logger="gossipd.node.outbound"):
+            node.close()
+    finally:
+        node.close()
+    tried = [r.getMessage() for r in caplog.records if r.name == "gossipd.node.outbound"]
+    assert len(tried) == 2, tried
+    assert tried[0].startswith("weight hand-off to dead failed") and "nothing was sent" in tried[0]
+    assert tried[1] == "handed weight to heir"
+    assert node.sum_weights == [0.0]
+    assert heir.status()["sum_weights"] == [2.0]  # its own and the leaver's
+
+
+async def _fail_once(node: GossipNode, peer: str) -> None:
+    node.network.peering.failed(peer, "a test's failure")
