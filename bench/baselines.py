@@ -161,7 +161,8 @@ def _hivemind_worker(rank: int, numel: int, reps: int, log: str, results: Any) -
 def _grpc_worker(
     rank: int, port: int, nbytes: int, reps: int, channels: int, log: str, results: Any
 ) -> None:
-    """Rank 1 serves a stream that only counts bytes; rank 0 streams 1 MiB messages to it."""
+    """Rank 1 serves a stream that only counts bytes; rank 0 streams 1 MiB messages to it,
+    then tells it to stop (a server left waiting would hold the run up until reaped)."""
     import asyncio
 
     import grpc
@@ -179,14 +180,25 @@ def _grpc_worker(
                 total += len(frame)
             return str(total).encode()
 
+        done = asyncio.Event()
+
+        async def stop(request: bytes, context: Any) -> bytes:
+            done.set()
+            return b""
+
         server = grpc.aio.server(options=options)
-        handler = grpc.stream_unary_rpc_method_handler(count, lambda b: b, lambda b: b)
+        handlers = {
+            "Push": grpc.stream_unary_rpc_method_handler(count, lambda b: b, lambda b: b),
+            "Stop": grpc.unary_unary_rpc_method_handler(stop, lambda b: b, lambda b: b),
+        }
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("bench.Sink", {"Push": handler}),)
+            (grpc.method_handlers_generic_handler("bench.Sink", handlers),)
         )
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        await server.wait_for_termination(TIMEOUT_S * (reps + 2))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), TIMEOUT_S * (reps + 2))
+        await server.stop(1.0)
 
     async def push() -> list[float]:
         local = [*options, ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection each
@@ -208,6 +220,9 @@ def _grpc_worker(
             await asyncio.gather(*(call(frames(), timeout=TIMEOUT_S) for call in calls))
             if rep:
                 times.append(time.perf_counter() - t0)
+        await chans[0].unary_unary("/bench.Sink/Stop", lambda b: b, lambda b: b)(
+            b"", timeout=TIMEOUT_S
+        )
         for chan in chans:
             await chan.close()
         return times
