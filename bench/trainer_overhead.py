@@ -174,13 +174,18 @@ async def _train(mesh: LocalMesh) -> dict[str, Any]:
     return run
 
 
-def run_once(job: str, push_probability: float, duration_s: float) -> dict[str, Any]:
-    """Two nodes train ``job`` for ``duration_s`` at this push probability; what they did."""
+def run_once(
+    job: str, push_probability: float, duration_s: float, cpu_share: float | None = None
+) -> dict[str, Any]:
+    """Two nodes train ``job`` for ``duration_s`` at this push probability; what they did.
+
+    ``cpu_share``: their ``gossip.cpu_share`` (None: the default)."""
     spec = MeshSpec(
         nodes=NODES,
         job=job,
         duration_s=duration_s,
         push_probability=push_probability,
+        cpu_share=cpu_share,
         quiet=True,
         eval_every_steps=0,
         checkpoint_every_steps=0,
@@ -208,7 +213,7 @@ def run_once(job: str, push_probability: float, duration_s: float) -> dict[str, 
 
 
 def bench_trainer_overhead(
-    jobs: list[str], duration_s: float, progress: TextIO
+    jobs: list[str], duration_s: float, progress: TextIO, cpu_share: float | None = None
 ) -> list[dict[str, Any]]:
     """For each job, a run without pushes and one with, one after the other; a row per job.
 
@@ -226,8 +231,8 @@ def bench_trainer_overhead(
                 file=progress,
                 flush=True,
             )
-            runs.append(run_once(name, p, duration_s))
-        rows.append(_row(short, params, duration_s, runs))
+            runs.append(run_once(name, p, duration_s, cpu_share))
+        rows.append({**_row(short, params, duration_s, runs), "cpu_share": cpu_share})
     return rows
 
 

@@ -26,6 +26,7 @@ from gossipd.bench import push_cost, trainer_overhead
 from gossipd.bench import transport_report as report
 from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
 from gossipd.bench.transport import MiB, Setting, bench_gossipd
+from gossipd.node.cli_mesh import cpu_share
 from gossipd.node.errors import GossipdError
 
 DEFAULT_SETTINGS = ("4:1024:1", "4:1024:4", "16:1024:4", "16:4096:4", "64:4096:4")
@@ -39,7 +40,7 @@ GOODPUT_ONLY = (
     "size_mb", "tensor_mb", "reps", "setting", "quick", "no_pull", "skip_gloo",
     "skip_hivemind", "hivemind_floats", "plot", "push_cost_pushes", "no_push_cost",
 )  # fmt: skip
-TRAINER_ONLY = ("trainer_jobs", "duration_s")
+TRAINER_ONLY = ("trainer_jobs", "duration_s", "cpu_share")
 
 
 # What `--help` says: the module docstrings in plain words, without their markup.
@@ -162,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --trainer: seconds each node trains per run (default: {TRAINER_DURATION_S:g})",
     )
     p.add_argument(
+        "--cpu-share",
+        type=cpu_share,
+        default=None,
+        help="with --trainer: gossip.cpu_share of both daemons, to compare shares "
+        "(default: the config's, 0.1)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="one JSON object as the last stdout line, the table on stderr",
@@ -206,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
 def _trainer(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     jobs = args.trainer_jobs or list(trainer_overhead.DEFAULT_JOBS)
     duration_s = args.duration_s or TRAINER_DURATION_S
-    rows = trainer_overhead.bench_trainer_overhead(jobs, duration_s, out)
-    print(f"gossipd bench transport --trainer: {os.cpu_count()} CPUs", file=out)
+    rows = trainer_overhead.bench_trainer_overhead(jobs, duration_s, out, args.cpu_share)
+    share = "default" if args.cpu_share is None else f"{args.cpu_share:g}"
+    print(
+        f"gossipd bench transport --trainer: {os.cpu_count()} CPUs, gossip.cpu_share {share}",
+        file=out,
+    )
     trainer_overhead.print_overhead(rows, out)
     return {"trainer_overhead": rows, **report.machine()}
 

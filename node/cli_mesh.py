@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,20 @@ from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import GossipdError
 from gossipd.node.joboptions import parse_job_options
 from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+
+
+def cpu_share(text: str) -> float:
+    """``--cpu-share``: a share of the cores' time, as ``gossip.cpu_share`` takes it."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(
+            f"--cpu-share {text!r}: give a share of the cores' time over 0 and at most 1 "
+            "(0.1 is gossip.cpu_share's default; 1 never holds a push)"
+        )
+    return share
 
 
 def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
@@ -32,6 +47,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "duration_s": args.duration_s,
         "max_steps": args.max_steps,
         "push_probability": args.push_probability,
+        "cpu_share": args.cpu_share,
         "codec": args.codec,
         "learning_rate": args.learning_rate,
         "workdir": Path(args.workdir) if args.workdir else None,
@@ -223,6 +239,13 @@ def _add_mesh_args(
         type=float,
         default=None,
         help="sumweight: chance of a push per step (default: the config's, 0.5)",
+    )
+    p.add_argument(
+        "--cpu-share",
+        type=cpu_share,
+        default=None,
+        help="gossip.cpu_share of every node: most of its cores' time gossip may take "
+        "while it trains, over 0 and at most 1 (default: the config's, 0.1)",
     )
     p.add_argument(
         "--codec",

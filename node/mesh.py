@@ -50,6 +50,7 @@ class MeshSpec:
     duration_s: float = 30.0
     max_steps: int = 0
     push_probability: float | None = None
+    cpu_share: float | None = None  # [gossip] cpu_share of every node; None: the default
     codec: str = "raw"
     learning_rate: float | None = None
     workdir: Path | None = None
@@ -137,6 +138,8 @@ def node_toml(
     if spec.learning_rate is not None:
         job["learning_rate"] = spec.learning_rate
     gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
+    if spec.cpu_share is not None:
+        gossip["cpu_share"] = spec.cpu_share
     wanted = {"round_steps": spec.round_steps, "push_probability": spec.push_probability}
     # [gossip.<protocol>]: what it has (the allreduce baseline is no gossip protocol: none)
     takes = {} if allreduce_master else settings_class(spec.protocol).model_fields

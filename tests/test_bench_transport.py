@@ -278,12 +278,16 @@ def test_trainer_mode_trains_both_runs_the_same_time_and_only_the_second_pushes(
 ) -> None:
     """`--trainer` on digits for 3 s: both runs trained on every node, the run without
     pushes sent no byte, each push carried the whole model, no weight was lost or made
-    (the sum over the nodes is the same after both runs), and the table shows the row."""
+    (the sum over the nodes is the same after both runs), and the table shows the row.
+    Both daemons run at the ``--cpu-share`` given (the budget it sets is in the row)."""
     argv = ["--trainer", "--trainer-jobs", "digits", "--duration-s", "3", "--json"]
+    argv += ["--cpu-share", "0.5"]
     assert transport.main(argv) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
     [row] = result["trainer_overhead"]
+    assert row["cpu_share"] == 0.5
+    assert "gossip.cpu_share 0.5" in captured.err
     params = trainer_overhead.parameter_count("digits")
     assert (row["job"], row["params"], row["model_bytes"]) == ("digits", params, params * 4)
     assert (row["nodes"], row["duration_s"]) == (2, 3.0)
@@ -341,6 +345,9 @@ def test_wide_digits_is_the_digits_job_with_a_4_35m_parameter_mlp_and_256_batche
         (["--trainer", "--duration-s", "0"], "--duration-s 0.0: give a positive number"),
         (["--push-cost-pushes", "5"], "--push-cost-pushes '5': give a whole number of at least"),
         (["--trainer", "--trainer-jobs", ","], "--trainer-jobs ',' names no job"),
+        (["--cpu-share", "0.05"], "--cpu-share: only with --trainer"),
+        (["--trainer", "--cpu-share", "0"], "--cpu-share '0': give a share of the cores' time"),
+        (["--trainer", "--cpu-share", "1.5"], "--cpu-share '1.5': give a share"),
     ],
 )
 def test_a_flag_the_mode_does_not_use_is_refused_not_ignored(

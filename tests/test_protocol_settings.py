@@ -385,6 +385,17 @@ def test_a_local_mesh_writes_the_protocols_own_table(
     assert caplog.text == ""  # nothing deprecated
 
 
+@pytest.mark.parametrize(("share", "expected"), [(None, 0.1), (0.25, 0.25), (1.0, 1.0)])
+def test_mesh_up_gives_every_node_the_cpu_share_asked_for(
+    share: float | None, expected: float, tmp_path: Path
+) -> None:
+    """`mesh up --cpu-share` (MeshSpec.cpu_share) reaches gossip.cpu_share; none: default."""
+    spec = MeshSpec(cpu_share=share, insecure=True)
+    path = tmp_path / "node.toml"
+    path.write_text(node_toml(spec, "m", 1, [50001, 50002], tmp_path))
+    assert load_config(path).gossip.cpu_share == expected
+
+
 # -- import cost ---------------------------------------------------------------------------
 HEAVY = ("grpc", "google.protobuf", "torch")
 
