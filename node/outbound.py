@@ -118,22 +118,24 @@ class Outbound:
             self.metrics.push_seconds.observe(time.monotonic() - started)
 
     async def _within_budget(self) -> None:
-        """Wait while gossip is over its CPU share (``gossip.cpu_share``), at most
-        ``MAX_HOLD_S``: a node whose inbound traffic alone is over its share still moves
-        its weight. A leaving or stopping node never waits."""
+        """Wait while gossip is over its CPU share (``gossip.cpu_share``) for this push's
+        turn in the paced rate (:meth:`CpuBudget.wait_s`), at most ``MAX_HOLD_S``. A
+        leaving or stopping node never waits."""
         budget = self.budget
-        if not budget.over():
-            return
         started = time.monotonic()
         held_until = started + MAX_HOLD_S
-        while budget.over() and not (self.leaving or self.stopping.is_set()):
-            if time.monotonic() >= held_until:
+        waited = False
+        while not (self.leaving or self.stopping.is_set()):
+            wait_s = min(budget.wait_s(), held_until - time.monotonic())
+            if wait_s <= 0:
                 break
-            await asyncio.sleep(HOLD_POLL_S)
-        held_s = time.monotonic() - started
-        budget.held()
-        self.metrics.pushes_held.inc()
-        self.metrics.push_held_seconds.inc(held_s)
+            waited = True
+            await asyncio.sleep(min(wait_s, HOLD_POLL_S))
+        budget.released()
+        if waited:
+            budget.held()
+            self.metrics.pushes_held.inc()
+            self.metrics.push_held_seconds.inc(time.monotonic() - started)
 
     async def deliver(self, out: OutboundPush, kind: str = "push") -> Delivery:
         """Retry with the same sequence until the receiver answers or is declared dead.

@@ -99,17 +99,54 @@ def test_pushes_wait_only_while_over_and_the_trainer_steps() -> None:
     clocks = Clocks()
     b = budget(0.1, clocks)
     b.gossip_share()
+    b.released()
     clocks.advance(1.0, 1.0)
     b.add_training(0.5)  # gossip took half
-    assert not b.over(), "a trainer that does not step cannot be starved"
+    assert b.wait_s() == 0.0, "a trainer that does not step cannot be starved"
     b.training = True
-    assert b.over()
+    assert b.wait_s() > 0.0
     unlimited = budget(1.0, clocks)
     unlimited.training = True
     unlimited.gossip_share()
+    unlimited.released()
     clocks.advance(1.0, 1.0)
     assert unlimited.gossip_share() == pytest.approx(1.0)
-    assert not unlimited.over(), "cpu_share = 1 never holds a push"
+    assert unlimited.wait_s() == 0.0, "cpu_share = 1 never holds a push"
+
+
+def test_over_the_share_pushes_are_paced_at_the_rate_scaled_by_share_over_measured() -> None:
+    """Not held until the share falls (every node of a mesh then stops and bursts at
+    once): the node's own push rate is scaled down, pushes spread evenly."""
+    clocks = Clocks()
+    b = budget(0.1, clocks)
+    b.training = True
+    b.gossip_share()
+    step = 0.125  # a binary fraction: the scripted clock adds up exactly
+    for _ in range(10):  # 10 pushes, gossip at 0.2 of the core: twice the share
+        clocks.advance(step, step)
+        b.add_training(step * 0.8)
+        assert b.gossip_share() == pytest.approx(0.2)
+        b.released()
+    # 10 pushes in the 2 s window: 5 a second, to be halved: one every 0.4 s.
+    assert b.wait_s() == pytest.approx(0.4)
+    clocks.advance(2 * step, 2 * step)
+    b.add_training(2 * step * 0.8)
+    assert b.wait_s() == pytest.approx(0.15)
+    clocks.advance(2 * step, 2 * step)
+    b.add_training(2 * step * 0.8)
+    assert b.wait_s() == 0.0
+
+
+def test_the_first_push_of_a_window_goes_even_over_the_share() -> None:
+    """Inbound traffic alone can keep a node over its share: it still moves its weight."""
+    clocks = Clocks()
+    b = budget(0.1, clocks)
+    b.training = True
+    b.gossip_share()
+    clocks.advance(1.0, 1.0)  # all of it gossip, none of it our pushes
+    assert b.wait_s() == 0.0
+    b.released()
+    assert b.wait_s() == pytest.approx(WINDOW_S * 10.0)  # then one per window x measured/share
 
 
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
