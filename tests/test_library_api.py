@@ -41,21 +41,25 @@ def _step_until(
 
 
 def _user_node(
-    peer: Any, membership: dict[str, Any] | None = None, **gossip: Any
+    *peers: Any,
+    membership: dict[str, Any] | None = None,
+    shutdown_timeout_s: float = 5.0,
+    **gossip: Any,
 ) -> tuple[GossipNode, torch.nn.Module]:
+    """A library node seeded with ``peers``, once every one of them is live to it."""
     job = build_job(JobSpec("synthetic", seed=42, learning_rate=0.0))
     config = {
         "mesh_id": "test-mesh",
         "node_id": "user",
-        "seeds": [peer.address],
+        "seeds": [peer.address for peer in peers],
         "membership": membership or {},
         "gossip": {"push_probability": 1.0, **gossip},
         "metrics": {"listen": None},
         "tls": {"insecure": True},
-        "shutdown_timeout_s": 5.0,
+        "shutdown_timeout_s": shutdown_timeout_s,
     }
     node = GossipNode(config, job.model, job.optimizer)
-    assert node.wait_for_peers(1, 60.0)
+    assert node.wait_for_peers(len(peers), 60.0)
     return node, job.model
 
 
@@ -155,20 +159,14 @@ def test_a_hand_off_to_a_peer_that_just_died_goes_to_the_next_live_peer(
     merged: the weight goes to the next live peer (it used to wait out the shutdown
     budget on the dead one and stay behind). Σw over the living stays exact."""
     dead, heir = daemons("dead"), daemons("heir")
-    job = build_job(JobSpec("synthetic", seed=42, learning_rate=0.0))
-    config = {
-        "mesh_id": "test-mesh",
-        "node_id": "user",
-        "seeds": [dead.address, heir.address],
-        "membership": {"anti_entropy_interval_s": 3600.0},  # nothing notices the death early
-        "gossip": {"sumweight": {"push_probability": 0.0}},
-        "metrics": {"listen": None},
-        "tls": {"insecure": True},
-        "shutdown_timeout_s": 30.0,
-    }
-    node = GossipNode(config, job.model, job.optimizer)
+    node, _ = _user_node(
+        dead,
+        heir,
+        membership={"anti_entropy_interval_s": 3600.0},  # nothing notices the death early
+        shutdown_timeout_s=30.0,
+        push_probability=0.0,
+    )
     try:
-        assert node.wait_for_peers(2, 60.0)
         _step_until(node, lambda r: set(node.replica.summary.peers) == {"dead", "heir"}, "peers")
         # One failure on record makes the heir the second choice (suspected only after 3).
         node._call(_fail_once(node, "heir"), 10.0)
