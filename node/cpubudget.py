@@ -11,15 +11,16 @@ since the last push went. The protocol core meanwhile sees the push still in
 flight and starts no new one to that peer (nor beyond
 ``gossip.max_pushes_in_flight``), so the push *rate* adapts to what pushes really
 cost, with no weight lost or duplicated: a held push is an ordinary
-unacknowledged push.
+unacknowledged push. Gossip that only uses CPU nobody else wants (a GPU trainer,
+a cheap step on an idle machine) is never held while it stays under the share of
+the whole node.
 
 Pacing, not holding every push while over: gossip CPU includes what peers push
 here, so with every node of a mesh holding while over, all of them stop at once,
-the share falls, all of them burst at once, and the mesh mixed in bursts with
-seconds of nothing between (at 0.05 the convergence tests failed). Scaling each
-node's own rate converges on the share with pushes spread evenly. Gossip that only uses CPU nobody
-else wants (a GPU trainer, a cheap step on an idle machine) is never held while
-it stays under the share of the whole node.
+the share falls, all of them burst at once, and the mesh mixes in bursts with
+seconds of nothing between (3 digits sites at 0.03: final consensus distance
+0.012 held, 0.0018 paced). Scaling each node's own rate converges on the share
+with pushes spread evenly.
 
 Training CPU is what the trainer thread spends on anything but merging inbound
 pushes and snapshotting its own (the job's steps, evaluations, checkpoints, a
@@ -119,9 +120,7 @@ class CpuBudget:
         with self._lock:
             now = self._clock()
             measured = self._sample(now)
-            releases = self._releases
-            while releases and now - releases[0] > WINDOW_S:
-                releases.popleft()
+            releases = self._recent(now)
             if measured <= self.share or not releases:
                 return 0.0
             interval = (measured / self.share) / (len(releases) / WINDOW_S)
@@ -130,7 +129,16 @@ class CpuBudget:
     def released(self) -> None:
         """A push went now (held or not): the rate the next ones are paced from."""
         with self._lock:
-            self._releases.append(self._clock())
+            now = self._clock()
+            self._recent(now).append(now)
+
+    def _recent(self, now: float) -> collections.deque[float]:
+        """When pushes went within the window (older ones dropped: the record stays
+        bounded whether or not anything is paced)."""
+        releases = self._releases
+        while releases and now - releases[0] > WINDOW_S:
+            releases.popleft()
+        return releases
 
     def held(self) -> None:
         """A push waited for the budget before going."""

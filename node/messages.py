@@ -240,10 +240,10 @@ class Inbox:
     def pending(self) -> int:
         return len(self._items)
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether a push is waiting, within ``timeout_s``; the push stays queued."""
+    def wait(self, timeout_s: float) -> None:
+        """Until a push is waiting, at most ``timeout_s``; the push stays queued."""
         with self._ready:
-            return bool(self._ready.wait_for(lambda: self._items, timeout_s))
+            self._ready.wait_for(lambda: self._items, timeout_s)
 
     def get(self) -> InboundPush | None:
         """The oldest waiting push, or None at once."""

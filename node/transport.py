@@ -420,9 +420,9 @@ class PeerClient:
                     watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
                     if isinstance(frame, memoryview):
                         seg = assembler.chunk(frame)
-                    elif frame.WhichOneof("kind") == "header":
+                    elif (kind := frame.WhichOneof("kind")) == "header":
                         seg = assembler.header(frame.header)
-                    elif frame.WhichOneof("kind") == "chunk":  # a chunk framed unlike ours
+                    elif kind == "chunk":  # a chunk framed unlike ours (extra fields)
                         seg = assembler.chunk(frame.chunk)
                     else:
                         raise InvalidFrame(f"{self.address} sent an empty PullFrame")

@@ -149,6 +149,17 @@ def test_the_first_push_of_a_window_goes_even_over_the_share() -> None:
     assert b.wait_s() == pytest.approx(WINDOW_S * 10.0)  # then one per window x measured/share
 
 
+def test_the_record_of_pushes_stays_bounded_when_nothing_is_paced() -> None:
+    """With cpu_share = 1 (or a trainer that never steps) nothing asks how long to wait,
+    yet every push is recorded: the record must still forget what left the window."""
+    clocks = Clocks()
+    b = budget(1.0, clocks)
+    for _ in range(10_000):  # 1000 pushes a second for 10 s
+        clocks.advance(0.001, 0.001)
+        b.released()
+    assert len(b._releases) <= WINDOW_S / 0.001 + 1
+
+
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
 def test_a_share_outside_0_1_is_refused(share: float) -> None:
     with pytest.raises(ConfigError, match="cpu_share"):

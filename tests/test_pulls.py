@@ -220,9 +220,9 @@ def test_an_idle_trainer_waits_for_a_push_without_holding_the_replica_lock() -> 
     waiting = threading.Event()
     wait = replica.inbox.wait
 
-    def announced_wait(timeout_s: float) -> bool:
+    def announced_wait(timeout_s: float) -> None:
         waiting.set()
-        return wait(timeout_s)
+        wait(timeout_s)
 
     replica.inbox.wait = announced_wait  # type: ignore[method-assign]
     idle = threading.Thread(target=replica.idle, args=(DEADLINE_S,))
