@@ -15,8 +15,9 @@ while it holds a count and nothing locks.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from gossipd.node import codec as wirecodec
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from gossipd.node.config import NodeConfig
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class Slot:
@@ -284,15 +286,23 @@ class IdleBounded(Generic[T]):
         return self.deadline_s - (now - self.started)
 
     async def __anext__(self) -> T:
+        frame = await self.wait(anext(self.frames))
+        self.received += self.size(frame)
+        return frame
+
+    async def wait(self, pending: Awaitable[U], nbytes: int = 0) -> U:
+        """``pending`` (waiting for the peer) within this stream's limits; ``nbytes``: what
+        it brings, credited in advance (a bulk-lane read of a whole payload, whose own
+        socket timeout bounds each silence). Frames come through :meth:`__anext__`."""
         started = time.monotonic()
         if self.started is None:
             self.started = started
-        rate_s = self._allowed_s()
+        rate_s = self._allowed_s() + (nbytes / self.min_rate if self.min_rate else 0.0)
         left_s = self._left_s(started)
-        limit_s = min(self.idle_s, rate_s, left_s)
+        limit_s = min(self.idle_s if not nbytes else math.inf, rate_s, left_s)
         try:
-            async with asyncio.timeout(max(limit_s, 0.0)):
-                frame = await anext(self.frames)
+            async with asyncio.timeout(max(limit_s, 0.0) if math.isfinite(limit_s) else None):
+                result = await pending
         except TimeoutError:
             if limit_s == left_s:
                 raise PushTooLong(
@@ -301,7 +311,7 @@ class IdleBounded(Generic[T]):
                     f"slot and reserved bytes released. An honest sender this slow needs a "
                     f"faster link, or {self.deadline_key} raised on this node"
                 ) from None
-            if limit_s < self.idle_s:
+            if limit_s < self.idle_s or nbytes:
                 raise PushTooSlow(
                     f"{self.received} bytes in {self.waited_s + limit_s:.0f} s of waiting, "
                     f"below {self.rate_key} = {self.min_rate:g} bytes/s; the stream was ended "
@@ -313,5 +323,5 @@ class IdleBounded(Generic[T]):
             ) from None
         finally:
             self.waited_s += time.monotonic() - started
-        self.received += self.size(frame)
-        return frame
+        self.received += nbytes
+        return result

@@ -248,6 +248,18 @@ class NodeConfig(_Section):
     node_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     listen: str = "127.0.0.1:0"
     advertise: str | None = Field(None, description="address peers dial; default: listen")
+    bulk: bool = Field(
+        True,
+        description="serve and use the bulk lane: payloads of large pushes and pulls as raw "
+        "bytes on a second TCP port (TLS as the gRPC port), not in gRPC frames",
+    )
+    bulk_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="the bulk lane's port on listen's host (0: any free port); peers dial it "
+        "on the host of this node's advertised address, so map it unchanged",
+    )
     seeds: list[str] = Field(default_factory=list)
     coordinator: str | None = Field(
         None,

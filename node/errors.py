@@ -51,6 +51,11 @@ class PeerUnreachable(GossipdError):
     """No answer from a peer in time: the only failure that counts against its liveness."""
 
 
+class BulkClosed(PeerUnreachable):
+    """A bulk-lane connection that closed, stalled or was never there, mid-push or mid-pull:
+    nothing of that push was merged, so its sender retries it (a new connection)."""
+
+
 class CheckpointError(GossipdError):
     """A checkpoint that cannot be written or does not match the model."""
 

@@ -67,6 +67,18 @@ class NodeMetrics:
             ["direction", "kind", "result"],
             registry=r,
         )
+        self.bulk_bytes = Counter(
+            "gossipd_bulk_bytes_total",
+            "Payload bytes this node's bulk lane received (pushes to it) and sent (pulls from "
+            "it); the rest of gossipd_gossip_bytes_total went in gRPC frames",
+            ["direction"],
+            registry=r,
+        )
+        self.bulk_connections = Gauge(
+            "gossipd_bulk_connections",
+            "Bulk-lane connections peers hold open to this node",
+            registry=r,
+        )
         self.messages = Counter(
             "gossipd_gossip_messages_total",
             "Messages by direction, kind (push, pull, handoff; request: a refused inbound "

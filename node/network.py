@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gossipd.node import exchange
 from gossipd.node.admission import server_options
+from gossipd.node.bulk import BulkServer
 from gossipd.node.codec import Codec
 from gossipd.node.config import NodeConfig, TlsConfig
 from gossipd.node.cpubudget import SAMPLE_S, CpuBudget
@@ -132,6 +133,7 @@ class Network:
         self.address = config.advertise or config.listen
         self.identity: Identity | None = None
         self.server: grpc.aio.Server | None = None
+        self.bulk: BulkServer | None = None
         self.clients: dict[str, PeerClient] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
@@ -234,6 +236,17 @@ class Network:
                     "machine); pick another address or port"
                 ) from None
             self.address = self.config.advertise or f"{host}:{port}"
+            if self.config.bulk:
+                limits = self.config.limits
+                self.bulk = BulkServer(
+                    self.tls,
+                    idle_s=limits.stream_idle_timeout_s,
+                    per_peer=limits.max_inbound_pushes_per_peer,
+                    total=limits.max_inbound_pushes,
+                    on_rejected=self.on_rejected,
+                    metrics=self.metrics,
+                )
+                await self.bulk.start(host, self.config.bulk_port)
             await server.start()
             await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -253,6 +266,8 @@ class Network:
             # An unstopped grpc.aio server schedules its shutdown from __del__, after
             # the loop is gone: "Event loop is closed", "never awaited".
             await server.stop(None)
+            if self.bulk is not None:
+                await self.bulk.close()
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
@@ -271,11 +286,12 @@ class Network:
         self.spawn(self.peering.run(), "anti-entropy")
         self.spawn(self._measure_cpu(), "cpu-budget")
         log.info(
-            "node %s serving on %s with %s (fingerprint %s)",
+            "node %s serving on %s with %s (fingerprint %s), %s",
             self.node_id,
             self.address,
             "plaintext gRPC" if self.tls.insecure else "mutual TLS",
             self.fingerprint,
+            f"bulk lane on port {self.bulk.port}" if self.bulk else "no bulk lane (bulk = false)",
         )
         if self.tls.insecure:
             log.warning(
@@ -297,6 +313,8 @@ class Network:
         try:
             if self.server is not None:
                 await self.server.stop(grace_s)
+            if self.bulk is not None:
+                await self.bulk.close()
             for task in list(self.tasks):
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -408,6 +426,7 @@ class Network:
             step=self.replica.summary.steps,
             peers=self.peering.known(),
             protocol=self.config.gossip.protocol,
+            bulk_port=self.bulk.port if self.bulk is not None else 0,
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:

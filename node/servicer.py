@@ -43,6 +43,7 @@ from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
+    from gossipd.node.bulk import BulkConn, BulkServer
     from gossipd.node.config import NodeConfig
     from gossipd.node.metrics import NodeMetrics
 
@@ -63,6 +64,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.UnknownPeer: grpc.StatusCode.UNAUTHENTICATED,
     errors.Busy: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PeerUnreachable: grpc.StatusCode.UNAVAILABLE,
+    errors.BulkClosed: grpc.StatusCode.UNAVAILABLE,
     errors.CheckpointError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.JobError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ForgedLeave: grpc.StatusCode.PERMISSION_DENIED,
@@ -141,6 +143,7 @@ class Handlers(Protocol):
     tls: Credentials
     config: NodeConfig
     metrics: NodeMetrics
+    bulk: BulkServer | None
 
     def new_assembler(self) -> SegmentAssembler: ...
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
@@ -271,11 +274,25 @@ class GossipServicer:
                 )
             assembler = self.node.new_assembler()
             assembler.reserve = held.reserve
-            segments = await self._receive(opened, frames, assembler)
+            lane = None
+            if opened.bulk_token:
+                if self.node.bulk is None:
+                    raise InvalidFrame(
+                        f"push {opened.sender!r}#{opened.sequence} names a bulk-lane connection "
+                        "but this node has no bulk lane (bulk = false)"
+                    )
+                lane = slots.enter_context(
+                    await self.node.bulk.claim(opened.bulk_token, who or opened.sender)
+                )
+            segments = await self._receive(opened, frames, assembler, lane)
             return await self.node.on_push(opened, segments, deadline_s)
 
     async def _receive(
-        self, opened: pb.PushOpen, frames: IdleBounded[Any], assembler: SegmentAssembler
+        self,
+        opened: pb.PushOpen,
+        frames: IdleBounded[Any],
+        assembler: SegmentAssembler,
+        lane: BulkConn | None,
     ) -> list[ReceivedSegment]:
         segments: list[ReceivedSegment] = []
         async for message in frames:
@@ -295,6 +312,8 @@ class GossipServicer:
                         f"push {opened.sender!r}#{opened.sequence}"
                     )
                 done = assembler.header(frame.header)
+                if frame.header.bulk:
+                    done = await self._bulk_payload(frames, assembler, lane, done)
             elif kind == "chunk":
                 done = assembler.chunk(frame.chunk)
             else:
@@ -307,6 +326,23 @@ class GossipServicer:
                 f"push announced {opened.segment_count} segments but carried {len(segments)}"
             )
         return segments
+
+    async def _bulk_payload(
+        self,
+        frames: IdleBounded[Any],
+        assembler: SegmentAssembler,
+        lane: BulkConn | None,
+        done: ReceivedSegment | None,
+    ) -> ReceivedSegment | None:
+        """The payload of the header just taken, read from the push's bulk-lane connection
+        straight into the segment's buffer, within the stream's rate and deadline."""
+        if lane is None or self.node.bulk is None:
+            raise InvalidFrame("a header marked bulk in a push that names no bulk-lane connection")
+        view = assembler.unfilled()
+        if not len(view):
+            return done
+        await frames.wait(self.node.bulk.read(lane, view), len(view))
+        return assembler.filled(len(view))
 
     async def write_within(
         self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str
@@ -336,12 +372,24 @@ class GossipServicer:
             check_claim(self.node.tls.peer_id(context), req.requester, "a pull")
             self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
-            with self.pulls.take():
+            with contextlib.ExitStack() as held:
+                held.enter_context(self.pulls.take())
+                lane = None
+                if req.bulk_token and self.node.bulk is not None:
+                    lane = held.enter_context(
+                        await self.node.bulk.claim(req.bulk_token, req.requester)
+                    )
                 async with contextlib.aclosing(self.node.on_pull(req)) as frames:
                     async for frame in frames:
                         if isinstance(frame, memoryview):
+                            if lane is not None and self.node.bulk is not None:
+                                # Its socket's timeout (stream_idle_timeout_s) bounds a
+                                # reader that stops reading.
+                                await self.node.bulk.write(lane, frame)
+                                continue
                             data = pull_chunk_frame(frame)
                         else:
+                            frame.bulk = lane is not None and frame.payload_bytes > 0
                             data = pb.PullFrame(header=frame).SerializeToString()
                         await self.write_within(
                             context, data, "the reader took no frame", "the pull was cut off"

@@ -17,11 +17,14 @@ sequence instead of guessing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from gossipd.node.bulk import BulkConn, BulkDialer
 from gossipd.node.codec import Codec
 from gossipd.node.errors import (
     Busy,
@@ -31,7 +34,7 @@ from gossipd.node.errors import (
     PeerUnreachable,
     UnknownPeer,
 )
-from gossipd.node.messages import Ack, OutboundPush, Pulled
+from gossipd.node.messages import Ack, OutboundPush, Pulled, ReceivedSegment
 from gossipd.node.pushstreams import COALESCE_BYTES, END_FRAME, StreamPool, batched
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.shaping import LinkShaper
@@ -40,6 +43,7 @@ from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,
     SegmentAssembler,
+    encoded_segment,
     pull_frame,
     push_chunk_frame,
     segment_frames,
@@ -47,6 +51,8 @@ from gossipd.node.wire import (
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 _MAX_MESSAGE_BYTES = 16 << 20
 CHANNEL_OPTIONS = [
@@ -61,6 +67,12 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# A push part of at least this many model bytes goes on the bulk lane where the peer has
+# one: below it, grpc's frames cost less than a lane round trip does.
+BULK_MIN_BYTES = 1 << 20
+BULK_RECHECK_S = 60.0  # a peer without a lane (or unreachable there) is asked again after this
+BULK_READ_PIECE = 4 << 20  # a pulled payload read from the lane counts as progress per piece
+BULK_DIAL_S = 5.0  # the most a lane's Handshake or connection set-up may take
 # Statuses after which the receiver may or may not have merged the push. Every
 # other status is an answer from the receiver's servicer, which refuses before it
 # merges anything.
@@ -164,10 +176,51 @@ class PeerClient:
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=pull_frame,
         )
+        self.tls = tls
+        self._bulk: BulkDialer | None = None
+        self._bulk_asked_s = -BULK_RECHECK_S
 
     async def close(self) -> None:
         self._streams.close()
+        if self._bulk is not None:
+            self._bulk.close()
         await self.channel.close(grace=None)
+
+    async def _bulk_conn(self, nbytes: int, timeout_s: float) -> BulkConn | None:
+        """A connection to the peer's bulk lane for ``nbytes`` of payload, or None: the
+        payload then goes in chunk frames (small, shaped, no lane, or the lane failed).
+
+        The lane's port comes from the peer's Handshake, asked once (again after
+        ``BULK_RECHECK_S`` when it had none or could not be reached).
+        """
+        if self.shaper is not None or nbytes < BULK_MIN_BYTES:
+            return None  # shaping paces chunk frames
+        loop = asyncio.get_running_loop()
+        if self._bulk is None:
+            if loop.time() - self._bulk_asked_s < BULK_RECHECK_S:
+                return None
+            self._bulk_asked_s = loop.time()
+            try:
+                port = (await self.handshake(min(timeout_s, BULK_DIAL_S))).bulk_port
+            except GossipdError:
+                return None
+            if not port:
+                return None
+            host = self.address.rpartition(":")[0]
+            self._bulk = BulkDialer(host, port, self.tls, self.expected, self.streams)
+        try:
+            return await self._bulk.take(min(timeout_s, BULK_DIAL_S))
+        except GossipdError as err:
+            log.info(
+                "bulk lane of %s: %s; this push goes in gRPC frames, the lane is tried "
+                "again in %.0f s",
+                self.address,
+                err,
+                BULK_RECHECK_S,
+            )
+            self._bulk.close()
+            self._bulk = None
+            return None
 
     async def handshake(self, timeout_s: float) -> pb.HandshakeReply:
         request = pb.HandshakeRequest(
@@ -287,15 +340,29 @@ class PeerClient:
         the receiver had ended OK had been idle there, so nothing of this push
         reached it: the attempt moves to a new stream at once.
         """
+        small = self._small(out, group)
         for fresh in (False, True):
+            lane = None
+            if not small:
+                nbytes = sum(out.snapshot[i].nbytes for i in group)
+                lane = await self._bulk_conn(nbytes, timeout_s)
             stream = self._streams.take(fresh)
-            frames = self._frames(out, group, timeout_s)
-            if self._small(out, group):
+            frames = self._frames(out, group, timeout_s, lane, progressed)
+            if small:
                 frames = batched(frames)
             feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
+            reading = asyncio.ensure_future(stream.call.read())
             answered = False
             try:
-                reply = await stream.call.read()
+                await asyncio.wait({feeding, reading}, return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done() and feeding.exception() is not None:
+                    # Our side failed (the bulk lane broke): the receiver may be waiting
+                    # for bytes that will never come.
+                    raise OutcomeUnknown(
+                        f"{self.address}: push #{out.push.sequence} failed while sending: "
+                        f"{feeding.exception()}"
+                    )
+                reply = await reading
                 if reply is grpc.aio.EOF:  # ended OK: idle at the receiver
                     if stream.reused and not fresh:
                         continue
@@ -313,10 +380,19 @@ class PeerClient:
                 return reply
             finally:
                 feeding.cancel()
+                reading.cancel()
+                with contextlib.suppress(BaseException):
+                    await feeding
                 if answered:
                     self._streams.put_back(stream)
                 else:
                     stream.call.cancel()
+                if lane is not None:
+                    # A lane may hold bytes of a push that was not answered: never reused.
+                    if answered and not lane.closed and self._bulk is not None:
+                        self._bulk.put_back(lane)
+                    else:
+                        lane.abort()
         raise AssertionError("unreachable: the second pass takes a fresh stream")
 
     @staticmethod
@@ -341,8 +417,14 @@ class PeerClient:
         out: OutboundPush,
         segments: list[int],
         timeout_s: float,
+        lane: BulkConn | None = None,
+        progressed: Callable[[], None] = lambda: None,
     ) -> AsyncIterator[bytes]:
         """Serialized PushFrames: open, then per segment a header and its chunks.
+
+        With a bulk ``lane`` each header is marked ``bulk`` and its payload, instead
+        of chunk frames, is written whole on the lane once the header is handed to
+        grpc (each piece written counts as ``progressed``).
 
         A chunk frame is encoded by hand, byte for byte what protobuf writes for
         ``PushFrame(chunk=data)`` (field tag, varint length, payload), straight from
@@ -363,9 +445,23 @@ class PeerClient:
                 round=out.push.round,
                 sequence_base=out.push.sequence_base,
                 deadline_s=timeout_s,
+                bulk_token=lane.token if lane is not None else b"",
             )
         ).SerializeToString()
         for index in segments:
+            if lane is not None and self._bulk is not None:
+                header, data = encoded_segment(
+                    sender=self.identity.node_id,
+                    sequence=out.push.sequence,
+                    segment=index,
+                    sum_weight=out.push.weights[index],
+                    flat=out.snapshot[index],
+                    codec=self.codec,
+                )
+                header.bulk = True
+                yield pb.PushFrame(header=header).SerializeToString()
+                await self._bulk.send(lane, data, progressed)
+                continue
             for frame in segment_frames(
                 sender=self.identity.node_id,
                 sequence=out.push.sequence,
@@ -414,14 +510,26 @@ class PeerClient:
         progress_s = progress_timeout_s or timeout_s
         if self.shaper:
             await self.shaper.delay()  # the request's one-way latency; the reply is the server's
+        # The server refuses segments it does not have; the lane is sized for those it has.
+        nbytes = sum(plan.segments[i].nbytes for i in wanted if 0 <= i < len(plan))
+        lane = await self._bulk_conn(nbytes, timeout_s)
+        if lane is not None:
+            request.bulk_token = lane.token
+        done = False
         try:
             async with asyncio.timeout(progress_s) as watchdog:
-                async for frame in self._pull_model(request, timeout=timeout_s):
+
+                def progressed() -> None:
                     watchdog.reschedule(asyncio.get_running_loop().time() + progress_s)
+
+                async for frame in self._pull_model(request, timeout=timeout_s):
+                    progressed()
                     if isinstance(frame, memoryview):
                         seg = assembler.chunk(frame)
                     elif (kind := frame.WhichOneof("kind")) == "header":
                         seg = assembler.header(frame.header)
+                        if frame.header.bulk:
+                            seg = await self._pulled_payload(assembler, lane, seg, progressed)
                     elif kind == "chunk":  # a chunk framed unlike ours (extra fields)
                         seg = assembler.chunk(frame.chunk)
                     else:
@@ -435,6 +543,7 @@ class PeerClient:
                     pulled.values[seg.segment] = seg.values
                     pulled.weights[seg.segment] = seg.sum_weight
                     pulled.nbytes += seg.values.numel() * seg.values.element_size()
+            done = True
         except TimeoutError:
             raise GossipdError(
                 f"{self.address}: pull made no progress for {progress_s:.1f} s "
@@ -442,12 +551,35 @@ class PeerClient:
             ) from None
         except grpc.aio.AioRpcError as err:
             raise remote_error(err, self.address) from None
+        finally:
+            if lane is not None:
+                if done and not lane.closed and self._bulk is not None:
+                    self._bulk.put_back(lane)
+                else:
+                    lane.abort()
         assembler.close()
         if sorted(pulled.values) != sorted(wanted):
             raise InvalidFrame(
                 f"{self.address} sent {len(pulled.values)} of {len(wanted)} segments in PullModel"
             )
         return pulled
+
+    async def _pulled_payload(
+        self,
+        assembler: SegmentAssembler,
+        lane: BulkConn | None,
+        seg: ReceivedSegment | None,
+        progressed: Callable[[], None],
+    ) -> ReceivedSegment | None:
+        """The payload of a pulled header marked bulk, read from our lane connection
+        straight into the segment's buffer, a piece at a time (each piece is progress)."""
+        if lane is None or self._bulk is None:
+            raise InvalidFrame(f"{self.address} marked a pulled segment bulk; we named no lane")
+        view = assembler.unfilled()
+        for start in range(0, len(view), BULK_READ_PIECE):
+            await self._bulk.read(lane, view[start : start + BULK_READ_PIECE])
+            progressed()
+        return assembler.filled(len(view)) if len(view) else seg
 
     async def leave(self, timeout_s: float) -> None:
         request = pb.LeaveRequest(

@@ -35,6 +35,26 @@ class Limits:
     max_sum_weight: float = 1e6
 
 
+def encoded_segment(
+    *, sender: str, sequence: int, segment: int, sum_weight: float, flat: torch.Tensor, codec: Codec
+) -> tuple[pb.SegmentHeader, memoryview]:
+    """A segment's header and its encoded payload (a read-only view, valid while ``flat``
+    is unchanged): what chunk frames or the bulk lane then carry."""
+    data = wirecodec.encode(flat, codec)
+    header = pb.SegmentHeader(
+        sender=sender,
+        segment=segment,
+        sequence=sequence,
+        sum_weight=sum_weight,
+        dtype=wirecodec.DTYPE_TO_WIRE[flat.dtype],
+        numel=flat.numel(),
+        codec=int(codec),
+        payload_bytes=len(data),
+        checksum=wirecodec.checksum(data),
+    )
+    return header, data.toreadonly()
+
+
 def segment_frames(
     *,
     sender: str,
@@ -52,20 +72,15 @@ def segment_frames(
     encoded payload instead, valid while ``flat`` is unchanged, for a caller
     that copies them into its own frames anyway.
     """
-    data = wirecodec.encode(flat, codec)
-    yield pb.SegmentHeader(
+    header, data = encoded_segment(
         sender=sender,
-        segment=segment,
         sequence=sequence,
+        segment=segment,
         sum_weight=sum_weight,
-        dtype=wirecodec.DTYPE_TO_WIRE[flat.dtype],
-        numel=flat.numel(),
-        codec=int(codec),
-        payload_bytes=len(data),
-        checksum=wirecodec.checksum(data),
+        flat=flat,
+        codec=codec,
     )
-    if not copy:
-        data = data.toreadonly()
+    yield header
     for start in range(0, len(data), chunk_bytes):
         piece = data[start : start + chunk_bytes]
         yield piece.tobytes() if copy else piece
@@ -214,6 +229,19 @@ class SegmentAssembler:
             )
         self._buffer[self._filled : end] = data
         self._filled = end
+        return self._complete_if_full()
+
+    def unfilled(self) -> memoryview:
+        """The open segment's buffer not yet filled, for a reader that fills it in place
+        (a bulk-lane payload); :meth:`filled` says how much it wrote."""
+        if self._header is None or self._buffer is None:
+            raise InvalidFrame("bulk payload with no segment header before it")
+        return self._buffer[self._filled :]
+
+    def filled(self, nbytes: int) -> ReceivedSegment | None:
+        """``nbytes`` more of the open segment were written into :meth:`unfilled`."""
+        assert self._buffer is not None and self._filled + nbytes <= len(self._buffer)
+        self._filled += nbytes
         return self._complete_if_full()
 
     def close(self) -> None:

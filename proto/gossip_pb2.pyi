@@ -65,23 +65,25 @@ class HandshakeRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., mesh_id: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol")
+    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol", "bulk_port")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     node: NodeInfo
     fingerprint: str
     step: int
     peers: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     protocol: str
-    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class PushOpen(_message.Message):
-    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s")
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,7 @@ class PushOpen(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_BASE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    BULK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     sender: str
     fingerprint: str
@@ -100,14 +103,15 @@ class PushOpen(_message.Message):
     round: int
     sequence_base: int
     deadline_s: float
-    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    bulk_token: bytes
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ..., bulk_token: _Optional[bytes] = ...) -> None: ...
 
 class PushEnd(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SegmentHeader(_message.Message):
-    __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum")
+    __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum", "bulk")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +121,7 @@ class SegmentHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
     sender: str
     segment: int
     sequence: int
@@ -126,7 +131,8 @@ class SegmentHeader(_message.Message):
     codec: Codec
     payload_bytes: int
     checksum: int
-    def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    bulk: bool
+    def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., bulk: _Optional[bool] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("open", "header", "chunk", "end", "batch")
@@ -165,20 +171,22 @@ class PushReply(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[SegmentAck, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("mesh_id", "requester", "fingerprint", "codec", "segments", "round")
+    __slots__ = ("mesh_id", "requester", "fingerprint", "codec", "segments", "round", "bulk_token")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    BULK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     requester: str
     fingerprint: str
     codec: Codec
     segments: _containers.RepeatedScalarFieldContainer[int]
     round: int
-    def __init__(self, mesh_id: _Optional[str] = ..., requester: _Optional[str] = ..., fingerprint: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., segments: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ...) -> None: ...
+    bulk_token: bytes
+    def __init__(self, mesh_id: _Optional[str] = ..., requester: _Optional[str] = ..., fingerprint: _Optional[str] = ..., codec: _Optional[_Union[Codec, str]] = ..., segments: _Optional[_Iterable[int]] = ..., round: _Optional[int] = ..., bulk_token: _Optional[bytes] = ...) -> None: ...
 
 class PullFrame(_message.Message):
     __slots__ = ("header", "chunk")
