@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gossipd.node import certs
 from gossipd.node.admission import PeerSlots, Slots
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from gossipd.node.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAGIC = b"GDB1"
 TOKEN_BYTES = 16
@@ -205,12 +206,12 @@ class BulkConn:
                 self.sock.close()
 
 
-async def run_in(executor: ThreadPoolExecutor, conn: BulkConn, work: Callable[[], None]) -> None:
+async def run_in(executor: ThreadPoolExecutor, conn: BulkConn, work: Callable[[], T]) -> T:
     """``work`` on ``conn`` in ``executor``; if the awaiting task is cancelled (a deadline),
     the connection is closed so the worker returns at once."""
     future = asyncio.get_running_loop().run_in_executor(executor, work)
     try:
-        await asyncio.shield(future)
+        return await asyncio.shield(future)
     except BaseException:
         conn.abort()
         with contextlib.suppress(BaseException):
@@ -412,9 +413,18 @@ class BulkServer:
             conn.busy = False
             conn.used_s = time.monotonic()
 
-    async def read(self, conn: BulkConn, view: memoryview) -> None:
-        await run_in(self.executor, conn, lambda: conn.recv_exact(view))
+    async def read(self, conn: BulkConn, view: memoryview, then: Callable[[], T]) -> T:
+        """Fill ``view`` from ``conn``, then ``then()`` in the same worker thread: the
+        checksum and finite check of a segment just read run off the event loop, while
+        its bytes are still in the cache."""
+
+        def work() -> T:
+            conn.recv_exact(view)
+            return then()
+
+        result = await run_in(self.executor, conn, work)
         self.metrics.bulk_bytes.labels("received").inc(len(view))
+        return result
 
     async def write(self, conn: BulkConn, view: memoryview) -> None:
         await run_in(self.executor, conn, lambda: conn.send_all(view))
@@ -491,8 +501,9 @@ class BulkDialer:
     async def read(self, conn: BulkConn, view: memoryview) -> None:
         await run_in(self.executor, conn, lambda: conn.recv_exact(view))
 
-    def set_timeout(self, conn: BulkConn, timeout_s: float) -> None:
-        conn.sock.settimeout(timeout_s)
+    async def finish(self, conn: BulkConn, then: Callable[[], T]) -> T:
+        """``then()`` in a worker thread (a segment's checks, off the event loop)."""
+        return await run_in(self.executor, conn, then)
 
     def close(self) -> None:
         for conn in self._idle:

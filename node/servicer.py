@@ -341,8 +341,8 @@ class GossipServicer:
         view = assembler.unfilled()
         if not len(view):
             return done
-        await frames.wait(self.node.bulk.read(lane, view), len(view))
-        return assembler.filled(len(view))
+        checked = self.node.bulk.read(lane, view, lambda: assembler.filled(len(view)))
+        return await frames.wait(checked, len(view))
 
     async def write_within(
         self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str

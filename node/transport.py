@@ -576,10 +576,12 @@ class PeerClient:
         if lane is None or self._bulk is None:
             raise InvalidFrame(f"{self.address} marked a pulled segment bulk; we named no lane")
         view = assembler.unfilled()
+        if not len(view):
+            return seg
         for start in range(0, len(view), BULK_READ_PIECE):
             await self._bulk.read(lane, view[start : start + BULK_READ_PIECE])
             progressed()
-        return assembler.filled(len(view)) if len(view) else seg
+        return await self._bulk.finish(lane, lambda: assembler.filled(len(view)))
 
     async def leave(self, timeout_s: float) -> None:
         request = pb.LeaveRequest(
