@@ -176,10 +176,10 @@ class Merger:
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
             own = self.flat.buffers[action.segment]
-            incoming, clip = self.bound.admit(own, values[action.segment], what, action.segment)
+            delta, clip = self.bound.delta(own, values[action.segment], what, action.segment)
             if clip:
                 clipped.append(action.segment)
-            blended = self.flat.blend(action.segment, incoming, action.alpha)
+            blended = self.flat.blend_delta(action.segment, delta, action.alpha)
             if blended is None:
                 raise NonFinitePayload(
                     f"merging segment {action.segment} of {what} would make the model "

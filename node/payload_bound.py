@@ -48,14 +48,15 @@ class PayloadBound:
     def from_limits(cls, limits: LimitsConfig) -> PayloadBound:
         return cls(limits.max_payload_distance, limits.payload_scale_floor, limits.merge_clip)
 
-    def admit(
+    def delta(
         self, own: torch.Tensor, values: torch.Tensor, what: str, segment: int
     ) -> tuple[torch.Tensor, bool]:
-        """``values`` to merge into ``own`` (pulled in when clipping) and whether they were
-        clipped; raises :class:`PayloadOutOfBounds` beyond the bound. Writes nothing."""
+        """What merging ``values`` would move ``own`` by at full weight (incoming − own, a
+        new tensor the caller may overwrite; pulled in when clipping) and whether it was
+        clipped; raises :class:`PayloadOutOfBounds` beyond the bound. Within the bound
+        it is finite, so a blend may start from it (:meth:`FlatModel.blend_delta`)."""
         with torch.no_grad():
-            values = values.to(own.device, own.dtype)
-            delta = values - own
+            delta = values.to(own.device, own.dtype) - own
             distance = _rms(delta)
             scale = max(_rms(own), self.scale_floor)
             if not distance <= self.max_distance * scale:  # inf and nan refused as well
@@ -66,8 +67,8 @@ class PayloadBound:
                     "If honest sites hit this, their models diverged: raise the limit"
                 )
             if self.clip is None or distance <= self.clip * scale:
-                return values, False
-            return own + delta.mul_(self.clip * scale / distance), True
+                return delta, False
+            return delta.mul_(self.clip * scale / distance), True
 
 
 def _rms(t: torch.Tensor) -> float:
