@@ -175,17 +175,23 @@ async def _train(mesh: LocalMesh) -> dict[str, Any]:
 
 
 def run_once(
-    job: str, push_probability: float, duration_s: float, cpu_share: float | None = None
+    job: str,
+    push_probability: float,
+    duration_s: float,
+    cpu_share: float | None = None,
+    pin_cores: bool = True,
 ) -> dict[str, Any]:
     """Two nodes train ``job`` for ``duration_s`` at this push probability; what they did.
 
-    ``cpu_share``: their ``gossip.cpu_share`` (None: the default)."""
+    ``cpu_share``: their ``gossip.cpu_share`` (None: the default); ``pin_cores``: each
+    node on a core of its own (see :data:`MeshSpec.pin_cores`)."""
     spec = MeshSpec(
         nodes=NODES,
         job=job,
         duration_s=duration_s,
         push_probability=push_probability,
         cpu_share=cpu_share,
+        pin_cores=pin_cores,
         quiet=True,
         eval_every_steps=0,
         checkpoint_every_steps=0,
@@ -213,7 +219,11 @@ def run_once(
 
 
 def bench_trainer_overhead(
-    jobs: list[str], duration_s: float, progress: TextIO, cpu_share: float | None = None
+    jobs: list[str],
+    duration_s: float,
+    progress: TextIO,
+    cpu_share: float | None = None,
+    pin_cores: bool = True,
 ) -> list[dict[str, Any]]:
     """For each job, a run without pushes and one with, one after the other; a row per job.
 
@@ -231,8 +241,9 @@ def bench_trainer_overhead(
                 file=progress,
                 flush=True,
             )
-            runs.append(run_once(name, p, duration_s, cpu_share))
-        rows.append({**_row(short, params, duration_s, runs), "cpu_share": cpu_share})
+            runs.append(run_once(name, p, duration_s, cpu_share, pin_cores))
+        row = _row(short, params, duration_s, runs)
+        rows.append({**row, "cpu_share": cpu_share, "pin_cores": pin_cores})
     return rows
 
 

@@ -40,7 +40,7 @@ GOODPUT_ONLY = (
     "size_mb", "tensor_mb", "reps", "setting", "quick", "no_pull", "skip_gloo",
     "skip_hivemind", "hivemind_floats", "plot", "push_cost_pushes", "no_push_cost",
 )  # fmt: skip
-TRAINER_ONLY = ("trainer_jobs", "duration_s", "cpu_share")
+TRAINER_ONLY = ("trainer_jobs", "duration_s", "cpu_share", "shared_cores")
 
 
 # What `--help` says: the module docstrings in plain words, without their markup.
@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the config's, 0.1)",
     )
     p.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="with --trainer: let both daemons run on any core (default: each on a core of "
+        "its own, as two sites on two machines; shared, each counts the other's core as "
+        "its own and their gossip takes CPU from both trainers)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="one JSON object as the last stdout line, the table on stderr",
@@ -214,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
 def _trainer(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     jobs = args.trainer_jobs or list(trainer_overhead.DEFAULT_JOBS)
     duration_s = args.duration_s or TRAINER_DURATION_S
-    rows = trainer_overhead.bench_trainer_overhead(jobs, duration_s, out, args.cpu_share)
+    pinned = not args.shared_cores and len(os.sched_getaffinity(0)) >= trainer_overhead.NODES
+    rows = trainer_overhead.bench_trainer_overhead(
+        jobs, duration_s, out, args.cpu_share, pin_cores=pinned
+    )
     share = "default" if args.cpu_share is None else f"{args.cpu_share:g}"
+    cores = "each daemon on a core of its own" if pinned else "daemons share the cores"
     print(
-        f"gossipd bench transport --trainer: {os.cpu_count()} CPUs, gossip.cpu_share {share}",
+        f"gossipd bench transport --trainer: {os.cpu_count()} CPUs ({cores}), "
+        f"gossip.cpu_share {share}",
         file=out,
     )
     trainer_overhead.print_overhead(rows, out)

@@ -51,6 +51,9 @@ class MeshSpec:
     max_steps: int = 0
     push_probability: float | None = None
     cpu_share: float | None = None  # [gossip] cpu_share of every node; None: the default
+    # Node i runs on core i (mod the cores this process may use), as if each site had a
+    # machine of its own: its gossip then takes CPU from its own trainer, not a neighbour's.
+    pin_cores: bool = False
     codec: str = "raw"
     learning_rate: float | None = None
     workdir: Path | None = None
@@ -334,9 +337,13 @@ class LocalMesh:
 
     def start(self, index: int) -> None:
         extra = ("--ranks", str(self.spec.ranks)) if self.spec.ranks > 1 else ()
-        self.procs[index] = spawn_node(
-            self.configs[index], self.node_dir(index) / "node.log", extra=extra
-        )
+        proc = spawn_node(self.configs[index], self.node_dir(index) / "node.log", extra=extra)
+        if self.spec.pin_cores:
+            cores = sorted(os.sched_getaffinity(0))
+            # The child has just started the interpreter: no thread of it exists yet, and
+            # every thread it starts inherits this.
+            os.sched_setaffinity(proc.pid, {cores[index % len(cores)]})
+        self.procs[index] = proc
 
     def kill(self, index: int) -> None:
         """SIGKILL, as a crash would: no leave, no final checkpoint."""
