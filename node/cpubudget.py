@@ -80,6 +80,7 @@ class CpuBudget:
         self.training = False  # the trainer is stepping (set and cleared by the trainer)
         self.held_pushes = 0  # pushes that waited for the budget (for summary.json)
         self._releases: collections.deque[float] = collections.deque()  # when pushes went
+        self._last_release: float | None = None  # the latest, kept after it leaves the window
         # (wall, process CPU, training CPU), oldest first, about WINDOW_S of them
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._last_share = 0.0
@@ -113,24 +114,30 @@ class CpuBudget:
         """How much longer a push should wait before it goes: 0 under the share, or
         while the trainer does not step; over it, until the interval of the paced rate
         (pushes per second over the window × share / measured) has passed since the
-        last push went. The first push of a window goes at once: a node whose inbound
-        traffic alone is over its share still moves its weight."""
+        last push went. With no push in the window that rate is one per window, so over
+        the share pushes go at least WINDOW_S × measured / share apart: a node whose
+        inbound traffic alone is over its share still moves its weight, but no faster.
+        (Letting the first push of every window go at once made one push per window
+        the floor: a 17 MB model's pushes, sent and received, then took 8% of a core
+        at cpu_share 0.03.) The very first push goes at once."""
         if self.share >= 1.0 or not self.training:
             return 0.0
         with self._lock:
             now = self._clock()
             measured = self._sample(now)
             releases = self._recent(now)
-            if measured <= self.share or not releases:
+            if measured <= self.share or self._last_release is None:
                 return 0.0
-            interval = (measured / self.share) / (len(releases) / WINDOW_S)
-            return max(0.0, releases[-1] + interval - now)
+            rate = max(len(releases), 1) / WINDOW_S
+            interval = (measured / self.share) / rate
+            return max(0.0, self._last_release + interval - now)
 
     def released(self) -> None:
         """A push went now (held or not): the rate the next ones are paced from."""
         with self._lock:
             now = self._clock()
             self._recent(now).append(now)
+            self._last_release = now
 
     def _recent(self, now: float) -> collections.deque[float]:
         """When pushes went within the window (older ones dropped: the record stays

@@ -137,16 +137,21 @@ def test_over_the_share_pushes_are_paced_at_the_rate_scaled_by_share_over_measur
     assert b.wait_s() == 0.0
 
 
-def test_the_first_push_of_a_window_goes_even_over_the_share() -> None:
-    """Inbound traffic alone can keep a node over its share: it still moves its weight."""
+def test_over_the_share_a_node_still_pushes_but_one_per_window_times_measured_over_share() -> None:
+    """Inbound traffic alone can keep a node over its share: it still moves its weight, at
+    a rate that keeps falling with the overshoot, also once its last push left the window."""
     clocks = Clocks()
     b = budget(0.1, clocks)
     b.training = True
     b.gossip_share()
     clocks.advance(1.0, 1.0)  # all of it gossip, none of it our pushes
-    assert b.wait_s() == 0.0
+    assert b.wait_s() == 0.0, "the very first push goes at once"
     b.released()
     assert b.wait_s() == pytest.approx(WINDOW_S * 10.0)  # then one per window x measured/share
+    clocks.advance(WINDOW_S + 1.0, WINDOW_S + 1.0)  # the push left the window; still 10x over
+    assert b.wait_s() == pytest.approx(WINDOW_S * 10.0 - (WINDOW_S + 1.0))
+    clocks.advance(WINDOW_S * 10.0, WINDOW_S * 10.0)
+    assert b.wait_s() == 0.0
 
 
 def test_the_record_of_pushes_stays_bounded_when_nothing_is_paced() -> None:
