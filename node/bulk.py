@@ -65,6 +65,13 @@ def _secure_socket_options(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _wake(fd: int, family: int) -> None:
+    """Shut down the connection behind ``fd`` (still open: its owner has not returned),
+    which wakes a thread blocked in it, through a duplicate descriptor."""
+    with contextlib.suppress(OSError), socket.fromfd(fd, family, socket.SOCK_STREAM) as dup:
+        dup.shutdown(socket.SHUT_RDWR)
+
+
 class _ContextCache:
     """Python ``ssl`` contexts for the site's current certificate, rebuilt after a reload.
 
@@ -305,39 +312,71 @@ class BulkServer:
             self._spawn(self._admit(sock, where, slot))
 
     async def _admit(self, sock: socket.socket, where: str, slot: object) -> None:
-        """TLS, the hello, the per-peer cap; then the connection waits for a push."""
+        """TLS, the hello, the per-peer cap; then the connection waits for a push.
+
+        The handshake and hello together get ``stream_idle_timeout_s`` (a socket
+        timeout alone bounds each read, and a hello dribbled a byte per timeout would
+        hold a slot and a thread twenty times that). Until admitted the connection is
+        this coroutine's alone, and it closes whichever socket the worker left.
+        """
         release = [slot.release]  # type: ignore[attr-defined]
+        held = [sock]  # the socket to close on refusal: the TLS one once wrapped
+        fd, family = sock.fileno(), sock.family
+        admitted = False
         try:
             sock.setblocking(True)
             sock.settimeout(self.idle_s)
             _secure_socket_options(sock)
-            loop = asyncio.get_running_loop()
-            conn = await loop.run_in_executor(self.executor, self._hello, sock)
+            work = asyncio.get_running_loop().run_in_executor(
+                self.executor, self._hello, sock, held
+            )
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    conn = await asyncio.shield(work)
+            except TimeoutError:
+                _wake(fd, family)  # the worker is still in the socket: shut it down
+                with contextlib.suppress(BaseException):
+                    await work
+                raise self._no_hello() from None
             if conn.token in self.conns:
                 raise InvalidFrame("a bulk-lane hello reused a token that is in use")
             if conn.peer is not None:
                 release.append(self.peer_slots.take(conn.peer).release)
+            admitted = True
         except (GossipdError, OSError, ssl.SSLError) as err:
-            with contextlib.suppress(OSError):
-                sock.close()
-            for undo in release:
-                undo()
-            error = err if isinstance(err, GossipdError) else BulkClosed(f"bulk lane: {err}")
+            if isinstance(err, TimeoutError):  # a read in the worker timed out first
+                error: GossipdError = self._no_hello()
+            else:
+                error = err if isinstance(err, GossipdError) else BulkClosed(f"bulk lane: {err}")
             self.on_rejected(where, error)
-            return
-        self.conns[conn.token] = conn
-        self._releases[conn.token] = release
-        async with self._admitted:
-            self._admitted.notify_all()
+        finally:
+            if not admitted:
+                with contextlib.suppress(OSError):
+                    held[0].close()
+                for undo in release:
+                    undo()
+        if admitted:
+            self.conns[conn.token] = conn
+            self._releases[conn.token] = release
+            async with self._admitted:
+                self._admitted.notify_all()
 
-    def _hello(self, sock: socket.socket) -> BulkConn:
-        """TLS handshake and hello, blocking (a worker thread), within the socket timeout."""
+    def _no_hello(self) -> StreamIdle:
+        return StreamIdle(
+            f"no TLS handshake and hello within {self.idle_s:g} s "
+            "(limits.stream_idle_timeout_s); the bulk-lane connection was closed"
+        )
+
+    def _hello(self, sock: socket.socket, held: list[socket.socket]) -> BulkConn:
+        """TLS handshake and hello, blocking (a worker thread); ``held[0]`` is left the
+        socket to close if this raises."""
         peer: str | None = None
         if self._contexts is not None:
-            sock = self._contexts.get(server_side=True).wrap_socket(sock, server_side=True)
+            sock = held[0] = self._contexts.get(server_side=True).wrap_socket(
+                sock, server_side=True
+            )
             peer = peer_node_id(sock)  # type: ignore[arg-type]
             if not self.tls.allows(peer):
-                sock.close()
                 raise IdentityMismatch(
                     f"bulk-lane connection from {peer!r}, which tls.allow does not list"
                 )
@@ -346,13 +385,10 @@ class BulkServer:
         while got < HELLO_BYTES:
             n = sock.recv_into(view[got:])
             if n == 0:
-                sock.close()
                 raise BulkClosed("a bulk-lane peer closed before its hello")
             got += n
         if not hello.startswith(MAGIC):
-            sock.close()
             raise InvalidFrame(f"a bulk-lane connection began with {bytes(hello[:4])!r}, not GDB1")
-        sock.settimeout(self.idle_s)  # every later read waits this long for a byte at most
         return BulkConn(sock, bytes(hello[len(MAGIC) :]), peer)
 
     async def _sweep_loop(self) -> None:
@@ -481,6 +517,10 @@ class BulkDialer:
                     )
             token = os.urandom(TOKEN_BYTES)
             sock.sendall(MAGIC + token)
+            # From here the push's or pull's own deadlines bound every read and write: they
+            # close the connection, which wakes the worker. A socket timeout would also
+            # cap each whole sendall, which a slow link can honestly take longer than.
+            sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
