@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import sys
 import tempfile
@@ -224,6 +225,7 @@ async def _push_and_pull(
     reps: int,
     pull: bool,
     tls: dict[str, Any],
+    bulk: bool = True,
 ) -> dict[str, list[float]]:
     sender = await _sender_node(flat, setting, tls)
     assert sender.identity is not None
@@ -235,6 +237,7 @@ async def _push_and_pull(
         streams=setting.streams,
         tls=sender.tls,
         expected="receiver",
+        bulk=bulk,
     )
     snapshot = flat.snapshot()
     weights = dict.fromkeys(range(len(flat.plan)), 0.0)
@@ -278,11 +281,12 @@ def bench_gossipd(
     """One receiver daemon per segment size and TLS mode; every setting pushes to it.
 
     Plaintext and mutual TLS run one after the other in the same run, so their
-    ratio is measured side by side (TLS: the push rows say "mTLS").
+    ratio is measured side by side (TLS: the push rows say "mTLS"). Each setting
+    pushes (and pulls) twice: on the receiver's bulk lane, then with the lane off in
+    the sender, in gRPC chunk frames (those rows say "frames").
     """
     rows = []
     for secure in tls_modes:
-        suffix = " (mTLS)" if secure else ""
         for segment_mb in sorted({s.segment_mb for s in settings}):
             group = [s for s in settings if s.segment_mb == segment_mb]
             model = bench_job(_job_spec(numel, tensor_numel, seed=2)).model
@@ -292,11 +296,13 @@ def bench_gossipd(
                 config = _receiver_config(workdir, numel, tensor_numel, group[0], secure)
                 tls = _site_tls(workdir, secure, "sender")
                 with _daemon(config, workdir / "receiver") as address:
-                    for i, setting in enumerate(group):
+                    for (i, setting), bulk in itertools.product(enumerate(group), (True, False)):
                         do_pull = pull and i == 0
                         times = asyncio.run(
-                            _push_and_pull(address, flat, setting, reps, do_pull, tls)
+                            _push_and_pull(address, flat, setting, reps, do_pull, tls, bulk)
                         )
+                        notes = [n for n, on in (("mTLS", secure), ("frames", not bulk)) if on]
+                        suffix = f" ({', '.join(notes)})" if notes else ""
                         label = f"{setting.label} ({len(flat.plan)} segments)"
                         rows.append(row("gossipd push" + suffix, label, times["push"]))
                         if do_pull:

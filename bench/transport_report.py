@@ -72,6 +72,19 @@ def print_verdicts(rows: list[dict[str, Any]], file: TextIO) -> None:
                 f"({r['settings']})",
                 file=file,
             )
+    for r in rows:
+        name = r["method"]
+        framed_name = name.replace(")", ", frames)") if "(" in name else f"{name} (frames)"
+        framed = next(
+            (f for f in rows if f["method"] == framed_name and f["settings"] == r["settings"]),
+            None,
+        )
+        if framed is not None and "frames" not in name:
+            print(
+                f"{name} on the bulk lane: {r['gbps_best'] / framed['gbps_best']:.2f} x "
+                f"in gRPC frames ({r['settings']})",
+                file=file,
+            )
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -449,18 +449,15 @@ class BulkServer:
             conn.busy = False
             conn.used_s = time.monotonic()
 
-    async def read(self, conn: BulkConn, view: memoryview, then: Callable[[], T]) -> T:
-        """Fill ``view`` from ``conn``, then ``then()`` in the same worker thread: the
-        checksum and finite check of a segment just read run off the event loop, while
-        its bytes are still in the cache."""
-
-        def work() -> T:
-            conn.recv_exact(view)
-            return then()
-
-        result = await run_in(self.executor, conn, work)
+    async def read(self, conn: BulkConn, view: memoryview) -> None:
+        """Fill ``view`` from ``conn`` (a worker thread)."""
+        await run_in(self.executor, conn, lambda: conn.recv_exact(view))
         self.metrics.bulk_bytes.labels("received").inc(len(view))
-        return result
+
+    def verify(self, check: Callable[[], T]) -> asyncio.Future[T]:
+        """A segment's ``check`` (checksum, finiteness) in a worker thread, while the
+        stream reads on: both release the GIL, and the bytes are still in the cache."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, check)
 
     async def write(self, conn: BulkConn, view: memoryview) -> None:
         await run_in(self.executor, conn, lambda: conn.send_all(view))
@@ -541,9 +538,9 @@ class BulkDialer:
     async def read(self, conn: BulkConn, view: memoryview) -> None:
         await run_in(self.executor, conn, lambda: conn.recv_exact(view))
 
-    async def finish(self, conn: BulkConn, then: Callable[[], T]) -> T:
-        """``then()`` in a worker thread (a segment's checks, off the event loop)."""
-        return await run_in(self.executor, conn, then)
+    def verify(self, check: Callable[[], T]) -> asyncio.Future[T]:
+        """A pulled segment's ``check`` in a worker thread, while the pull reads on."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, check)
 
     def close(self) -> None:
         for conn in self._idle:

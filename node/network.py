@@ -352,6 +352,7 @@ class Network:
                 tls=self.tls,
                 expected=node_id,
                 shaper=self.shaper,
+                bulk=self.config.bulk,
             )
         return client
 

@@ -295,54 +295,59 @@ class GossipServicer:
         lane: BulkConn | None,
     ) -> list[ReceivedSegment]:
         segments: list[ReceivedSegment] = []
-        async for message in frames:
-            if isinstance(message, memoryview):
-                done = assembler.chunk(message)
+        checks: list[asyncio.Future[ReceivedSegment]] = []  # bulk segments' checks, running
+        try:
+            async for message in frames:
+                if isinstance(message, memoryview):
+                    done = assembler.chunk(message)
+                    if done is not None:
+                        segments.append(done)
+                    continue
+                frame = _require(message)
+                kind = frame.WhichOneof("kind")
+                if kind == "header":
+                    if frame.header.sequence != opened.sequence or frame.header.sender != (
+                        opened.sender
+                    ):
+                        raise InvalidFrame(
+                            f"header says {frame.header.sender!r}#{frame.header.sequence} "
+                            f"inside push {opened.sender!r}#{opened.sequence}"
+                        )
+                    done = assembler.header(frame.header)
+                    if frame.header.bulk and (check := await self._bulk(frames, assembler, lane)):
+                        checks.append(check)
+                elif kind == "chunk":
+                    done = assembler.chunk(frame.chunk)
+                else:
+                    raise InvalidFrame(f"unexpected {kind or 'empty'} frame inside a push stream")
                 if done is not None:
                     segments.append(done)
-                continue
-            frame = _require(message)
-            kind = frame.WhichOneof("kind")
-            if kind == "header":
-                if frame.header.sequence != opened.sequence or frame.header.sender != (
-                    opened.sender
-                ):
-                    raise InvalidFrame(
-                        f"header says {frame.header.sender!r}#{frame.header.sequence} inside "
-                        f"push {opened.sender!r}#{opened.sequence}"
-                    )
-                done = assembler.header(frame.header)
-                if frame.header.bulk:
-                    done = await self._bulk_payload(frames, assembler, lane, done)
-            elif kind == "chunk":
-                done = assembler.chunk(frame.chunk)
-            else:
-                raise InvalidFrame(f"unexpected {kind or 'empty'} frame inside a push stream")
-            if done is not None:
-                segments.append(done)
-        assembler.close()
+            assembler.close()
+            segments += await asyncio.gather(*checks)
+        finally:
+            for check in checks:
+                check.cancel()  # a refused push's checks: their results are not wanted
         if len(segments) != opened.segment_count:
             raise InvalidFrame(
                 f"push announced {opened.segment_count} segments but carried {len(segments)}"
             )
         return segments
 
-    async def _bulk_payload(
-        self,
-        frames: IdleBounded[Any],
-        assembler: SegmentAssembler,
-        lane: BulkConn | None,
-        done: ReceivedSegment | None,
-    ) -> ReceivedSegment | None:
+    async def _bulk(
+        self, frames: IdleBounded[Any], assembler: SegmentAssembler, lane: BulkConn | None
+    ) -> asyncio.Future[ReceivedSegment] | None:
         """The payload of the header just taken, read from the push's bulk-lane connection
-        straight into the segment's buffer, within the stream's rate and deadline."""
+        straight into the segment's buffer (within the stream's rate and deadline); its
+        checks then run in a worker thread while the stream reads on (None: no payload)."""
         if lane is None or self.node.bulk is None:
             raise InvalidFrame("a header marked bulk in a push that names no bulk-lane connection")
         view = assembler.unfilled()
         if not len(view):
-            return done
-        checked = self.node.bulk.read(lane, view, lambda: assembler.filled(len(view)))
-        return await frames.wait(checked, len(view))
+            return None
+        await frames.wait(self.node.bulk.read(lane, view), len(view))
+        check = assembler.filled(len(view))
+        assert check is not None, "a filled segment is complete"
+        return self.node.bulk.verify(check)
 
     async def write_within(
         self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str

@@ -148,10 +148,12 @@ class PeerClient:
         tls: Credentials,
         expected: str | None = None,
         shaper: LinkShaper | None = None,
+        bulk: bool = True,
     ) -> None:
         """``expected``: the node id the server's certificate must name (with TLS);
         None accepts any site of the mesh, whose claimed id the caller then proves.
-        ``shaper``: the node's ``[link]`` shaping of pushes and pull requests (None: off)."""
+        ``shaper``: the node's ``[link]`` shaping of pushes and pull requests (None: off).
+        ``bulk``: use the peer's bulk lane for large payloads (the node's ``bulk``)."""
         self.address = address
         self.identity = identity
         self.codec = codec
@@ -177,6 +179,7 @@ class PeerClient:
             response_deserializer=pull_frame,
         )
         self.tls = tls
+        self.use_bulk = bulk
         self._bulk: BulkDialer | None = None
         self._bulk_asked_s = -BULK_RECHECK_S
 
@@ -193,7 +196,7 @@ class PeerClient:
         The lane's port comes from the peer's Handshake, asked once (again after
         ``BULK_RECHECK_S`` when it had none or could not be reached).
         """
-        if self.shaper is not None or nbytes < BULK_MIN_BYTES:
+        if not self.use_bulk or self.shaper is not None or nbytes < BULK_MIN_BYTES:
             return None  # shaping paces chunk frames
         loop = asyncio.get_running_loop()
         if self._bulk is None:
@@ -207,7 +210,7 @@ class PeerClient:
             if not port:
                 return None
             host = self.address.rpartition(":")[0]
-            self._bulk = BulkDialer(host, port, self.tls, self.expected, self.streams)
+            self._bulk = BulkDialer(host, port, self.tls, self.expected, 2 * self.streams)
         try:
             return await self._bulk.take(min(timeout_s, BULK_DIAL_S))
         except GossipdError as err:
@@ -516,6 +519,17 @@ class PeerClient:
         if lane is not None:
             request.bulk_token = lane.token
         done = False
+        checks: list[asyncio.Future[ReceivedSegment]] = []  # bulk segments' checks, running
+
+        def take(seg: ReceivedSegment) -> None:
+            if seg.segment not in wanted:
+                raise InvalidFrame(
+                    f"{self.address} sent segment {seg.segment}, which was not asked for"
+                )
+            pulled.values[seg.segment] = seg.values
+            pulled.weights[seg.segment] = seg.sum_weight
+            pulled.nbytes += seg.values.numel() * seg.values.element_size()
+
         try:
             async with asyncio.timeout(progress_s) as watchdog:
 
@@ -528,21 +542,18 @@ class PeerClient:
                         seg = assembler.chunk(frame)
                     elif (kind := frame.WhichOneof("kind")) == "header":
                         seg = assembler.header(frame.header)
-                        if frame.header.bulk:
-                            seg = await self._pulled_payload(assembler, lane, seg, progressed)
+                        if frame.header.bulk and (
+                            check := await self._pulled_payload(assembler, lane, progressed)
+                        ):
+                            checks.append(check)
                     elif kind == "chunk":  # a chunk framed unlike ours (extra fields)
                         seg = assembler.chunk(frame.chunk)
                     else:
                         raise InvalidFrame(f"{self.address} sent an empty PullFrame")
-                    if seg is None:
-                        continue
-                    if seg.segment not in wanted:
-                        raise InvalidFrame(
-                            f"{self.address} sent segment {seg.segment}, which was not asked for"
-                        )
-                    pulled.values[seg.segment] = seg.values
-                    pulled.weights[seg.segment] = seg.sum_weight
-                    pulled.nbytes += seg.values.numel() * seg.values.element_size()
+                    if seg is not None:
+                        take(seg)
+                for seg in await asyncio.gather(*checks):
+                    take(seg)
             done = True
         except TimeoutError:
             raise GossipdError(
@@ -552,6 +563,8 @@ class PeerClient:
         except grpc.aio.AioRpcError as err:
             raise remote_error(err, self.address) from None
         finally:
+            for check in checks:
+                check.cancel()  # a failed pull's checks: their results are not wanted
             if lane is not None:
                 if done and not lane.closed and self._bulk is not None:
                     self._bulk.put_back(lane)
@@ -568,20 +581,22 @@ class PeerClient:
         self,
         assembler: SegmentAssembler,
         lane: BulkConn | None,
-        seg: ReceivedSegment | None,
         progressed: Callable[[], None],
-    ) -> ReceivedSegment | None:
+    ) -> asyncio.Future[ReceivedSegment] | None:
         """The payload of a pulled header marked bulk, read from our lane connection
-        straight into the segment's buffer, a piece at a time (each piece is progress)."""
+        straight into the segment's buffer, a piece at a time (each piece is progress);
+        its checks then run in a worker thread while the pull reads on (None: no payload)."""
         if lane is None or self._bulk is None:
             raise InvalidFrame(f"{self.address} marked a pulled segment bulk; we named no lane")
         view = assembler.unfilled()
         if not len(view):
-            return seg
+            return None
         for start in range(0, len(view), BULK_READ_PIECE):
             await self._bulk.read(lane, view[start : start + BULK_READ_PIECE])
             progressed()
-        return await self._bulk.finish(lane, lambda: assembler.filled(len(view)))
+        check = assembler.filled(len(view))
+        assert check is not None, "a filled segment is complete"
+        return self._bulk.verify(check)
 
     async def leave(self, timeout_s: float) -> None:
         request = pb.LeaveRequest(

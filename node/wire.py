@@ -9,6 +9,7 @@ never leave a model half-merged.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -238,11 +239,15 @@ class SegmentAssembler:
             raise InvalidFrame("bulk payload with no segment header before it")
         return self._buffer[self._filled :]
 
-    def filled(self, nbytes: int) -> ReceivedSegment | None:
-        """``nbytes`` more of the open segment were written into :meth:`unfilled`."""
+    def filled(self, nbytes: int) -> Callable[[], ReceivedSegment] | None:
+        """``nbytes`` more of the open segment were written into :meth:`unfilled`. Once
+        it is full, the segment's checks (checksum, decode, finiteness) come back as a
+        call that touches only its own buffer: a bulk reader runs it in a worker thread
+        while the stream goes on to the next segment."""
         assert self._buffer is not None and self._filled + nbytes <= len(self._buffer)
         self._filled += nbytes
-        return self._complete_if_full()
+        full = self._take_full()
+        return None if full is None else functools.partial(self._verified, *full)
 
     def close(self) -> None:
         """End of stream: a segment still open means the stream was truncated."""
@@ -253,12 +258,21 @@ class SegmentAssembler:
             )
 
     def _complete_if_full(self) -> ReceivedSegment | None:
+        full = self._take_full()
+        return None if full is None else self._verified(*full)
+
+    def _take_full(self) -> tuple[pb.SegmentHeader, memoryview] | None:
+        """The open segment's header and buffer once every byte is in; the assembler is
+        then ready for the next header."""
         header, buffer = self._header, self._buffer
         assert header is not None and buffer is not None
         if self._filled < len(buffer):
             return None
         self._header, self._buffer = None, None
         self._seen.add(header.segment)
+        return header, buffer
+
+    def _verified(self, header: pb.SegmentHeader, buffer: memoryview) -> ReceivedSegment:
         actual = wirecodec.checksum(buffer)
         if actual != header.checksum:
             raise InvalidFrame(

@@ -104,15 +104,19 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     rows = result["rows"]
 
     # What ran: every baseline (none fell over into a note), then plaintext and mutual
-    # TLS, each with two push settings and one pull.
-    gossipd_methods = ["gossipd push", "gossipd pull", "gossipd push"]
-    assert [r["method"] for r in rows] == [
-        "raw TCP",
-        "gloo",
-        "grpc.aio bare",
-        *gossipd_methods,
-        *(f"{m} (mTLS)" for m in gossipd_methods),
-    ]
+    # TLS, each with two push settings and one pull, each on the bulk lane and then in
+    # gRPC frames.
+    def mode(tls: bool) -> list[str]:
+        lane, framed = (" (mTLS)", " (mTLS, frames)") if tls else ("", " (frames)")
+        return [
+            *(f"gossipd {m}{lane}" for m in ("push", "pull")),
+            *(f"gossipd {m}{framed}" for m in ("push", "pull")),
+            f"gossipd push{lane}",
+            f"gossipd push{framed}",
+        ]
+
+    baselines = ["raw TCP", "gloo", "grpc.aio bare"]
+    assert [r["method"] for r in rows] == [*baselines, *mode(False), *mode(True)]
     assert result["notes"] == ["hivemind: skipped (--skip-hivemind)"]
     settings = [
         "segment 16 MiB, chunk 1024 KiB, streams 1 (1 segments)",
@@ -131,10 +135,11 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     # whole snapshot and had every segment merged, the pull returned the receiver's model.
     for name in ("bench_raw_tcp", "bench_gloo", "bench_grpc_bare", "bench_gossipd"):
         assert [size for _, size in recorder.calls[name]] == [nbytes], name
-    # Per TLS mode and setting, a warm-up push, then REPS; per mode, a warm-up pull and REPS.
-    assert len(recorder.pushes) == 4 * (REPS + 1)
+    # Per TLS mode, setting and path, a warm-up push, then REPS; per mode and path, a
+    # warm-up pull and REPS.
+    assert len(recorder.pushes) == 8 * (REPS + 1)
     assert all(size == nbytes and merged == [0] for _, size, merged in recorder.pushes)
-    assert len(recorder.pulls) == 2 * (REPS + 1)
+    assert len(recorder.pulls) == 4 * (REPS + 1)
     receiver = transport.FlatModel(
         transport.bench_job(transport._job_spec(nbytes // 4, (4 << 20) // 4, seed=1)).model,
         16 << 20,
@@ -159,7 +164,8 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     assert sum(gossipd_times) <= recorder.calls["bench_gossipd"][0][0]
     walls = [wall for wall, _, _ in recorder.pushes]
     per_setting = [walls[i + 1 : i + REPS + 1] for i in range(0, len(walls), REPS + 1)]
-    for r, own in zip(pushes + tls_pushes, per_setting, strict=True):  # warm-ups left out
+    push_rows = [r for r in rows if r["method"].startswith("gossipd push")]  # in push order
+    for r, own in zip(push_rows, per_setting, strict=True):  # warm-ups left out
         assert all(t >= w for t, w in zip(r["times_s"], own, strict=True)), (r, own)
 
     # Derived columns, from the row's own times and the raw TCP row.
