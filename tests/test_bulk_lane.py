@@ -537,14 +537,17 @@ def test_a_large_push_over_mutual_tls_goes_over_the_lane_and_merges(daemons: Dae
     assert torch.allclose(merged, expected, atol=1e-6), (merged - expected).abs().max()
 
 
-def test_a_large_pull_comes_over_the_lane_with_what_a_pull_in_frames_brings(
+def test_a_large_pull_brings_what_a_pull_in_frames_brings_on_the_lane_in_plaintext_only(
     lane: Lane, daemons: Daemons
 ) -> None:
+    """Over TLS the node's client pulls in frames (one Python ssl connection is slower
+    than grpc's); the server still serves a pull that names a lane (tests below)."""
     sent = _lane_bytes(lane.handle, "sent")
 
     pulled = _pull_with_client(lane)
 
-    assert _lane_bytes(lane.handle, "sent") - sent == PAYLOAD_BYTES
+    on_lane = PAYLOAD_BYTES if lane.tls.insecure else 0
+    assert _lane_bytes(lane.handle, "sent") - sent == on_lane
     assert sorted(pulled.values) == [0] and pulled.nbytes == PAYLOAD_BYTES
     assert torch.equal(pulled.values[0], _pull_in_frames(lane, daemons))
     assert pulled.weights[0] == _weight(lane.handle)
