@@ -301,6 +301,7 @@ def test_seeds_and_advertise_addresses_are_service_names_and_exposed_ports(
         exposed = {int(p) for p in sites[name]["expose"]}
         assert _host(config.advertise or "") == name, f"{name}: advertise {config.advertise}"
         assert _port(config.advertise or "") == _port(config.listen) in exposed
+        assert config.bulk_port in exposed, f"{name}: peers dial its bulk lane there"
         assert _host(config.listen) == "0.0.0.0", f"{name}: listen on every interface"
         for seed in config.seeds:
             peer = _host(seed)
@@ -393,9 +394,11 @@ def test_dockerfile_ports_command_and_health_check_match_the_site_configs(
     configs = [_site_config(s) for s in _sites(compose).values()]
     listen = {_port(c.listen) for c in configs}
     metrics = {_port(c.metrics.listen or "") for c in configs}
-    assert len(listen) == len(metrics) == 1, "every site uses the same ports as the image"
+    bulk = {c.bulk_port for c in configs}
+    assert len(listen) == len(metrics) == len(bulk) == 1, "every site uses the image's ports"
+    assert 0 not in bulk, "a container's bulk lane has a fixed port to map"
     exposed = {int(p.split("/")[0]) for p in _one(path, "EXPOSE").split()}
-    assert exposed == listen | metrics
+    assert exposed == listen | metrics | bulk
 
     entrypoint, cmd = json.loads(_one(path, "ENTRYPOINT")), json.loads(_one(path, "CMD"))
     assert entrypoint == ["gossipd", "node"]
