@@ -34,7 +34,7 @@ SLOW_FILES_FIRST = (
     "test_bench_overlap.py", "test_bench_protocols.py", "test_bench_transport.py",
     "test_liveness.py", "test_attacks.py", "test_mqtt.py", "test_overlap_daemon.py",
     "test_operator.py", "test_sim.py", "test_clean_shutdown.py", "test_leaving_receiver.py",
-    "test_lost_ack.py", "test_mass_faults.py",
+    "test_lost_ack.py", "test_mass_faults.py", "test_bulk_lane.py",
 )  # fmt: skip
 
 
