@@ -28,28 +28,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import select
 import socket
 import ssl
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from gossipd.node import certs
 from gossipd.node.admission import PeerSlots, Slots
 from gossipd.node.errors import BulkClosed, ConfigError, GossipdError, InvalidFrame, StreamIdle
-from gossipd.node.tls import Credentials, IdentityMismatch, Material
+from gossipd.node.tls import Credentials, IdentityMismatch
 
 if TYPE_CHECKING:
     from gossipd.node.metrics import NodeMetrics
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAGIC = b"GDB1"
@@ -70,50 +66,6 @@ def _wake(fd: int, family: int) -> None:
     which wakes a thread blocked in it, through a duplicate descriptor."""
     with contextlib.suppress(OSError), socket.fromfd(fd, family, socket.SOCK_STREAM) as dup:
         dup.shutdown(socket.SHUT_RDWR)
-
-
-class _ContextCache:
-    """Python ``ssl`` contexts for the site's current certificate, rebuilt after a reload.
-
-    ``ssl`` loads a certificate chain from files only, so the material gRPC was
-    handed is written to a private temporary folder once per reload.
-    """
-
-    def __init__(self, tls: Credentials) -> None:
-        self.tls = tls
-        self._lock = threading.Lock()
-        self._for: Material | None = None
-        self._server: ssl.SSLContext | None = None
-        self._client: ssl.SSLContext | None = None
-
-    def get(self, server_side: bool) -> ssl.SSLContext:
-        with self._lock:
-            material = self.tls.material
-            assert material is not None, "plaintext has no TLS context"
-            if material is not self._for:
-                self._server = self._build(material, ssl.PROTOCOL_TLS_SERVER)
-                self._client = self._build(material, ssl.PROTOCOL_TLS_CLIENT)
-                self._for = material
-            context = self._server if server_side else self._client
-            assert context is not None
-            return context
-
-    @staticmethod
-    def _build(material: Material, protocol: int) -> ssl.SSLContext:
-        context = ssl.SSLContext(protocol)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.verify_mode = ssl.CERT_REQUIRED
-        # The peer's node id is checked against its certificate below, not a host name.
-        context.check_hostname = False
-        context.load_verify_locations(cadata=material.ca.decode())
-        with tempfile.TemporaryDirectory(prefix="gossipd-bulk-") as tmp:
-            cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-            cert.write_bytes(material.cert)
-            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                out.write(material.key)
-            context.load_cert_chain(cert, key)
-        return context
 
 
 def peer_node_id(sock: ssl.SSLSocket) -> str:
@@ -247,7 +199,6 @@ class BulkServer:
         self.metrics = metrics
         self.idle_s = idle_s
         self.on_rejected = on_rejected
-        self._contexts = None if tls.insecure else _ContextCache(tls)
         self.peer_slots = PeerSlots(
             per_peer, "bulk-lane connections", "limits.max_inbound_pushes_per_peer"
         )
@@ -371,8 +322,8 @@ class BulkServer:
         """TLS handshake and hello, blocking (a worker thread); ``held[0]`` is left the
         socket to close if this raises."""
         peer: str | None = None
-        if self._contexts is not None:
-            sock = held[0] = self._contexts.get(server_side=True).wrap_socket(
+        if not self.tls.insecure:
+            sock = held[0] = self.tls.ssl_context(server_side=True).wrap_socket(
                 sock, server_side=True
             )
             peer = peer_node_id(sock)  # type: ignore[arg-type]
@@ -478,7 +429,6 @@ class BulkDialer:
         self.port = port
         self.tls = tls
         self.expected = expected
-        self._contexts = None if tls.insecure else _ContextCache(tls)
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk-out")
         self._idle: list[BulkConn] = []
 
@@ -505,8 +455,8 @@ class BulkDialer:
         sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
         try:
             _secure_socket_options(sock)
-            if self._contexts is not None:
-                sock = self._contexts.get(server_side=False).wrap_socket(sock)
+            if not self.tls.insecure:
+                sock = self.tls.ssl_context(server_side=False).wrap_socket(sock)
                 peer = peer_node_id(sock)  # type: ignore[arg-type]
                 if self.expected is not None and peer != self.expected:
                     raise IdentityMismatch(

@@ -379,18 +379,16 @@ class GossipServicer:
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
             with contextlib.ExitStack() as held:
                 held.enter_context(self.pulls.take())
-                lane = None
-                if req.bulk_token and self.node.bulk is not None:
-                    lane = held.enter_context(
-                        await self.node.bulk.claim(req.bulk_token, req.requester)
-                    )
+                bulk, lane = self.node.bulk, None
+                if req.bulk_token and bulk is not None:
+                    lane = held.enter_context(await bulk.claim(req.bulk_token, req.requester))
                 async with contextlib.aclosing(self.node.on_pull(req)) as frames:
                     async for frame in frames:
                         if isinstance(frame, memoryview):
-                            if lane is not None and self.node.bulk is not None:
+                            if lane is not None and bulk is not None:
                                 # Its socket's timeout (stream_idle_timeout_s) bounds a
                                 # reader that stops reading.
-                                await self.node.bulk.write(lane, frame)
+                                await bulk.write(lane, frame)
                                 continue
                             data = pull_chunk_frame(frame)
                         else:

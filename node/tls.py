@@ -23,6 +23,9 @@ dynamic server credentials, and channels opened afterwards present it too.
 from __future__ import annotations
 
 import logging
+import os
+import ssl
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +76,8 @@ class Credentials:
         self.files = (ca, cert, key)
         self._lock = threading.Lock()
         self._fetched: Material | None = None  # what the server last handed to gRPC
+        # Python ssl contexts (server, client) for the bulk lane, and the material they hold.
+        self._ssl: tuple[Material, ssl.SSLContext, ssl.SSLContext] | None = None
         self.material: Material | None = None if insecure else self._read()
 
     @classmethod
@@ -181,6 +186,22 @@ class Credentials:
             )
         return node_id
 
+    def ssl_context(self, server_side: bool) -> ssl.SSLContext:
+        """A Python ``ssl`` context with this site's current certificate (the bulk lane's),
+        built once per certificate and shared by every connection. TLS 1.3, a certificate
+        of the mesh CA required both ways; the peer's node id is checked by the caller
+        against its certificate, not against a host name."""
+        with self._lock:
+            material = self.material
+            assert material is not None, "plaintext has no TLS context"
+            if self._ssl is None or self._ssl[0] is not material:
+                self._ssl = (
+                    material,
+                    _ssl_context(material, ssl.PROTOCOL_TLS_SERVER),
+                    _ssl_context(material, ssl.PROTOCOL_TLS_CLIENT),
+                )
+            return self._ssl[1] if server_side else self._ssl[2]
+
     # -- client -------------------------------------------------------------------------
     def channel(
         self, address: str, options: list[tuple[str, Any]], expected: str | None = None
@@ -206,3 +227,21 @@ def check_claim(who: str | None, claimed: str, what: str) -> None:
             f"{what} claims to be {claimed!r} but its certificate names {who!r}; "
             "a site may only speak for the node id in its own certificate"
         )
+
+
+def _ssl_context(material: Material, protocol: int) -> ssl.SSLContext:
+    """``ssl`` loads a certificate chain from files only: the material is written to a
+    private temporary folder for the moment it takes."""
+    context = ssl.SSLContext(protocol)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.check_hostname = False
+    context.load_verify_locations(cadata=material.ca.decode())
+    with tempfile.TemporaryDirectory(prefix="gossipd-tls-") as tmp:
+        cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+        cert.write_bytes(material.cert)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(material.key)
+        context.load_cert_chain(cert, key)
+    return context

@@ -43,10 +43,10 @@ from gossipd.node.wire import (
     DEFAULT_CHUNK_BYTES,
     Limits,
     SegmentAssembler,
+    chunks,
     encoded_segment,
     pull_frame,
     push_chunk_frame,
-    segment_frames,
 )
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -452,35 +452,23 @@ class PeerClient:
             )
         ).SerializeToString()
         for index in segments:
-            if lane is not None and self._bulk is not None:
-                header, data = encoded_segment(
-                    sender=self.identity.node_id,
-                    sequence=out.push.sequence,
-                    segment=index,
-                    sum_weight=out.push.weights[index],
-                    flat=out.snapshot[index],
-                    codec=self.codec,
-                )
-                header.bulk = True
-                yield pb.PushFrame(header=header).SerializeToString()
-                await self._bulk.send(lane, data, progressed)
-                continue
-            for frame in segment_frames(
+            header, data = encoded_segment(
                 sender=self.identity.node_id,
                 sequence=out.push.sequence,
                 segment=index,
                 sum_weight=out.push.weights[index],
                 flat=out.snapshot[index],
                 codec=self.codec,
-                chunk_bytes=self.chunk_bytes,
-                copy=False,
-            ):
-                if isinstance(frame, memoryview):
-                    if self.shaper:
-                        await self.shaper.pace(frame.nbytes)
-                    yield push_chunk_frame(frame)
-                else:
-                    yield pb.PushFrame(header=frame).SerializeToString()
+            )
+            header.bulk = lane is not None
+            yield pb.PushFrame(header=header).SerializeToString()
+            if lane is not None and self._bulk is not None:
+                await self._bulk.send(lane, data, progressed)
+                continue
+            for piece in chunks(data, self.chunk_bytes):
+                if self.shaper:
+                    await self.shaper.pace(piece.nbytes)
+                yield push_chunk_frame(piece)
         yield END_FRAME
 
     async def pull(

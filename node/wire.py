@@ -82,9 +82,14 @@ def segment_frames(
         codec=codec,
     )
     yield header
-    for start in range(0, len(data), chunk_bytes):
-        piece = data[start : start + chunk_bytes]
+    for piece in chunks(data, chunk_bytes):
         yield piece.tobytes() if copy else piece
+
+
+def chunks(data: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """``data`` in views of ``chunk_bytes`` (the last one shorter), as chunk frames carry it."""
+    for start in range(0, len(data), chunk_bytes):
+        yield data[start : start + chunk_bytes]
 
 
 def _varint(n: int) -> bytes:
