@@ -3,9 +3,11 @@
 Whatever arrives (a peer's push, a pulled model, our own snapshot folded back after
 a failed push, a joiner's bootstrap model) reaches the parameters here. For a push
 or a pull the core plans first (``Merge`` and ``Duplicate`` actions, or a refusal);
-then every blend it asks for is computed and checked against the payload bound and
-for finiteness *before* any segment is written, so a refused payload leaves the
-model untouched (DESIGN §2, README "limits").
+then every blend it asks for is checked against the payload bound and for finiteness
+*before* any segment is written, so a refused payload leaves the model untouched
+(DESIGN §2, README "limits"). The check needs no blend computed: the bound's norms
+prove it finite (all but models near their dtype's limit), and the commit then adds
+the payload's difference in place, one pass per segment.
 
 The :class:`Merger` writes segments and tells the core what merged (or which pull
 failed); it never touches threads, queues or replies. The replica
@@ -49,11 +51,20 @@ from gossipd.node.segments import FlatModel
 
 
 @dataclass(frozen=True)
+class SegmentWrite:
+    """What a commit writes into one segment: ``x += alpha * values``, or ``x = values``
+    when ``alpha`` is None (a blend computed and checked whole, near the dtype's limit)."""
+
+    values: torch.Tensor
+    alpha: float | None
+
+
+@dataclass(frozen=True)
 class MergePlan:
-    """The core's answer to an arrival, with every blend it asks for computed, none applied."""
+    """The core's answer to an arrival, with every blend it asks for checked, none applied."""
 
     actions: list[Action]
-    blends: dict[int, torch.Tensor]
+    blends: dict[int, SegmentWrite]
     clipped: tuple[int, ...]  # segments the robust merge clipped before blending
 
 
@@ -143,10 +154,13 @@ class Merger:
         for index, values in pulled.values.items():
             self.flat.load_segment(index, values)
 
-    def commit(self, blends: Mapping[int, torch.Tensor]) -> None:
-        """Write blends that :meth:`plan` computed and checked."""
-        for segment, blended in blends.items():
-            self.flat.load_segment(segment, blended)
+    def commit(self, blends: Mapping[int, SegmentWrite]) -> None:
+        """Write blends that :meth:`plan` checked."""
+        for segment, write in blends.items():
+            if write.alpha is None:
+                self.flat.load_segment(segment, write.values)
+            else:
+                self.flat.add_delta(segment, write.values, write.alpha)
 
     def plan(
         self,
@@ -157,9 +171,12 @@ class Merger:
         merge_new: bool = True,
     ) -> MergePlan:
         """The core's answer to ``arrival``, every blend it asks for (checked against the
-        payload bound, none applied) and the segments the robust merge clipped.
+        payload bound and for finiteness, none applied) and the segments the robust merge
+        clipped.
 
-        ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges nothing).
+        The payload bound writes each difference over ``values``: a payload is consumed by
+        its plan, merged or refused. ``merge_new`` False keeps only the DUPLICATE answers
+        (a leaving node merges nothing).
         """
         try:
             actions = self.core.handle(arrival)
@@ -168,7 +185,7 @@ class Merger:
             raise refusal(f"{what}: {err}") from None
         if not merge_new:
             actions = [a for a in actions if isinstance(a, Duplicate)]
-        blends: dict[int, torch.Tensor] = {}
+        blends: dict[int, SegmentWrite] = {}
         clipped: list[int] = []
         for action in actions:
             if not isinstance(action, Merge):
@@ -176,14 +193,17 @@ class Merger:
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
             own = self.flat.buffers[action.segment]
-            delta, clip = self.bound.delta(own, values[action.segment], what, action.segment)
-            if clip:
+            delta = self.bound.delta(own, values[action.segment], what, action.segment)
+            if delta.clipped:
                 clipped.append(action.segment)
-            blended = self.flat.blend_delta(action.segment, delta, action.alpha)
+            if delta.blend_is_finite(action.alpha):
+                blends[action.segment] = SegmentWrite(delta.values, action.alpha)
+                continue
+            blended = self.flat.blend_delta(action.segment, delta.values, action.alpha)
             if blended is None:
                 raise NonFinitePayload(
                     f"merging segment {action.segment} of {what} would make the model "
                     "non-finite; refused, nothing merged"
                 )
-            blends[action.segment] = blended
+            blends[action.segment] = SegmentWrite(blended, None)
         return MergePlan(actions, blends, tuple(clipped))

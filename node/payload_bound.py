@@ -18,8 +18,9 @@ an estimate of anything:
   average (and slows agreement) by what was cut, so pick the radius above the honest
   distances ``gossipd_merges_clipped_total`` should stay at 0 for.
 
-Both measure the same distance: one subtraction and two norms per merged segment
-(a pass over it twice more than the blend itself), nothing kept between payloads. The
+Both measure the same distance: one subtraction, written over the payload itself, and
+two norms per merged segment, nothing kept between payloads. The norms also prove the
+merge finite before it is written (:meth:`Delta.blend_is_finite`). The
 scale is ours, so what one sender can do compounds: each merge can move a segment
 by at most ``alpha * merge_clip`` (or ``alpha * max_payload_distance``) times its scale,
 where ``alpha`` is the sender's share of the merged weight.
@@ -48,17 +49,23 @@ class PayloadBound:
     def from_limits(cls, limits: LimitsConfig) -> PayloadBound:
         return cls(limits.max_payload_distance, limits.payload_scale_floor, limits.merge_clip)
 
-    def delta(
-        self, own: torch.Tensor, values: torch.Tensor, what: str, segment: int
-    ) -> tuple[torch.Tensor, bool]:
-        """What merging ``values`` would move ``own`` by at full weight (incoming − own, a
-        new tensor the caller may overwrite; pulled in when clipping) and whether it was
-        clipped; raises :class:`PayloadOutOfBounds` beyond the bound. Within the bound
-        it is finite, so a blend may start from it (:meth:`FlatModel.blend_delta`)."""
+    def delta(self, own: torch.Tensor, values: torch.Tensor, what: str, segment: int) -> Delta:
+        """What merging ``values`` would move ``own`` by at full weight (incoming − own,
+        pulled in when clipping); raises :class:`PayloadOutOfBounds` beyond the bound.
+
+        The difference is written over ``values`` when they are already ``own``'s dtype and
+        device: a received payload is a buffer of its own that nothing reads after its
+        merge, and a fresh 16 MiB temporary per segment page-faults its way through memory.
+        """
         with torch.no_grad():
-            delta = values.to(own.device, own.dtype) - own
-            distance = _rms(delta)
-            scale = max(_rms(own), self.scale_floor)
+            if values.dtype == own.dtype and values.device == own.device:
+                diff = values.sub_(own)
+            else:
+                diff = values.to(own.device, own.dtype) - own
+            distance_norm = _norm(diff)
+            own_norm = _norm(own)
+            root_n = math.sqrt(max(own.numel(), 1))
+            distance, scale = distance_norm / root_n, max(own_norm / root_n, self.scale_floor)
             if not distance <= self.max_distance * scale:  # inf and nan refused as well
                 raise PayloadOutOfBounds(
                     f"segment {segment} of {what} is {distance:.3g} (RMS) from this node's own, "
@@ -67,17 +74,38 @@ class PayloadBound:
                     "If honest sites hit this, their models diverged: raise the limit"
                 )
             if self.clip is None or distance <= self.clip * scale:
-                return delta, False
-            return delta.mul_(self.clip * scale / distance), True
+                return Delta(diff, False, own_norm, distance_norm)
+            factor = self.clip * scale / distance
+            return Delta(diff.mul_(factor), True, own_norm, distance_norm * factor)
 
 
-def _rms(t: torch.Tensor) -> float:
-    """Root mean square, in the tensor's own dtype first: a float64 norm of a float32
-    segment converts every element and cost 40x as much (a 256 MiB push went from 0.12
-    to 0.33 s). A float32 sum of squares overflows long before the values do, so a
-    result that is not finite is computed again in float64, which is exact enough."""
-    n = max(t.numel(), 1)
+@dataclass(frozen=True)
+class Delta:
+    """A payload's difference from our own segment, within the bound, with both L2 norms."""
+
+    values: torch.Tensor
+    clipped: bool
+    own_norm: float
+    norm: float
+
+    def blend_is_finite(self, alpha: float) -> bool:
+        """Whether own + α·delta is finite in every element, proven from the norms alone.
+
+        Every element is bounded by its vector's L2 norm, so no element of the blend
+        exceeds ``own_norm + norm`` (α ≤ 1); half the dtype's maximum leaves room for the
+        rounding of the norms and of the blend. False means "not proven" (a model near the
+        dtype's limit): then the blend itself must be computed and checked.
+        """
+        limit = torch.finfo(self.values.dtype).max / 2
+        return 0.0 <= alpha <= 1.0 and self.own_norm + alpha * self.norm <= limit
+
+
+def _norm(t: torch.Tensor) -> float:
+    """L2 norm, in the tensor's own dtype first: a float64 norm of a float32 segment
+    converts every element and cost 40x as much (a 256 MiB push went from 0.12 to 0.33 s).
+    A float32 sum of squares overflows long before the values do, so a result that is
+    not finite is computed again in float64, which is exact enough."""
     norm = float(torch.linalg.vector_norm(t))
     if not math.isfinite(norm):
         norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
-    return norm / math.sqrt(n)
+    return norm

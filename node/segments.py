@@ -205,16 +205,25 @@ class FlatModel:
 
     def blend_delta(self, index: int, delta: torch.Tensor, alpha: float) -> torch.Tensor | None:
         """x + α·delta, written over ``delta`` (one pass, nothing allocated), or None if any
-        element would be non-finite. ``delta`` is incoming − x from a payload bound, finite
-        by then, so this is the weighted sum of :meth:`blend` without its two temporaries:
-        between x and the incoming values, it can overflow only by rounding at the
-        dtype's limit, which the finite check catches."""
+        element would be non-finite: the checked form of :meth:`add_delta`, for when the
+        norms could not prove the blend finite. ``delta`` is incoming − x from a payload
+        bound, finite by then, so this is the weighted sum of :meth:`blend` without its two
+        temporaries: between x and the incoming values, it can overflow only by rounding at
+        the dtype's limit, which the finite check catches."""
         with torch.no_grad():
             flat = self.buffers[index]
             out = torch.add(flat, delta, alpha=alpha, out=delta)
             if not torch.isfinite(out.sum()) and not bool(torch.isfinite(out).all()):
                 return None
             return out
+
+    def add_delta(self, index: int, delta: torch.Tensor, alpha: float) -> None:
+        """x ← x + α·delta in place, for a blend already proven finite: the same arithmetic
+        as :meth:`blend_delta` then :meth:`load_segment`, bit for bit, in one pass instead
+        of three."""
+        with torch.no_grad():
+            self.buffers[index].add_(delta, alpha=alpha)
+        self.version += 1
 
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
