@@ -52,7 +52,7 @@ MAGIC = b"GDB1"
 TOKEN_BYTES = 16
 HELLO_BYTES = len(MAGIC) + TOKEN_BYTES
 RECV_PIECE = 8 << 20  # one recv_into asks for at most this much
-SEND_PIECE = 4 << 20  # a sender reports progress after each piece
+SEND_PIECE = 4 << 20  # each piece gets the socket's whole timeout, and counts as progress
 SWEEP_S = 1.0  # how often idle and closed connections are looked for
 IDLE_S = 2.0  # a dialled connection unused this long is closed rather than reused
 
@@ -131,9 +131,19 @@ class BulkConn:
 
         self._run(work)
 
-    def send_all(self, view: memoryview) -> None:
-        """Write ``view`` whole (a worker thread)."""
-        self._run(lambda: self.sock.sendall(view))
+    def send_all(self, view: memoryview, sent: Callable[[], None] | None = None) -> None:
+        """Write ``view`` whole (a worker thread), ``SEND_PIECE`` at a time: ``sendall``'s
+        timeout bounds one whole call, so each piece has ``stream_idle_timeout_s`` of its
+        own (a rate floor, not a deadline for the payload); ``sent`` is called after each.
+        One worker call for the whole payload: a hop per piece cost more than the send."""
+
+        def work() -> None:
+            for start in range(0, len(view), SEND_PIECE):
+                self.sock.sendall(view[start : start + SEND_PIECE])
+                if sent is not None:
+                    sent()
+
+        self._run(work)
 
     def peer_closed(self) -> bool:
         """Whether the peer has closed its side; never blocks. Bytes waiting are not a
@@ -176,6 +186,12 @@ async def run_in(executor: ThreadPoolExecutor, conn: BulkConn, work: Callable[[]
         with contextlib.suppress(BaseException):
             await future
         raise
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """``callback`` on ``loop`` from a worker thread; nothing once the loop has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
 
 
 # ---------------------------------------------------------------------------
@@ -411,6 +427,7 @@ class BulkServer:
         return asyncio.get_running_loop().run_in_executor(self.executor, check)
 
     async def write(self, conn: BulkConn, view: memoryview) -> None:
+        """Write a pulled segment's payload whole on ``conn`` (a worker thread)."""
         await run_in(self.executor, conn, lambda: conn.send_all(view))
         self.metrics.bulk_bytes.labels("sent").inc(len(view))
 
@@ -479,11 +496,13 @@ class BulkDialer:
         self._idle.append(conn)
 
     async def send(self, conn: BulkConn, view: memoryview, progressed: Callable[[], None]) -> None:
-        """Write ``view`` on ``conn``, a piece at a time, each piece sent counting as progress."""
-        for start in range(0, len(view), SEND_PIECE):
-            piece = view[start : start + SEND_PIECE]
-            await run_in(self.executor, conn, lambda piece=piece: conn.send_all(piece))
-            progressed()
+        """Write ``view`` on ``conn``, each piece sent counting as progress."""
+        loop = asyncio.get_running_loop()
+        await run_in(
+            self.executor,
+            conn,
+            lambda: conn.send_all(view, lambda: _call_soon(loop, progressed)),
+        )
 
     async def read(self, conn: BulkConn, view: memoryview) -> None:
         await run_in(self.executor, conn, lambda: conn.recv_exact(view))

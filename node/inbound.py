@@ -104,10 +104,11 @@ class Inbound:
         )
 
     async def on_pull(
-        self, request: pb.PullRequest
+        self, request: pb.PullRequest, whole: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """Headers and chunk views of a snapshot of the requested segments (all when none
-        are named); closing the generator drops the snapshot.
+        are named); closing the generator drops the snapshot. ``whole``: each payload in
+        one view, for the bulk lane (unless shaping paces it chunk by chunk).
 
         With ``[link]`` shaping the reply waits its latency once, after the snapshot
         (the replica's lock is released by then), and each chunk waits for its turn at
@@ -122,10 +123,12 @@ class Inbound:
         snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
         codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
         shaper = self.shaper
-        chunk_bytes = self.config.gossip.chunk_bytes
+        chunk_bytes: int | None = self.config.gossip.chunk_bytes
         if shaper:
-            chunk_bytes = shaper.chunk_bytes(chunk_bytes)
+            chunk_bytes = shaper.chunk_bytes(self.config.gossip.chunk_bytes)
             await shaper.delay()
+        elif whole:
+            chunk_bytes = None
         for index, flat in snapshot.items():
             for frame in segment_frames(
                 sender=self.config.node_id,

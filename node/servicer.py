@@ -151,7 +151,9 @@ class Handlers(Protocol):
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply: ...
-    def on_pull(self, request: pb.PullRequest) -> AsyncIterator[pb.SegmentHeader | memoryview]: ...
+    def on_pull(
+        self, request: pb.PullRequest, whole: bool = False
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]: ...
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str) -> None: ...
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
     async def on_status(self, checksum: bool) -> pb.StatusReply: ...
@@ -382,21 +384,7 @@ class GossipServicer:
                 bulk, lane = self.node.bulk, None
                 if req.bulk_token and bulk is not None:
                     lane = held.enter_context(await bulk.claim(req.bulk_token, req.requester))
-                async with contextlib.aclosing(self.node.on_pull(req)) as frames:
-                    async for frame in frames:
-                        if isinstance(frame, memoryview):
-                            if lane is not None and bulk is not None:
-                                # Its socket's timeout (stream_idle_timeout_s) bounds a
-                                # reader that stops reading.
-                                await bulk.write(lane, frame)
-                                continue
-                            data = pull_chunk_frame(frame)
-                        else:
-                            frame.bulk = lane is not None and frame.payload_bytes > 0
-                            data = pb.PullFrame(header=frame).SerializeToString()
-                        await self.write_within(
-                            context, data, "the reader took no frame", "the pull was cut off"
-                        )
+                await self._serve_pull(context, req, lane)
         except GossipdError as err:
             self.node.on_rejected(peer, err)
             context.set_code(status_code(err))
@@ -405,6 +393,43 @@ class GossipServicer:
             log.exception("internal error serving a pull to %s", peer)
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details(f"internal error: {err!r}")
+
+    async def _serve_pull(
+        self, context: grpc.aio.ServicerContext, req: Any, lane: BulkConn | None
+    ) -> None:
+        """A pull's headers in gRPC frames, its payloads there too or whole on ``lane``.
+
+        A payload goes on the lane in a worker while the next header's checksum is
+        computed and sent (the reader takes payloads in header order); the one before
+        is finished first, and a socket timeout (``stream_idle_timeout_s``) per piece
+        bounds a reader that stops reading.
+        """
+        bulk = self.node.bulk if lane is not None else None
+        writing: asyncio.Future[None] | None = None
+        whole = bulk is not None
+        try:
+            async with contextlib.aclosing(self.node.on_pull(req, whole)) as frames:
+                async for frame in frames:
+                    if isinstance(frame, memoryview):
+                        if bulk is not None and lane is not None:
+                            if writing is not None:
+                                await writing
+                            writing = asyncio.ensure_future(bulk.write(lane, frame))
+                            continue
+                        data = pull_chunk_frame(frame)
+                    else:
+                        frame.bulk = bulk is not None and frame.payload_bytes > 0
+                        data = pb.PullFrame(header=frame).SerializeToString()
+                    await self.write_within(
+                        context, data, "the reader took no frame", "the pull was cut off"
+                    )
+                if writing is not None:
+                    await writing
+        finally:
+            if writing is not None and not writing.done():
+                writing.cancel()  # closes the lane; the snapshot it reads is still held here
+                with contextlib.suppress(BaseException):
+                    await writing
 
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.LeaveReply:

@@ -427,7 +427,8 @@ class PeerClient:
 
         With a bulk ``lane`` each header is marked ``bulk`` and its payload, instead
         of chunk frames, is written whole on the lane once the header is handed to
-        grpc (each piece written counts as ``progressed``).
+        grpc (each piece written counts as ``progressed``), in a worker while the next
+        segment's checksum is computed; payloads go in header order.
 
         A chunk frame is encoded by hand, byte for byte what protobuf writes for
         ``PushFrame(chunk=data)`` (field tag, varint length, payload), straight from
@@ -451,24 +452,35 @@ class PeerClient:
                 bulk_token=lane.token if lane is not None else b"",
             )
         ).SerializeToString()
-        for index in segments:
-            header, data = encoded_segment(
-                sender=self.identity.node_id,
-                sequence=out.push.sequence,
-                segment=index,
-                sum_weight=out.push.weights[index],
-                flat=out.snapshot[index],
-                codec=self.codec,
-            )
-            header.bulk = lane is not None
-            yield pb.PushFrame(header=header).SerializeToString()
-            if lane is not None and self._bulk is not None:
-                await self._bulk.send(lane, data, progressed)
-                continue
-            for piece in chunks(data, self.chunk_bytes):
-                if self.shaper:
-                    await self.shaper.pace(piece.nbytes)
-                yield push_chunk_frame(piece)
+        sending: asyncio.Future[None] | None = None  # the lane's payload before this one
+        try:
+            for index in segments:
+                header, data = encoded_segment(
+                    sender=self.identity.node_id,
+                    sequence=out.push.sequence,
+                    segment=index,
+                    sum_weight=out.push.weights[index],
+                    flat=out.snapshot[index],
+                    codec=self.codec,
+                )
+                header.bulk = lane is not None
+                yield pb.PushFrame(header=header).SerializeToString()
+                if lane is not None and self._bulk is not None:
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.ensure_future(self._bulk.send(lane, data, progressed))
+                    continue
+                for piece in chunks(data, self.chunk_bytes):
+                    if self.shaper:
+                        await self.shaper.pace(piece.nbytes)
+                    yield push_chunk_frame(piece)
+            if sending is not None:
+                await sending
+        finally:
+            if sending is not None and not sending.done():
+                sending.cancel()  # closes the lane: the push is not answered, never reused
+                with contextlib.suppress(BaseException):
+                    await sending
         yield END_FRAME
 
     async def pull(

@@ -64,10 +64,11 @@ def segment_frames(
     sum_weight: float,
     flat: torch.Tensor,
     codec: Codec,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     copy: bool = True,
 ) -> Iterator[pb.SegmentHeader | bytes | memoryview]:
-    """A header, then the encoded payload in ``chunk_bytes`` pieces.
+    """A header, then the encoded payload in ``chunk_bytes`` pieces (None: one piece,
+    for the bulk lane).
 
     Pieces are ``bytes``; with ``copy=False`` they are read-only views of the
     encoded payload instead, valid while ``flat`` is unchanged, for a caller
@@ -82,7 +83,7 @@ def segment_frames(
         codec=codec,
     )
     yield header
-    for piece in chunks(data, chunk_bytes):
+    for piece in chunks(data, chunk_bytes or max(len(data), 1)):
         yield piece.tobytes() if copy else piece
 
 
