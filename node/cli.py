@@ -15,6 +15,7 @@ from pathlib import Path
 from gossipd.node.cli_mesh import add_mesh_commands
 from gossipd.node.corelog import CoreLog
 from gossipd.node.errors import GossipdError
+from gossipd.node.memory import keep_freed_buffers
 from gossipd.node.sim.command import add_arguments as add_sim_arguments
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -68,6 +69,7 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     from gossipd.node.site import Site
 
     torch.set_num_threads(args.threads)
+    keep_freed_buffers()
     if config.gossip.protocol == "allreduce":  # the synchronous DDP baseline, no gossip
         from gossipd.node.allreduce import run_allreduce
 
