@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import logging
@@ -42,6 +43,12 @@ def _run_node(args: argparse.Namespace) -> int:
         return _run_site(args, core_log)
     finally:
         core_log.close()
+        # Everything the daemon writes is written and closed: what is left is interpreter
+        # exit, whose garbage collection walks every object torch, gRPC and the job made
+        # (some 300,000) and took 1 to 2 s of each stop on a 2-core VM, about four fifths of
+        # the time from SIGTERM to exit. Frozen, they are left to the end of the process;
+        # objects made after this point are still collected.
+        gc.freeze()
 
 
 def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
