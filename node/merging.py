@@ -7,7 +7,9 @@ then every blend it asks for is checked against the payload bound and for finite
 *before* any segment is written, so a refused payload leaves the model untouched
 (DESIGN §2, README "limits"). The check needs no blend computed: the bound's norms
 prove it finite (all but models near their dtype's limit), and the commit then adds
-the payload's difference in place, one pass per segment.
+the payload's difference in place, one pass per segment. A large payload's segments
+are checked and written side by side on the cores the process may use
+(:class:`~gossipd.node.segments.SegmentWork`).
 
 The :class:`Merger` writes segments and tells the core what merged (or which pull
 failed); it never touches threads, queues or replies. The replica
@@ -17,6 +19,7 @@ sender and carries out whatever the core asks next.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -156,11 +159,14 @@ class Merger:
 
     def commit(self, blends: Mapping[int, SegmentWrite]) -> None:
         """Write blends that :meth:`plan` checked."""
-        for segment, write in blends.items():
-            if write.alpha is None:
-                self.flat.load_segment(segment, write.values)
-            else:
-                self.flat.add_delta(segment, write.values, write.alpha)
+        calls = [functools.partial(self._write, segment, w) for segment, w in blends.items()]
+        self.flat.work.run(calls, sum(w.values.nbytes for w in blends.values()))
+
+    def _write(self, segment: int, write: SegmentWrite) -> None:
+        if write.alpha is None:
+            self.flat.load_segment(segment, write.values)
+        else:
+            self.flat.add_delta(segment, write.values, write.alpha)
 
     def plan(
         self,
@@ -185,15 +191,26 @@ class Merger:
             raise refusal(f"{what}: {err}") from None
         if not merge_new:
             actions = [a for a in actions if isinstance(a, Duplicate)]
-        blends: dict[int, SegmentWrite] = {}
-        clipped: list[int] = []
-        for action in actions:
-            if not isinstance(action, Merge):
-                continue
+        merges = [a for a in actions if isinstance(a, Merge)]
+        for action in merges:
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
-            own = self.flat.buffers[action.segment]
-            delta = self.bound.delta(own, values[action.segment], what, action.segment)
+        deltas = self.flat.work.run(
+            [
+                functools.partial(
+                    self.bound.delta,
+                    self.flat.buffers[a.segment],
+                    values[a.segment],
+                    what,
+                    a.segment,
+                )
+                for a in merges
+            ],
+            sum(values[a.segment].nbytes for a in merges),
+        )
+        blends: dict[int, SegmentWrite] = {}
+        clipped: list[int] = []
+        for action, delta in zip(merges, deltas, strict=True):
             if delta.clipped:
                 clipped.append(action.segment)
             if delta.blend_is_finite(action.alpha):

@@ -10,11 +10,15 @@ operation with no gather or scatter copies. Integer buffers (for example
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -114,6 +118,45 @@ def plan_segments(
     return SegmentPlan(tuple(segments))
 
 
+T = TypeVar("T")
+
+PARALLEL_MIN_BYTES = 8 << 20  # below this a thread hand-off costs more than it saves
+MAX_SEGMENT_THREADS = 8
+
+
+class SegmentWork:
+    """A merge's per-segment passes, side by side on the cores this process may use.
+
+    A merge or a snapshot holds the trainer at its step boundary, and each segment is
+    memory of its own, so the copies, subtractions, norms and in-place adds of different
+    segments (torch releases the GIL) run on threads of their own; the results are the
+    same bits as one after the other. On the 2-core benchmark VM a 256 MiB push merged
+    in four 64 MiB parts took 14.5 ms a part on one core; side by side the push went
+    from 1.75 to 1.97 GB/s. Their CPU counts as gossip's (not the trainer thread's) in
+    the CPU budget. A process pinned to one core, a GPU model or a small payload runs
+    everything on the calling thread.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is None:
+            threads = min(len(os.sched_getaffinity(0)), MAX_SEGMENT_THREADS)
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="segments") if threads > 1 else None
+        )
+
+    def run(self, calls: Sequence[Callable[[], T]], nbytes: int) -> list[T]:
+        """Every call's result, in order; raises the first call's error, in order, once
+        none is still running (nothing may touch a refused payload after the refusal)."""
+        if self._pool is None or len(calls) < 2 or nbytes < PARALLEL_MIN_BYTES:
+            return [call() for call in calls]
+        futures = [self._pool.submit(call) for call in calls]
+        errors = [f.exception() for f in futures]  # waits for every one
+        for error in errors:
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]
+
+
 class FlatModel:
     """Owns one flat buffer per segment and makes the module's tensors views into it.
 
@@ -128,6 +171,9 @@ class FlatModel:
         self.module = module
         # Counts writes other than the optimizer's (merges, restores, a joiner's bootstrap):
         # a multi-rank site broadcasts its parameters to its other ranks only when it moved.
+        # Drawn from a counter, since a merge writes its segments from several threads: a
+        # write can at worst leave an earlier number of the same merge, never an old one.
+        self._versions = itertools.count(1)
         self.version = 0
         self._host: Any = None  # a HostCopies once a GPU model is first snapshotted
         self.buffers: list[torch.Tensor] = []
@@ -143,6 +189,7 @@ class FlatModel:
                 tensor.data = view
                 offset += spec.numel
             self.buffers.append(flat)
+        self.work = SegmentWork(1 if self.buffers[0].is_cuda else None)
 
     @property
     def fingerprint(self) -> str:
@@ -172,12 +219,17 @@ class FlatModel:
 
                 self._host = HostCopies(self.buffers)
             return self._host.snapshot(idx)
-        return {i: self.buffers[i].detach().to("cpu", copy=True) for i in idx}
+        idx = list(idx)
+        copies = self.work.run(
+            [functools.partial(_cpu_copy, self.buffers[i]) for i in idx],
+            sum(self.buffers[i].nbytes for i in idx),
+        )
+        return dict(zip(idx, copies, strict=True))
 
     def load_segment(self, index: int, values: torch.Tensor) -> None:
         with torch.no_grad():
             self.buffers[index].copy_(values)
-        self.version += 1
+        self.version = next(self._versions)
 
     def merge_segment(self, index: int, values: torch.Tensor, alpha: float) -> bool:
         """x ← (1 − α)·x + α·values unless that would be non-finite; False if refused."""
@@ -223,11 +275,15 @@ class FlatModel:
         of three."""
         with torch.no_grad():
             self.buffers[index].add_(delta, alpha=alpha)
-        self.version += 1
+        self.version = next(self._versions)
 
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
         return model_checksum(self.buffers)
+
+
+def _cpu_copy(flat: torch.Tensor) -> torch.Tensor:
+    return flat.detach().to("cpu", copy=True)
 
 
 def model_checksum(buffers: Sequence[torch.Tensor]) -> str:

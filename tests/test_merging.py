@@ -1,10 +1,13 @@
 """A push's merge written in place: the same bits as the textbook blend, finiteness proven
-from the payload bound's norms, and the checked path for models near their dtype's limit.
+from the payload bound's norms, the checked path for models near their dtype's limit, and
+large payloads' segments merged side by side with the same bits.
 
 Real torch and a real replica on its trainer-thread path (``idle``); no daemon.
 """
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.messages import InboundPush, ReceivedSegment
 from gossipd.node.payload_bound import Delta, PayloadBound
 from gossipd.node.replica import Replica
+from gossipd.node.segments import PARALLEL_MIN_BYTES, SegmentWork
 
 
 def _replica() -> Replica:
@@ -88,3 +92,51 @@ def test_the_norms_prove_a_blend_finite_only_inside_a_blend_and_the_dtypes_range
 ) -> None:
     delta = Delta(torch.zeros(4), False, own_norm, norm)
     assert delta.blend_is_finite(alpha) is proven
+
+
+def _four_segment_replica(threads: int) -> Replica:
+    """Four 4 MiB segments (16 MiB, over the size below which merges stay on one thread)."""
+    gen = torch.Generator().manual_seed(5)
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.empty(1 << 20).normal_(generator=gen)) for _ in range(4)
+    )
+    options = {"options": {"push_probability": 0.0}, "max_weight": 100.0}
+    replica = Replica("r", model, segment_bytes=4 << 20, settings=options)
+    replica.flat.work = SegmentWork(threads)
+    return replica
+
+
+def test_segments_merged_side_by_side_give_the_same_bits_as_one_after_another() -> None:
+    serial, parallel = _four_segment_replica(1), _four_segment_replica(2)
+    incoming = [b + torch.linspace(-1.0, 1.0, b.numel()) for b in serial.flat.buffers]
+    for replica in (serial, parallel):
+        segments = [ReceivedSegment(i, 0.5, v.clone()) for i, v in enumerate(incoming)]
+        item = InboundPush("s", 1, 1, segments)
+        replica.inbox.put(item)
+        replica.idle(0)
+        item.reply.result(timeout=5.0)
+    for a, b in zip(serial.flat.buffers, parallel.flat.buffers, strict=True):
+        assert torch.equal(a, b)
+    assert serial.summary.weights == parallel.summary.weights == (1.5,) * 4
+    snapshots = serial.flat.snapshot(), parallel.flat.snapshot()
+    assert all(torch.equal(snapshots[0][i], snapshots[1][i]) for i in range(4))
+
+
+def test_side_by_side_work_raises_the_first_error_once_every_call_has_finished() -> None:
+    """A refused payload's other segments must not still be written after the refusal."""
+    both_running = threading.Barrier(2, timeout=10.0)
+    finished: list[int] = []
+
+    def first() -> None:
+        both_running.wait()
+        raise PayloadOutOfBounds("segment 0")
+
+    def second() -> None:
+        both_running.wait()
+        finished.append(1)
+        raise KeyError("segment 1")
+
+    with pytest.raises(PayloadOutOfBounds, match="segment 0"):
+        SegmentWork(2).run([first, second], PARALLEL_MIN_BYTES)
+    assert finished == [1]
+    assert SegmentWork(2).run([lambda: 1, lambda: 2], PARALLEL_MIN_BYTES) == [1, 2]
