@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gossipd.node.errors import JobError
-from gossipd.node.jobs import BUILTIN_JOBS, JobSpec, build_job
+from gossipd.node.jobs import BUILTIN_JOBS, JobSpec, build_job, stratified_split
 
 
 def _bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -82,6 +82,24 @@ def test_digits_test_split_is_identical_across_shards_and_seeds_and_stratified()
     counts = torch.bincount(ref.test_y, minlength=10)
     assert counts.min() >= 35 and counts.max() <= 37  # 20% of each class (174..183 per class)
     assert float(ref.train_x.min()) >= 0.0 and float(ref.train_x.max()) <= 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 42, 1234])
+def test_digits_data_and_split_are_scikit_learns_without_importing_it(seed: int) -> None:
+    """The job reads the bundled CSV and splits it itself; both must be what
+    ``load_digits`` and a stratified ``train_test_split`` give, draw for draw."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    ids = np.arange(len(digits.target))
+    train, test = train_test_split(ids, test_size=0.2, random_state=seed, stratify=digits.target)
+    ours = stratified_split(digits.target, test_fraction=0.2, seed=seed)
+    assert np.array_equal(ours[0], train) and np.array_equal(ours[1], test)
+    job = build_job(JobSpec("digits"))
+    expected = torch.from_numpy((digits.data / 16.0).astype(np.float32))
+    assert torch.equal(job.test_x, expected[job.test_ids].reshape(job.test_x.shape))
+    assert torch.equal(job.test_y, torch.from_numpy(digits.target[job.test_ids]).long())
 
 
 def test_digits_evaluate_reports_accuracy_and_loss() -> None:

@@ -68,7 +68,7 @@ def test_step_reports_acknowledged_pushes_and_mass_is_conserved(daemons: Any) ->
     node, _ = _user_node(peer)
     with node:
         reports = _step_until(node, lambda r: len(r.pushed) > 0, "an acknowledged push")
-        assert all(r.ok for r in reports)
+        assert all(r.ok for r in reports), [r for r in reports if not r.ok]
         pushed = next(r for r in reports if r.pushed).pushed[0]
         assert pushed.peer == "peer" and pushed.acked_segments == (0,)
         # Settle: stop pushing, wait until nothing is in flight, then count the weight.
