@@ -140,3 +140,29 @@ def test_side_by_side_work_raises_the_first_error_once_every_call_has_finished()
         SegmentWork(2).run([first, second], PARALLEL_MIN_BYTES)
     assert finished == [1]
     assert SegmentWork(2).run([lambda: 1, lambda: 2], PARALLEL_MIN_BYTES) == [1, 2]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI and this machine have none)"
+)
+def test_a_gpu_model_merges_a_host_payload_with_the_textbook_bits() -> None:
+    """A GPU site's segments stay on the device: the payload (received into host memory)
+    is copied over, its difference and norms taken there, and the add is in place."""
+    gen = torch.Generator().manual_seed(6)
+    model = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.empty(1 << 20).normal_(generator=gen)) for _ in range(4)
+    ).cuda()
+    options = {"options": {"push_probability": 0.0}, "max_weight": 100.0}
+    replica = Replica("r", model, segment_bytes=4 << 20, settings=options)
+    own = [b.clone() for b in replica.flat.buffers]
+    incoming = [(b + 0.25).cpu() for b in own]
+    item = InboundPush(
+        "s", 1, 1, [ReceivedSegment(i, 1.0, v.clone()) for i, v in enumerate(incoming)]
+    )
+    replica.inbox.put(item)
+    replica.idle(0)
+    item.reply.result(timeout=30.0)
+    for b, x, y in zip(replica.flat.buffers, own, incoming, strict=True):
+        assert b.is_cuda
+        assert torch.equal(b, _textbook(x, y.cuda(), 0.5))
+    assert replica.summary.weights == (2.0,) * 4
