@@ -168,7 +168,9 @@ async def _train(mesh: LocalMesh) -> dict[str, Any]:
         "push_s_median": [c["push_s_median"] for c in counters],
         "mean_weights": [sum(s["sum_weights"]) / len(s["sum_weights"]) for s in states],
     }
-    shares = [s.get("gossip_cpu_share") for s in summaries]
+    # Over all of each node's training time (the window's last value, gossip_cpu_share,
+    # is one 2 s sample and swung with whichever push had just landed).
+    shares = [s.get("gossip_cpu_share_mean") for s in summaries]
     if all(isinstance(share, float | int) for share in shares):
         run["gossip_cpu_share"] = shares
     return run
@@ -300,6 +302,8 @@ def print_overhead(rows: list[dict[str, Any]], file: TextIO) -> None:
         f"steps summed over {NODES} nodes, each training the same time; on: push probability "
         f"{PUSH_PROBABILITIES[1]}, off: {PUSH_PROBABILITIES[0]}; load: 1-minute load average "
         "as each run started (off/on); push ms: median time from a push's first attempt "
-        "until it settled (gossipd_push_seconds, interpolated like histogram_quantile)",
+        "until it settled (gossipd_push_seconds, interpolated like histogram_quantile); "
+        "gossip CPU: each node's gossip CPU over all its training time, as a share of its "
+        "cores, the mean of the nodes",
         file=file,
     )

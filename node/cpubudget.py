@@ -85,6 +85,8 @@ class CpuBudget:
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._last_share = 0.0
         self.share_while_training = 0.0  # the last share measured while the trainer stepped
+        self._gossip_s_training = 0.0  # gossip CPU between samples taken while it stepped
+        self._wall_s_training = 0.0  # and the wall time between them
         self._lock = threading.Lock()  # the loop (metrics, pushes) and the trainer (summary) ask
 
     def add_training(self, cpu_s: float) -> None:
@@ -99,7 +101,12 @@ class CpuBudget:
     def _sample(self, now: float) -> float:
         samples = self._samples
         if not samples or now - samples[-1][0] >= SAMPLE_S:
-            samples.append((now, self._process_cpu(), self.training_cpu_s))
+            sample = (now, self._process_cpu(), self.training_cpu_s)
+            if samples and self.training:
+                prev = samples[-1]
+                self._gossip_s_training += (sample[1] - prev[1]) - (sample[2] - prev[2])
+                self._wall_s_training += now - prev[0]
+            samples.append(sample)
             while len(samples) > 2 and now - samples[1][0] >= WINDOW_S:
                 samples.popleft()
             first, last = samples[0], samples[-1]
@@ -109,6 +116,14 @@ class CpuBudget:
             if self.training:
                 self.share_while_training = self._last_share
         return self._last_share
+
+    def mean_share_while_training(self) -> float:
+        """Gossip's CPU as a share of the cores' time, over all the time the trainer has
+        stepped so far (the run's figure; :meth:`gossip_share` is the last window's)."""
+        with self._lock:
+            self._sample(self._clock())
+            wall = self._wall_s_training * self.cpus
+            return min(1.0, max(0.0, self._gossip_s_training / wall)) if wall > 0 else 0.0
 
     def wait_s(self) -> float:
         """How much longer a push should wait before it goes: 0 under the share, or

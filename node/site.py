@@ -174,6 +174,9 @@ class Site:
                     "wait_s": s.wait_s,
                     "wait_fraction": s.wait_fraction,
                     "gossip_cpu_share": round(self.network.budget.share_while_training, 4),
+                    "gossip_cpu_share_mean": round(
+                        self.network.budget.mean_share_while_training(), 4
+                    ),
                     "pushes_held": self.network.budget.held_pushes,
                     "training_done": training_done,
                     "resumed_from_step": self.resumed_from,

@@ -227,3 +227,22 @@ def test_a_node_over_its_budget_holds_its_pushes_and_keeps_the_mass(tmp_path: Pa
     finally:
         stop_all(handles)
     assert sum(w[0] for w in weights) == pytest.approx(2.0, abs=1e-9)
+
+
+def test_the_runs_share_counts_only_the_time_the_trainer_stepped() -> None:
+    """The mean over the run (summary.json) weighs every stretch of training by its
+    length and leaves out the time the trainer did not step."""
+    clocks = Clocks()
+    b = budget(0.1, clocks)
+    b.gossip_share()
+    b.training = True
+    clocks.advance(1.0, 0.5)
+    b.add_training(0.4)  # 0.1 CPU-s of gossip in 1 s
+    b.gossip_share()
+    b.training = False
+    clocks.advance(5.0, 5.0)  # not training: not counted, whatever gossip took
+    b.gossip_share()
+    b.training = True
+    clocks.advance(3.0, 3.0)
+    b.add_training(2.1)  # 0.9 CPU-s of gossip in 3 s
+    assert b.mean_share_while_training() == pytest.approx((0.1 + 0.9) / (1.0 + 3.0))
