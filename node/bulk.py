@@ -34,7 +34,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
@@ -186,6 +186,37 @@ async def run_in(executor: ThreadPoolExecutor, conn: BulkConn, work: Callable[[]
         with contextlib.suppress(BaseException):
             await future
         raise
+
+
+class InOrder:
+    """A push's or pull's lane payloads, each written in a worker while the caller makes
+    the next segment's header and checksum: a payload starts once the one before it is
+    written (the reader takes them in header order). Leaving the block normally waits for
+    the last one; leaving it by an error or a cancellation cancels it, which closes the
+    lane (:func:`run_in`)."""
+
+    def __init__(self) -> None:
+        self._writing: asyncio.Future[None] | None = None
+
+    async def write(self, start: Callable[[], Awaitable[None]]) -> None:
+        """Call ``start`` (it returns the payload's write) once the one before is written."""
+        if self._writing is not None:
+            await self._writing
+        self._writing = asyncio.ensure_future(start())
+
+    async def __aenter__(self) -> InOrder:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        writing, self._writing = self._writing, None
+        if writing is None:
+            return
+        if kind is None:
+            await writing
+        elif not writing.done():
+            writing.cancel()
+            with contextlib.suppress(BaseException):
+                await writing
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from google.protobuf.message import DecodeError, Message
 
 from gossipd.node import errors
 from gossipd.node.admission import ByteBudget, IdleBounded, PeerSlots, Slots, push_deadline_s
+from gossipd.node.bulk import InOrder
 from gossipd.node.certs import CertificateError
 from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
 from gossipd.node.segments import check_fingerprint, check_protocol
@@ -383,7 +385,8 @@ class GossipServicer:
                 held.enter_context(self.pulls.take())
                 bulk, lane = self.node.bulk, None
                 if req.bulk_token and bulk is not None:
-                    lane = held.enter_context(await bulk.claim(req.bulk_token, req.requester))
+                    conn = held.enter_context(await bulk.claim(req.bulk_token, req.requester))
+                    lane = (bulk, conn)
                 await self._serve_pull(context, req, lane)
         except GossipdError as err:
             self.node.on_rejected(peer, err)
@@ -395,41 +398,35 @@ class GossipServicer:
             context.set_details(f"internal error: {err!r}")
 
     async def _serve_pull(
-        self, context: grpc.aio.ServicerContext, req: Any, lane: BulkConn | None
+        self,
+        context: grpc.aio.ServicerContext,
+        req: Any,
+        lane: tuple[BulkServer, BulkConn] | None,
     ) -> None:
         """A pull's headers in gRPC frames, its payloads there too or whole on ``lane``.
 
         A payload goes on the lane in a worker while the next header's checksum is
-        computed and sent (the reader takes payloads in header order); the one before
-        is finished first, and a socket timeout (``stream_idle_timeout_s``) per piece
-        bounds a reader that stops reading.
+        computed and sent (:class:`~gossipd.node.bulk.InOrder`); a socket timeout
+        (``stream_idle_timeout_s``) per piece bounds a reader that stops reading. The
+        snapshot stays held until the last payload is written.
         """
-        bulk = self.node.bulk if lane is not None else None
-        writing: asyncio.Future[None] | None = None
-        whole = bulk is not None
-        try:
-            async with contextlib.aclosing(self.node.on_pull(req, whole)) as frames:
-                async for frame in frames:
-                    if isinstance(frame, memoryview):
-                        if bulk is not None and lane is not None:
-                            if writing is not None:
-                                await writing
-                            writing = asyncio.ensure_future(bulk.write(lane, frame))
-                            continue
-                        data = pull_chunk_frame(frame)
-                    else:
-                        frame.bulk = bulk is not None and frame.payload_bytes > 0
-                        data = pb.PullFrame(header=frame).SerializeToString()
-                    await self.write_within(
-                        context, data, "the reader took no frame", "the pull was cut off"
-                    )
-                if writing is not None:
-                    await writing
-        finally:
-            if writing is not None and not writing.done():
-                writing.cancel()  # closes the lane; the snapshot it reads is still held here
-                with contextlib.suppress(BaseException):
-                    await writing
+        async with (
+            contextlib.aclosing(self.node.on_pull(req, whole=lane is not None)) as frames,
+            InOrder() as lane_writes,
+        ):
+            async for frame in frames:
+                if isinstance(frame, memoryview):
+                    if lane is not None:
+                        bulk, conn = lane
+                        await lane_writes.write(functools.partial(bulk.write, conn, frame))
+                        continue
+                    data = pull_chunk_frame(frame)
+                else:
+                    frame.bulk = lane is not None and frame.payload_bytes > 0
+                    data = pb.PullFrame(header=frame).SerializeToString()
+                await self.write_within(
+                    context, data, "the reader took no frame", "the pull was cut off"
+                )
 
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.LeaveReply:

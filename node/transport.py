@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
-from gossipd.node.bulk import BulkConn, BulkDialer
+from gossipd.node.bulk import BulkConn, BulkDialer, InOrder
 from gossipd.node.codec import Codec
 from gossipd.node.errors import (
     Busy,
@@ -452,8 +453,7 @@ class PeerClient:
                 bulk_token=lane.token if lane is not None else b"",
             )
         ).SerializeToString()
-        sending: asyncio.Future[None] | None = None  # the lane's payload before this one
-        try:
+        async with InOrder() as lane_writes:
             for index in segments:
                 header, data = encoded_segment(
                     sender=self.identity.node_id,
@@ -466,21 +466,14 @@ class PeerClient:
                 header.bulk = lane is not None
                 yield pb.PushFrame(header=header).SerializeToString()
                 if lane is not None and self._bulk is not None:
-                    if sending is not None:
-                        await sending
-                    sending = asyncio.ensure_future(self._bulk.send(lane, data, progressed))
+                    # A push not answered (this block left early) closes its lane: never reused.
+                    send = functools.partial(self._bulk.send, lane, data, progressed)
+                    await lane_writes.write(send)
                     continue
                 for piece in chunks(data, self.chunk_bytes):
                     if self.shaper:
                         await self.shaper.pace(piece.nbytes)
                     yield push_chunk_frame(piece)
-            if sending is not None:
-                await sending
-        finally:
-            if sending is not None and not sending.done():
-                sending.cancel()  # closes the lane: the push is not answered, never reused
-                with contextlib.suppress(BaseException):
-                    await sending
         yield END_FRAME
 
     async def pull(
