@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=cpu_share,
         default=None,
         help="with --trainer: gossip.cpu_share of both daemons, to compare shares "
-        "(default: the config's, 0.1)",
+        "(default: the config's, 0.03)",
     )
     p.add_argument(
         "--shared-cores",

@@ -30,7 +30,7 @@ def cpu_share(text: str) -> float:
     if not 0 < share <= 1:
         raise argparse.ArgumentTypeError(
             f"--cpu-share {text!r}: give a share of the cores' time over 0 and at most 1 "
-            "(0.1 is gossip.cpu_share's default; 1 never holds a push)"
+            "(0.03 is gossip.cpu_share's default; 1 never holds a push)"
         )
     return share
 
@@ -111,7 +111,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
-    from gossipd.node.demo import demo_job_options, print_demo, run_demo
+    from gossipd.node.demo import DEMO_CPU_SHARE, demo_job_options, print_demo, run_demo
 
     options = demo_job_options(args.job, parse_job_options(args.job_option))
     with contextlib.ExitStack() as stack:
@@ -126,7 +126,8 @@ def _run_demo(args: argparse.Namespace) -> int:
                 file=sys.stderr if args.json else sys.stdout,
                 flush=True,
             )
-        spec = _mesh_spec(args, job_options=options, mqtt_broker=broker)
+        share = DEMO_CPU_SHARE if args.cpu_share is None else args.cpu_share
+        spec = _mesh_spec(args, job_options=options, mqtt_broker=broker, cpu_share=share)
         result = run_demo(spec)  # type: ignore[arg-type]
     print_demo(result, file=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -245,7 +246,7 @@ def _add_mesh_args(
         type=cpu_share,
         default=None,
         help="gossip.cpu_share of every node: most of its cores' time gossip may take "
-        "while it trains, over 0 and at most 1 (default: the config's, 0.1)",
+        "while it trains, over 0 and at most 1 (default: the config's, 0.03; for demo 0.1)",
     )
     p.add_argument(
         "--codec",

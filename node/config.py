@@ -126,11 +126,11 @@ class GossipConfig(_Section):
     )
     seed: int = Field(0, description="seed of this node's peer choices")
     cpu_share: float = Field(
-        0.1,
+        0.03,
         gt=0,
         le=1,
         description="most of the node's cores' time gossip may take while the trainer steps; "
-        "pushes wait (and so come less often) while it is over; 1: never wait",
+        "pushes wait (and so come less often) while it is in debt; 1: never wait",
     )
     _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)
 

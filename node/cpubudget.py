@@ -4,23 +4,29 @@ On a site whose cores all train, every CPU-second the daemon spends on gossip
 (grpc, TLS, framing, checksums, merges, snapshots) is taken from a trainer.
 ``gossip.cpu_share`` caps gossip's part of the CPU the node may use (its cores:
 the CPU affinity, or a container's CPU quota when that is lower) while the
-trainer is stepping: over a sliding window, gossip CPU-seconds ≤ share × cores ×
-wall seconds. Over it, pushes are paced: the node's push rate over the window is
-scaled by share/measured, so a push waits until that rate's interval has passed
-since the last push went. The protocol core meanwhile sees the push still in
-flight and starts no new one to that peer (nor beyond
+trainer is stepping: over the run, gossip CPU-seconds ≤ share × cores × wall
+seconds. Gossip earns share × cores CPU-seconds of credit for every second the
+trainer steps and spends what the process measures; while the node is in debt a
+push waits until the debt is earned back. The protocol core meanwhile sees the
+push still in flight and starts no new one to that peer (nor beyond
 ``gossip.max_pushes_in_flight``), so the push *rate* adapts to what pushes really
 cost, with no weight lost or duplicated: a held push is an ordinary
 unacknowledged push. Gossip that only uses CPU nobody else wants (a GPU trainer,
 a cheap step on an idle machine) is never held while it stays under the share of
 the whole node.
 
-Pacing, not holding every push while over: gossip CPU includes what peers push
-here, so with every node of a mesh holding while over, all of them stop at once,
-the share falls, all of them burst at once, and the mesh mixes in bursts with
-seconds of nothing between (3 digits sites at 0.03: final consensus distance
-0.012 held, 0.0018 paced). Scaling each node's own rate converges on the share
-with pushes spread evenly.
+Credit, not a window: a share measured over the last 2 s was exact for a cheap
+model, whose pushes are many per window, but a 17 MB model's push and the one it
+receives cost tens of CPU-ms each, one or two per window: a window without one
+measured under the share and let the next push go at once, so gossip took twice
+its share (5.9% at 0.03). Credit keeps every CPU-ms measured until it is paid for,
+whatever a push costs and whenever it lands. Each node waits out its own debt, so
+pushes spread at the interval they really cost rather than every node of a mesh
+stopping while a shared window is over and bursting together once it is under.
+Credit saved while gossip is quiet is capped (``CREDIT_S`` of the share), so a
+quiet stretch buys one short burst, not a flood; debt is capped (``DEBT_S``), so a
+node whose inbound traffic alone is over its share still pushes, each push after
+the longest hold, ``outbound.MAX_HOLD_S``.
 
 Training CPU is what the trainer thread spends on anything but merging inbound
 pushes and snapshotting its own (the job's steps, evaluations, checkpoints, a
@@ -39,9 +45,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-WINDOW_S = 2.0  # the share is measured over about this much of the recent past
+WINDOW_S = 2.0  # the share exported as a gauge is measured over about this much of the past
 SAMPLE_S = 0.1  # a new sample is taken at most this often
 HOLD_POLL_S = 0.02  # a held push looks again at least this often
+CREDIT_S = 2.0  # most credit saved: this many seconds of the share
+DEBT_S = 10.0  # most debt kept: this many seconds of the share
+PUSH_COST_WEIGHT = 0.25  # weight of the latest push in the moving mean of what one costs
 
 
 def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
@@ -79,14 +88,16 @@ class CpuBudget:
         self.training_cpu_s = 0.0  # added to by the trainer thread only
         self.training = False  # the trainer is stepping (set and cleared by the trainer)
         self.held_pushes = 0  # pushes that waited for the budget (for summary.json)
-        self._releases: collections.deque[float] = collections.deque()  # when pushes went
-        self._last_release: float | None = None  # the latest, kept after it leaves the window
         # (wall, process CPU, training CPU), oldest first, about WINDOW_S of them
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._last_share = 0.0
         self.share_while_training = 0.0  # the last share measured while the trainer stepped
         self._gossip_s_training = 0.0  # gossip CPU between samples taken while it stepped
         self._wall_s_training = 0.0  # and the wall time between them
+        # CPU-seconds gossip may still spend (below 0: a debt), as of the last sample
+        self._credit = 0.0
+        self._push_cpu_s = 0.0  # gossip CPU between one push and the next (a moving mean)
+        self._last_release: tuple[float, float, float] | None = None  # (wall, CPU, training CPU)
         self._lock = threading.Lock()  # the loop (metrics, pushes) and the trainer (summary) ask
 
     def add_training(self, cpu_s: float) -> None:
@@ -104,8 +115,12 @@ class CpuBudget:
             sample = (now, self._process_cpu(), self.training_cpu_s)
             if samples and self.training:
                 prev = samples[-1]
-                self._gossip_s_training += (sample[1] - prev[1]) - (sample[2] - prev[2])
+                gossip_s = (sample[1] - prev[1]) - (sample[2] - prev[2])
+                self._gossip_s_training += gossip_s
                 self._wall_s_training += now - prev[0]
+                rate = self.share * self.cpus
+                earned = self._credit + rate * (now - prev[0]) - gossip_s
+                self._credit = min(rate * CREDIT_S, max(-rate * DEBT_S, earned))
             samples.append(sample)
             while len(samples) > 2 and now - samples[1][0] >= WINDOW_S:
                 samples.popleft()
@@ -126,41 +141,35 @@ class CpuBudget:
             return min(1.0, max(0.0, self._gossip_s_training / wall)) if wall > 0 else 0.0
 
     def wait_s(self) -> float:
-        """How much longer a push should wait before it goes: 0 under the share, or
-        while the trainer does not step; over it, until the interval of the paced rate
-        (pushes per second over the window × share / measured) has passed since the
-        last push went. With no push in the window that rate is one per window, so over
-        the share pushes go at least WINDOW_S × measured / share apart: a node whose
-        inbound traffic alone is over its share still moves its weight, but no faster.
-        (Letting the first push of every window go at once made one push per window
-        the floor: a 17 MB model's pushes, sent and received, then took 8% of a core
-        at cpu_share 0.03.) The very first push goes at once."""
+        """How much longer a push should wait before it goes: 0 while the trainer does
+        not step; else until both the node has no debt (earned back at share × cores
+        CPU-seconds a second, at most ``DEBT_S``) and the last push's turn is over (what
+        gossip spends between one push and the next, at that rate). The debt keeps the
+        run's share; the turn spreads pushes out before the CPU a push has just started
+        to spend is measured. The very first push goes at once."""
         if self.share >= 1.0 or not self.training:
             return 0.0
         with self._lock:
             now = self._clock()
-            measured = self._sample(now)
-            releases = self._recent(now)
-            if measured <= self.share or self._last_release is None:
-                return 0.0
-            rate = max(len(releases), 1) / WINDOW_S
-            interval = (measured / self.share) / rate
-            return max(0.0, self._last_release + interval - now)
+            self._sample(now)
+            rate = self.share * self.cpus
+            wait = 0.0
+            if self._credit < 0.0:
+                wait = -self._credit / rate - (now - self._samples[-1][0])
+            if self._last_release is not None:
+                wait = max(wait, self._last_release[0] + self._push_cpu_s / rate - now)
+            return max(0.0, wait)
 
     def released(self) -> None:
-        """A push went now (held or not): the rate the next ones are paced from."""
+        """A push went now (held or not): what gossip spent since the one before, while
+        the trainer stepped, updates what a push costs."""
         with self._lock:
-            now = self._clock()
-            self._recent(now).append(now)
+            now = (self._clock(), self._process_cpu(), self.training_cpu_s)
+            last = self._last_release
+            if last is not None and self.training:
+                spent = max(0.0, (now[1] - last[1]) - (now[2] - last[2]))
+                self._push_cpu_s += PUSH_COST_WEIGHT * (spent - self._push_cpu_s)
             self._last_release = now
-
-    def _recent(self, now: float) -> collections.deque[float]:
-        """When pushes went within the window (older ones dropped: the record stays
-        bounded whether or not anything is paced)."""
-        releases = self._releases
-        while releases and now - releases[0] > WINDOW_S:
-            releases.popleft()
-        return releases
 
     def held(self) -> None:
         """A push waited for the budget before going."""

@@ -118,9 +118,9 @@ class Outbound:
             self.metrics.push_seconds.observe(time.monotonic() - started)
 
     async def _within_budget(self) -> None:
-        """Wait while gossip is over its CPU share (``gossip.cpu_share``) for this push's
-        turn in the paced rate (:meth:`CpuBudget.wait_s`), at most ``MAX_HOLD_S``. A
-        leaving or stopping node never waits."""
+        """Wait while gossip is in debt to its CPU share (``gossip.cpu_share``, see
+        :meth:`CpuBudget.wait_s`), at most ``MAX_HOLD_S``. A leaving or stopping node
+        never waits."""
         budget = self.budget
         started = time.monotonic()
         held_until = started + MAX_HOLD_S

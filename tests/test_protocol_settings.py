@@ -385,7 +385,7 @@ def test_a_local_mesh_writes_the_protocols_own_table(
     assert caplog.text == ""  # nothing deprecated
 
 
-@pytest.mark.parametrize(("share", "expected"), [(None, 0.1), (0.25, 0.25), (1.0, 1.0)])
+@pytest.mark.parametrize(("share", "expected"), [(None, 0.03), (0.25, 0.25), (1.0, 1.0)])
 def test_mesh_up_gives_every_node_the_cpu_share_asked_for(
     share: float | None, expected: float, tmp_path: Path
 ) -> None:
