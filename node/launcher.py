@@ -95,7 +95,7 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
             progress.write(f"final pull failed ({err}); reading the nodes' final checkpoints\n")
         end_t = time.monotonic() - t0
         sum_weight_end = _mean_weight_sum(s["sum_weights"] for s in states)
-        exit_codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+        exit_codes = mesh.stop_all()
         distance_end = consensus_distance(end_models or mesh.final_models())
         timeline.append({"t": end_t, "consensus_distance": distance_end})
         nodes = []

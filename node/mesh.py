@@ -354,12 +354,19 @@ class LocalMesh:
     def stop(self, index: int, timeout_s: float = 30.0) -> int:
         return stop_process(self.procs.pop(index), timeout_s)
 
+    def stop_all(self, timeout_s: float = 30.0) -> list[int]:
+        """SIGTERM every node at once, then reap each: their shutdowns overlap instead of
+        queueing. Exit codes in node order."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        return [self.stop(index, timeout_s) for index in sorted(self.procs)]
+
     def __enter__(self) -> LocalMesh:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for index in list(self.procs):
-            self.stop(index)
+        self.stop_all()
         if self.coordinator is not None:
             stop_process(self.coordinator)
             self.coordinator = None
