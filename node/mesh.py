@@ -266,9 +266,13 @@ def spawn_node(
         )
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
-    """SIGTERM, wait up to ``timeout_s``, then SIGKILL: a child is always reaped."""
-    if proc.poll() is None:
+def stop_process(
+    proc: subprocess.Popen[bytes], timeout_s: float = 30.0, *, signalled: bool = False
+) -> int:
+    """SIGTERM (unless ``signalled``: sent already), wait up to ``timeout_s``, then
+    SIGKILL: a child is always reaped. SIGTERM goes once: a second one that lands after
+    the node's event loop has ended (its handler gone) kills it mid-exit with -15."""
+    if not signalled and proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout=timeout_s)
@@ -360,7 +364,10 @@ class LocalMesh:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        return [self.stop(index, timeout_s) for index in sorted(self.procs)]
+        return [
+            stop_process(self.procs.pop(index), timeout_s, signalled=True)
+            for index in sorted(self.procs)
+        ]
 
     def __enter__(self) -> LocalMesh:
         return self

@@ -67,8 +67,8 @@ class DaemonHandle:
     def node_json(self) -> dict[str, Any]:
         return json.loads((self.data_dir / "node.json").read_text())
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        return stop_process(self.proc, timeout_s)
+    def stop(self, timeout_s: float = 60.0, *, signalled: bool = False) -> int:
+        return stop_process(self.proc, timeout_s, signalled=signalled)
 
 
 def wait_until(
@@ -291,7 +291,7 @@ def stop_all(handles: list[DaemonHandle]) -> None:
         if h.proc.poll() is None:
             h.proc.send_signal(signal.SIGTERM)
     for h in handles:
-        h.stop()
+        h.stop(signalled=True)
 
 
 def start_mesh(
