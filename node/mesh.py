@@ -282,6 +282,15 @@ def stop_process(
         return -9
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> list[int]:
+    """SIGTERM every one at once, then reap each (:func:`stop_process`): their shutdowns
+    overlap instead of queueing. Exit codes in the order given."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    return [stop_process(proc, timeout_s, signalled=True) for proc in procs]
+
+
 class LocalMesh:
     """Processes of one local mesh; always use as a context manager so every child is reaped."""
 
@@ -359,15 +368,9 @@ class LocalMesh:
         return stop_process(self.procs.pop(index), timeout_s)
 
     def stop_all(self, timeout_s: float = 30.0) -> list[int]:
-        """SIGTERM every node at once, then reap each: their shutdowns overlap instead of
-        queueing. Exit codes in node order."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        return [
-            stop_process(self.procs.pop(index), timeout_s, signalled=True)
-            for index in sorted(self.procs)
-        ]
+        """Stop every node at once (:func:`stop_processes`); exit codes in node order."""
+        procs = [self.procs.pop(index) for index in sorted(self.procs)]
+        return stop_processes(procs, timeout_s)
 
     def __enter__(self) -> LocalMesh:
         return self

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.mesh import free_ports, spawn_node, stop_process
+from gossipd.node.mesh import free_ports, spawn_node, stop_process, stop_processes
 from gossipd.node.status import query_status
 from gossipd.node.tls import Credentials
 
@@ -67,8 +67,8 @@ class DaemonHandle:
     def node_json(self) -> dict[str, Any]:
         return json.loads((self.data_dir / "node.json").read_text())
 
-    def stop(self, timeout_s: float = 60.0, *, signalled: bool = False) -> int:
-        return stop_process(self.proc, timeout_s, signalled=signalled)
+    def stop(self, timeout_s: float = 60.0) -> int:
+        return stop_process(self.proc, timeout_s)
 
 
 def wait_until(
@@ -287,11 +287,7 @@ def stop_all(handles: list[DaemonHandle]) -> None:
     for h in handles:
         if h.proc.poll() is None:
             os.kill(h.proc.pid, signal.SIGCONT)
-    for h in handles:  # all at once: shutdowns overlap instead of queueing
-        if h.proc.poll() is None:
-            h.proc.send_signal(signal.SIGTERM)
-    for h in handles:
-        h.stop(signalled=True)
+    stop_processes([h.proc for h in handles], 60.0)
 
 
 def start_mesh(
