@@ -79,6 +79,12 @@ class JobConfig(_Section):
     batch_size: int | None = Field(None, ge=1)
     max_steps: int = Field(0, ge=0, description="stop training after this many steps; 0: never")
     duration_s: float = Field(0.0, ge=0.0, description="stop training after this long; 0: never")
+    max_steps_per_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="pace the trainer to at most this many steps a second, merging gossip "
+        "while it waits; 0: as fast as it goes",
+    )
     eval_every_steps: int = Field(100, ge=0)
     device: str = Field(
         "cpu",

@@ -88,6 +88,8 @@ class TrainingLoop(threading.Thread):
                 now = (time.thread_time(), replica.gossip_cpu_s)
                 budget.add_training(now[0] - mark[0] - (now[1] - mark[1]))
                 mark = now
+                if cfg.max_steps_per_s:
+                    self._pace(t0 + 1.0 / cfg.max_steps_per_s)
             budget.training = False
             if site.ranks is not None:
                 site.evaluate()  # every rank records the model the site stops with
@@ -101,7 +103,17 @@ class TrainingLoop(threading.Thread):
             self.on_fatal()
             self.finished.set()
 
-    def _idle(self) -> None:
-        self.site.replica.idle(0.05)
+    def _pace(self, until: float) -> None:
+        """Wait out the rest of a paced step, merging what arrives meanwhile.
+
+        A paced trainer leaves its core to others (a site sharing its machine, a test's
+        daemons sharing two cores) and stays a full peer: pushes land and merge as they
+        would at step boundaries.
+        """
+        while not self.halt.is_set() and (left := until - time.perf_counter()) > 0:
+            self._idle(left)
+
+    def _idle(self, wait_s: float = 0.05) -> None:
+        self.site.replica.idle(min(wait_s, 0.05))
         if self.site.ranks is not None:
             self.site.ranks.tick(self.site.replica.steps)

@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 torch.set_num_threads(1)
 START_TIMEOUT_S = 120.0
+TEST_STEPS_PER_S = 100.0
 
 
 @dataclass
@@ -143,13 +144,22 @@ def write_node_config(
     """A daemon's TOML with the test defaults (synthetic job, lr 0, no pushes, no periodic
     checkpoints, no CPU budget for gossip: tests count pushes against their own timeouts
     on loaded machines, and tests/test_cpu_budget.py covers the budget); sections given
-    in ``config`` are merged key by key over them."""
+    in ``config`` are merged key by key over them.
+
+    The trainer is paced to ``TEST_STEPS_PER_S``: these tests wait on gossip, not on
+    steps, and a trainer stepping flat out took a core from every other test's daemons.
+    """
     full: dict[str, Any] = {
         "mesh_id": "test-mesh",
         "node_id": node_id,
         "listen": f"127.0.0.1:{port}",
         "data_dir": str(data_dir),
-        "job": {"name": "synthetic", "learning_rate": 0.0, "eval_every_steps": 0},
+        "job": {
+            "name": "synthetic",
+            "learning_rate": 0.0,
+            "eval_every_steps": 0,
+            "max_steps_per_s": TEST_STEPS_PER_S,
+        },
         "gossip": {"push_probability": 0.0, "cpu_share": 1.0},
         "checkpoint": {"every_steps": 0},
         # Plaintext unless a test gives certificates: TLS has its own tests, and a

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,19 @@ def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any
     assert status["params_checksum"] == node.status(checksum=True)["params_checksum"]
     assert len(status["params_checksum"]) == 32
     assert status["step"] == max_steps
+
+
+def test_a_paced_trainer_steps_no_faster_than_its_rate(daemons: Any) -> None:
+    rate, steps = 10.0, 40
+    node = daemons("paced", job={"max_steps": steps, "max_steps_per_s": rate})
+    asked = time.monotonic()
+    seen = node.status()["step"]
+    wait_until(lambda: node.status()["training_done"], "the paced node to finish", 60.0)
+    # When the status was taken (after `asked`) step seen+1 had not ended, so step seen+2
+    # started after `asked` and the last one (steps - seen - 2) / rate later at the
+    # earliest. A lower bound only: a loaded machine makes steps slower, never faster.
+    assert time.monotonic() - asked >= (steps - seen - 2) / rate
+    assert seen < steps - 10 and node.status()["step"] == steps
 
 
 def test_status_cli_names_the_address_when_nothing_listens() -> None:
