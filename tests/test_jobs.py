@@ -98,7 +98,7 @@ def test_digits_data_and_split_are_scikit_learns_without_importing_it(seed: int)
     assert np.array_equal(ours[0], train) and np.array_equal(ours[1], test)
     job = build_job(JobSpec("digits"))
     expected = torch.from_numpy((digits.data / 16.0).astype(np.float32))
-    assert torch.equal(job.test_x, expected[job.test_ids].reshape(job.test_x.shape))
+    assert torch.equal(job.test_x, expected[job.test_ids.copy()].reshape(job.test_x.shape))
     assert torch.equal(job.test_y, torch.from_numpy(digits.target[job.test_ids]).long())
 
 
