@@ -72,9 +72,16 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
 
 
 def decode(
-    data: bytes | bytearray | memoryview, codec: Codec, dtype: torch.dtype, numel: int
+    data: bytes | bytearray | memoryview,
+    codec: Codec,
+    dtype: torch.dtype,
+    numel: int,
+    *,
+    check_finite: bool = True,
 ) -> torch.Tensor:
-    """Bytes to a flat tensor of the model's ``dtype``, refusing NaN and infinity."""
+    """Bytes to a flat tensor of the model's ``dtype``, refusing NaN and infinity
+    (``check_finite`` False: the caller proves finiteness itself, see
+    :meth:`~gossipd.node.payload_bound.PayloadBound.gauge`)."""
     wire_dtype = _WIRE_DTYPE.get(codec, dtype)
     expected = numel * torch.empty((), dtype=wire_dtype).element_size()
     if len(data) != expected:
@@ -85,11 +92,21 @@ def decode(
         return torch.empty(0, dtype=dtype)
     raw = torch.frombuffer(data, dtype=torch.uint8).view(wire_dtype)
     values = raw if wire_dtype == dtype else raw.to(dtype)
-    # NaN and ±inf propagate through a sum, so a finite sum proves every value finite
-    # in one pass at memory speed (0.2 ms per 4 MB here, against 8 ms for isfinite().all());
-    # only a non-finite sum, or one that overflowed, needs the exact elementwise check.
+    if check_finite:
+        require_finite(values)
+    return values
+
+
+def require_finite(values: torch.Tensor) -> None:
+    """Raise :class:`NonFinitePayload` if any value is NaN or infinite.
+
+    NaN and ±inf propagate through a sum, so a finite sum proves every value finite
+    in one pass at memory speed (0.2 ms per 4 MB here, against 8 ms for isfinite().all());
+    only a non-finite sum, or one that overflowed, needs the exact elementwise check.
+    """
     if not math.isfinite(float(values.sum())):
         bad = int((~torch.isfinite(values)).sum())
         if bad:
-            raise NonFinitePayload(f"payload holds {bad} NaN or infinite values out of {numel}")
-    return values
+            raise NonFinitePayload(
+                f"payload holds {bad} NaN or infinite values out of {values.numel()}"
+            )

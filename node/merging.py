@@ -33,7 +33,7 @@ from gossipd.node.errors import (
     WeightOverCap,
 )
 from gossipd.node.messages import Ack, InboundPush, OutboundPush, Pulled
-from gossipd.node.payload_bound import PayloadBound
+from gossipd.node.payload_bound import Gauge, PayloadBound
 from gossipd.node.protocols.base import (
     Action,
     Duplicate,
@@ -55,11 +55,14 @@ from gossipd.node.segments import FlatModel
 
 @dataclass(frozen=True)
 class SegmentWrite:
-    """What a commit writes into one segment: ``x += alpha * values``, or ``x = values``
-    when ``alpha`` is None (a blend computed and checked whole, near the dtype's limit)."""
+    """What a commit writes into one segment: ``x += alpha * values`` (``values`` is a
+    delta), ``x.lerp_(values, alpha)`` when ``lerp`` (``values`` is a gauged payload), or
+    ``x = values`` when ``alpha`` is None (a blend computed and checked whole, near the
+    dtype's limit)."""
 
     values: torch.Tensor
     alpha: float | None
+    lerp: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ class Merger:
             item.sequence_base,
         )
         values = {seg.segment: seg.values for seg in item.segments}
+        gauges = {seg.segment: seg.gauge for seg in item.segments if seg.gauge is not None}
         what = f"push {item.sender}#{item.sequence}"
-        plan = self.plan(arrival, values, what, merge_new=item.merge_new)
+        plan = self.plan(arrival, values, what, merge_new=item.merge_new, gauges=gauges)
         if item.merge_new:
             self.core.handle(PayloadMerged(arrival))
         self.commit(plan.blends)
@@ -125,7 +129,9 @@ class Merger:
                 pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
             )
             try:
-                plan = self.plan(arrival, pulled.values, f"pull from {pull.peer}")
+                plan = self.plan(
+                    arrival, pulled.values, f"pull from {pull.peer}", gauges=pulled.gauges
+                )
             except (InvalidFrame, NonFinitePayload, PayloadOutOfBounds) as err:
                 error = str(err)
             else:
@@ -165,6 +171,8 @@ class Merger:
     def _write(self, segment: int, write: SegmentWrite) -> None:
         if write.alpha is None:
             self.flat.load_segment(segment, write.values)
+        elif write.lerp:
+            self.flat.lerp(segment, write.values, write.alpha)
         else:
             self.flat.add_delta(segment, write.values, write.alpha)
 
@@ -175,14 +183,17 @@ class Merger:
         what: str,
         *,
         merge_new: bool = True,
+        gauges: Mapping[int, Gauge] | None = None,
     ) -> MergePlan:
         """The core's answer to ``arrival``, every blend it asks for (checked against the
         payload bound and for finiteness, none applied) and the segments the robust merge
         clipped.
 
-        The payload bound writes each difference over ``values``: a payload is consumed by
-        its plan, merged or refused. ``merge_new`` False keeps only the DUPLICATE answers
-        (a leaving node merges nothing).
+        A segment with a gauge that the bound admits is blended as it came (one pass at
+        commit); the others take the exact path, where the payload bound writes each
+        difference over ``values``: a payload is consumed by its plan, merged or refused.
+        ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges
+        nothing).
         """
         try:
             actions = self.core.handle(arrival)
@@ -195,6 +206,15 @@ class Merger:
         for action in merges:
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
+        blends: dict[int, SegmentWrite] = {}
+        gauges = gauges or {}
+        for action in merges:
+            gauge = gauges.get(action.segment)
+            if gauge is not None and self.bound.admits(gauge, action.alpha, what, action.segment):
+                blends[action.segment] = SegmentWrite(
+                    values[action.segment], action.alpha, lerp=True
+                )
+        exact = [a for a in merges if a.segment not in blends]
         deltas = self.flat.work.run(
             [
                 functools.partial(
@@ -204,13 +224,12 @@ class Merger:
                     what,
                     a.segment,
                 )
-                for a in merges
+                for a in exact
             ],
-            sum(values[a.segment].nbytes for a in merges),
+            sum(values[a.segment].nbytes for a in exact),
         )
-        blends: dict[int, SegmentWrite] = {}
         clipped: list[int] = []
-        for action, delta in zip(merges, deltas, strict=True):
+        for action, delta in zip(exact, deltas, strict=True):
             if delta.clipped:
                 clipped.append(action.segment)
             if delta.blend_is_finite(action.alpha):
@@ -223,4 +242,5 @@ class Merger:
                     "non-finite; refused, nothing merged"
                 )
             blends[action.segment] = SegmentWrite(blended, None)
-        return MergePlan(actions, blends, tuple(clipped))
+        ordered = {a.segment: blends[a.segment] for a in merges}  # in the core's order
+        return MergePlan(actions, ordered, tuple(clipped))

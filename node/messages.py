@@ -25,17 +25,20 @@ from typing import Protocol
 import torch
 
 from gossipd.node.errors import Busy, GossipdError
+from gossipd.node.payload_bound import Gauge
 from gossipd.node.protocols.base import AskPeer, PeerGranted, Pull, Push, ReportTransfer
 
 
 # -- payloads ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReceivedSegment:
-    """One whole, verified segment of a push or a pull."""
+    """One whole, verified segment of a push or a pull; ``gauge``: its norms against our
+    own, taken as it arrived (None: the merge measures it)."""
 
     segment: int
     sum_weight: float
     values: torch.Tensor
+    gauge: Gauge | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Pulled:
 
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
+    gauges: dict[int, Gauge] = field(default_factory=dict)
     nbytes: int = 0
     transfer_s: float = 0.0
 

@@ -412,7 +412,8 @@ class Network:
 
     # -- Handlers (called by the servicer) ---------------------------------------------
     def new_assembler(self) -> SegmentAssembler:
-        return SegmentAssembler(self.replica.flat.plan, self.limits)
+        """A push's assembler; it gauges each segment against our own as it arrives."""
+        return SegmentAssembler(self.replica.flat.plan, self.limits, gauge=self.replica.gauge)
 
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         """Answer at once; the claimant becomes a peer only after our own dial to it."""

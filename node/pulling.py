@@ -105,6 +105,7 @@ class Puller:
                 segments=list(out.pull.segments) or None,
                 round=out.pull.round,
                 progress_timeout_s=self.gossip.progress_timeout_s,
+                gauge=self.replica.gauge,
             )
         except GossipdError as err:
             self.metrics.messages.labels("received", "pull", "failed").inc()

@@ -51,7 +51,7 @@ from gossipd.node.messages import (
     ViewChange,
 )
 from gossipd.node.messages import Event as LoopEvent
-from gossipd.node.payload_bound import PayloadBound
+from gossipd.node.payload_bound import Gauge, PayloadBound
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     Event,
@@ -314,6 +314,12 @@ class Replica:
             before, self.summary = self.summary, Summary.of(self)
             log_sinks(before, self.summary)
             return report
+
+    def gauge(self, segment: int, values: torch.Tensor) -> Gauge | None:
+        """A received segment's norms against ours (:meth:`PayloadBound.gauge`); called by
+        the network's receiving workers, without the lock: the numbers feed a bound, not
+        the blend, which is computed at merge time."""
+        return self.bound.gauge(self.flat.buffers[segment], values)
 
     def settled(self) -> bool:
         """Nothing of this replica's is in flight, waiting in its queues, or due to fire.

@@ -277,6 +277,13 @@ class FlatModel:
             self.buffers[index].add_(delta, alpha=alpha)
         self.version = next(self._versions)
 
+    def lerp(self, index: int, values: torch.Tensor, alpha: float) -> None:
+        """x ← x + α·(values − x) in place, one pass: the blend of a gauged payload, whose
+        bound and finiteness were proven from its norms (:meth:`PayloadBound.admits`)."""
+        with torch.no_grad():
+            self.buffers[index].lerp_(values, alpha)
+        self.version = next(self._versions)
+
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
         return model_checksum(self.buffers)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from gossipd.node.bulk import BulkConn, BulkDialer, InOrder
 from gossipd.node.codec import Codec
@@ -36,6 +37,7 @@ from gossipd.node.errors import (
     UnknownPeer,
 )
 from gossipd.node.messages import Ack, OutboundPush, Pulled, ReceivedSegment
+from gossipd.node.payload_bound import Gauge
 from gossipd.node.pushstreams import COALESCE_BYTES, END_FRAME, StreamPool, batched
 from gossipd.node.segments import SegmentPlan
 from gossipd.node.shaping import LinkShaper
@@ -485,8 +487,10 @@ class PeerClient:
         segments: list[int] | None = None,
         round: int = 0,
         progress_timeout_s: float | None = None,
+        gauge: Callable[[int, torch.Tensor], Gauge | None] | None = None,
     ) -> Pulled:
-        """``segments`` of the peer's model (all by default), verified segment by segment.
+        """``segments`` of the peer's model (all by default), verified segment by segment
+        (and gauged against ours with ``gauge``, see :class:`SegmentAssembler`).
 
         Like a push, a pull ends when nothing arrives for ``progress_timeout_s`` (a
         hung peer), and within ``timeout_s`` in all; segments that were not asked
@@ -501,7 +505,7 @@ class PeerClient:
             segments=[] if segments is None else wanted,
             round=round,
         )
-        assembler = SegmentAssembler(plan, limits)
+        assembler = SegmentAssembler(plan, limits, gauge=gauge)
         pulled = Pulled()
         progress_s = progress_timeout_s or timeout_s
         if self.shaper:
@@ -524,6 +528,8 @@ class PeerClient:
                 )
             pulled.values[seg.segment] = seg.values
             pulled.weights[seg.segment] = seg.sum_weight
+            if seg.gauge is not None:
+                pulled.gauges[seg.segment] = seg.gauge
             pulled.nbytes += seg.values.numel() * seg.values.element_size()
 
         try:
