@@ -42,6 +42,7 @@ from gossipd.node import certs
 from gossipd.node.admission import PeerSlots, Slots
 from gossipd.node.errors import BulkClosed, ConfigError, GossipdError, InvalidFrame, StreamIdle
 from gossipd.node.tls import Credentials, IdentityMismatch
+from gossipd.node.torchthreads import worker_pool
 
 if TYPE_CHECKING:
     from gossipd.node.metrics import NodeMetrics
@@ -251,7 +252,7 @@ class BulkServer:
         )
         self.slots = Slots(total, "bulk-lane connections", "limits.max_inbound_pushes")
         # Reads, writes and handshakes; one per connection at most, so never queued.
-        self.executor = ThreadPoolExecutor(max_workers=total, thread_name_prefix="bulk")
+        self.executor = worker_pool(total, "bulk")
         self.conns: dict[bytes, BulkConn] = {}
         metrics.bulk_connections.set_function(lambda: len(self.conns))
         self._releases: dict[bytes, list[Callable[[], None]]] = {}
@@ -477,7 +478,7 @@ class BulkDialer:
         self.port = port
         self.tls = tls
         self.expected = expected
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bulk-out")
+        self.executor = worker_pool(workers, "bulk-out")
         self._idle: list[BulkConn] = []
 
     async def take(self, timeout_s: float) -> BulkConn:

@@ -16,13 +16,13 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from gossipd.node.errors import MeshMismatch
+from gossipd.node.torchthreads import worker_pool
 
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
@@ -140,9 +140,7 @@ class SegmentWork:
     def __init__(self, threads: int | None = None) -> None:
         if threads is None:
             threads = min(len(os.sched_getaffinity(0)), MAX_SEGMENT_THREADS)
-        self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="segments") if threads > 1 else None
-        )
+        self._pool = worker_pool(threads, "segments") if threads > 1 else None
 
     def run(self, calls: Sequence[Callable[[], T]], nbytes: int) -> list[T]:
         """Every call's result, in order; raises the first call's error, in order, once

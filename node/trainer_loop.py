@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gossipd.node.torchthreads import adopt_thread_count
+
 if TYPE_CHECKING:
     from gossipd.node.site import Site
 
@@ -45,6 +47,7 @@ class TrainingLoop(threading.Thread):
 
     def run(self) -> None:
         site, cfg = self.site, self.site.config.job
+        adopt_thread_count()
         try:
             while not (self.go.is_set() or self.halt.is_set()):
                 self._idle()
