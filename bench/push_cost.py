@@ -54,7 +54,7 @@ async def _pushes(
     try:
         if not await sender.peering.verify(address):
             raise GossipdError(f"the receiver at {address} did not answer a handshake")
-        await tb._accepted_by(address, "sender", sender.tls)
+        await tb._accepted_by(address, sender)
         warmup = max(10, pushes // 10)
         for sequence in range(1, warmup + pushes + 1):
             if sequence == warmup + 1:

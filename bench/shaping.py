@@ -66,7 +66,7 @@ async def _timed_pushes(
     try:
         if not await sender.peering.verify(address):
             raise RuntimeError(f"the receiver at {address} did not answer a handshake")
-        await _accepted_by(address, "sender", sender.tls)
+        await _accepted_by(address, sender)
         client = sender.client(address, "receiver")
         snapshot = flat.snapshot()
         weights = dict.fromkeys(range(len(flat.plan)), 0.0)

@@ -46,7 +46,6 @@ from gossipd.node.protocols.base import Push
 from gossipd.node.replica import Replica
 from gossipd.node.segments import FlatModel
 from gossipd.node.status import query_status
-from gossipd.node.tls import Credentials
 from gossipd.node.transport import PeerClient
 from gossipd.node.wire import Limits
 
@@ -210,12 +209,21 @@ async def _sender_node(flat: FlatModel, setting: Setting, tls: dict[str, Any]) -
     return node
 
 
-async def _accepted_by(address: str, node_id: str, tls: Credentials) -> None:
-    """Until the receiver has dialled the sender back and counts it as a live peer."""
+async def _accepted_by(address: str, sender: Network) -> None:
+    """Until the receiver has dialled ``sender`` back and counts this incarnation of it as
+    a live peer. Each setting starts a new sender under the same node id, and the one
+    before it can still be listed live: its id alone said "accepted" a moment too early,
+    and the first push was refused (the new incarnation not yet verified)."""
+    assert sender.identity is not None
+    me = sender.identity
     deadline = time.monotonic() + TIMEOUT_S
-    while node_id not in (await query_status(address, TIMEOUT_S, tls=tls))["live_peers"]:
+    while True:
+        status = await query_status(address, TIMEOUT_S, tls=sender.tls)
+        known = {p["node_id"]: p["incarnation"] for p in status["peers"]}
+        if me.node_id in status["live_peers"] and known.get(me.node_id) == me.incarnation:
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the receiver at {address} never accepted {node_id!r}")
+            raise RuntimeError(f"the receiver at {address} never accepted {me.node_id!r}")
         await asyncio.sleep(0.05)
 
 
@@ -246,7 +254,7 @@ async def _push_and_pull(
     try:
         if not await sender.peering.verify(address):
             raise RuntimeError(f"the receiver at {address} did not answer a handshake")
-        await _accepted_by(address, "sender", sender.tls)
+        await _accepted_by(address, sender)
         for sequence in range(reps + 1):  # the first push warms the connection up
             out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
             t0 = time.perf_counter()
