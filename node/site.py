@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -48,6 +49,9 @@ from gossipd.node.statefiles import FailureStreak, write_json
 from gossipd.node.trainer_loop import TrainingLoop
 
 log = logging.getLogger(__name__)
+
+# How far past shutdown_timeout_s a shutdown may run before its threads' stacks are dumped.
+STUCK_SHUTDOWN_AFTER_S = 30.0
 
 
 class Site:
@@ -340,6 +344,16 @@ class Site:
         ``final_checkpoint_error`` for the caller to report, not raised.
         """
         deadline = time.monotonic() + self.config.shutdown_timeout_s
+        log.info(
+            "shutting down: settling pushes and handing weight off within "
+            "shutdown_timeout_s = %g s",
+            self.config.shutdown_timeout_s,
+        )
+        # A shutdown is bounded; one stuck far past its bound prints every thread's stack
+        # to stderr (the daemon's log), which says where, instead of a silent hang.
+        faulthandler.dump_traceback_later(
+            self.config.shutdown_timeout_s + STUCK_SHUTDOWN_AFTER_S, exit=False
+        )
         try:
             if self.mqtt is not None:  # first: nobody should be pointed here any more
                 await self.mqtt.close()
@@ -366,6 +380,7 @@ class Site:
             self.write_summary(training_done=self.loop_thread.finished.is_set())
         finally:
             await self.network.close(grace_s=0.5)
+            faulthandler.cancel_dump_traceback_later()
 
     def final_checkpoint(self) -> None:
         # A node that never trained and whose weights did not move (no hand-off, no
