@@ -18,14 +18,15 @@ an estimate of anything:
   average (and slows agreement) by what was cut, so pick the radius above the honest
   distances ``gossipd_merges_clipped_total`` should stay at 0 for.
 
-Both measure the same distance. A pushed payload is measured when it arrives, in the
-receiving worker while the rest of the push is still on the wire (:meth:`PayloadBound.gauge`:
+Both measure the same distance. A pushed or pulled payload is measured when it arrives,
+in the receiving worker while the rest is still on the wire (:meth:`PayloadBound.gauge`:
 three dot products, ‖v‖², v·x and ‖x‖², against our segment as it is then); its merge at
 the trainer's step boundary then only checks those numbers and blends, one pass
-(:meth:`PayloadBound.admits`). A payload measured without a gauge (a pulled model, a
-segment a clip must pull in, a model near its dtype's limit) takes the exact path at
-merge time: one subtraction, written over the payload itself, and two norms, which also
-prove the merge finite before it is written (:meth:`Delta.blend_is_finite`). The
+(:meth:`PayloadBound.admits`). A payload without a gauge (a GPU model, values whose
+squares overflow), one a clip must pull in, or a model near its dtype's limit takes
+the exact path at merge time: one subtraction, written over the payload itself, and
+two norms, which also prove the merge finite before it is written
+(:meth:`Delta.blend_is_finite`). The
 scale is ours, so what one sender can do compounds: each merge can move a segment
 by at most ``alpha * merge_clip`` (or ``alpha * max_payload_distance``) times its scale,
 where ``alpha`` is the sender's share of the merged weight.
