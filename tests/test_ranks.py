@@ -69,9 +69,13 @@ def test_node_based_mode_averages_every_k_steps_and_at_each_epoch_end(tmp_path: 
     every, steps = 40, 300
     rank_job = build_job(RankEnv(0, 2, 0).job_spec(JobSpec("digits", num_shards=2)))
     epoch = rank_job.steps_per_epoch  # what mesh up --node-based sets
+    # 300 steps are half a second of training, which buys the default gossip.cpu_share
+    # almost nothing: a loaded CI run held node-0's burst pushes and it ended at 0.83
+    # accuracy against node-1's 0.95. The bursts are what this test is about; the budget
+    # has its own tests.
     spec = MeshSpec(
         nodes=2, job="digits", protocol="persyn", insecure=True, duration_s=0,
-        max_steps=steps, ranks=2, eval_every_steps=100, quiet=True,
+        max_steps=steps, ranks=2, eval_every_steps=100, quiet=True, cpu_share=1.0,
         protocol_options={"average_every_steps": every, "epoch_steps": epoch},
     )  # fmt: skip
     result = run_mesh_in(spec, tmp_path, io.StringIO())
