@@ -33,7 +33,7 @@ from gossipd.node.fairlock import FairLock
 from gossipd.node.network import Network
 from gossipd.node.replica import Replica
 from gossipd.node.report import StepReport
-from gossipd.node.torchthreads import DEFAULT_EXECUTOR_WORKERS, worker_pool
+from gossipd.node.torchthreads import use_for_default_executor
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class GossipNode:
         self.replica = Replica.from_config(config, model)
         self.network = Network(config, self.replica)
         self._loop = asyncio.new_event_loop()
-        self._loop.set_default_executor(worker_pool(DEFAULT_EXECUTOR_WORKERS, "gossipd-io"))
+        use_for_default_executor(self._loop)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"gossipd-{config.node_id}", daemon=True
         )

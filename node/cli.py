@@ -74,7 +74,7 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     from gossipd.node import ranks
     from gossipd.node.jobs import build_job
     from gossipd.node.site import Site
-    from gossipd.node.torchthreads import DEFAULT_EXECUTOR_WORKERS, worker_pool
+    from gossipd.node.torchthreads import use_for_default_executor
 
     torch.set_num_threads(args.threads)
     keep_freed_buffers()
@@ -90,7 +90,7 @@ def _run_site(args: argparse.Namespace, core_log: CoreLog) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(worker_pool(DEFAULT_EXECUTOR_WORKERS, "gossipd-io"))
+        use_for_default_executor(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         # A renewed certificate or a new allow-list needs no restart: `kill -HUP` reads

@@ -10,14 +10,15 @@ while both cores were wanted by the transfer. Reading the count settles it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-# What asyncio's own default executor would have (``asyncio.to_thread`` runs there):
-# Python's default for ThreadPoolExecutor, min(32, cores + 4).
-DEFAULT_EXECUTOR_WORKERS = min(32, (os.cpu_count() or 1) + 4)
+# What asyncio's own default executor would have: Python's default for
+# ThreadPoolExecutor, min(32, cores + 4).
+_IO_WORKERS = min(32, (os.cpu_count() or 1) + 4)
 
 
 def adopt_thread_count() -> None:
@@ -32,3 +33,9 @@ def worker_pool(max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor
         thread_name_prefix=thread_name_prefix,
         initializer=adopt_thread_count,
     )
+
+
+def use_for_default_executor(loop: asyncio.AbstractEventLoop) -> None:
+    """Give ``loop`` a default executor (``asyncio.to_thread``) of :func:`worker_pool`
+    threads, the same size as asyncio's own."""
+    loop.set_default_executor(worker_pool(_IO_WORKERS, "gossipd-io"))
