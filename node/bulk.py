@@ -12,7 +12,11 @@ that releases the GIL), then checks it as it checks chunks.
 
 A connection starts with TLS 1.3 and the site certificates the gRPC port uses
 (the peer's node id is its certificate's, and ``tls.allow`` applies), then a
-hello: ``GDB1`` and a 16-byte token the dialer chose. A push names the token in
+hello: ``GDB1`` and a 16-byte token the dialer chose. Over TLS a dialer whose peer
+advertises ``HandshakeReply.bulk_sealed`` says ``GDB2`` instead, with a key seed; the
+server answers with its own seed, and from there the connection carries sealed
+records on the bare socket (:mod:`gossipd.node.sealing`: the same certificates and
+secrecy, at a fraction of Python ``ssl``'s CPU). A push names the token in
 ``PushOpen.bulk_token``; the connection must belong to the push's sender and
 carries one push at a time, its payloads in header order. Anything that goes
 wrong mid-push (a refusal, a stall, a cut) closes the connection, since bytes
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, TypeVar
 from gossipd.node import certs
 from gossipd.node.admission import PeerSlots, Slots
 from gossipd.node.errors import BulkClosed, ConfigError, GossipdError, InvalidFrame, StreamIdle
+from gossipd.node.sealing import SEED_BYTES, Seal, new_seed
 from gossipd.node.tls import Credentials, IdentityMismatch
 from gossipd.node.torchthreads import worker_pool
 
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 MAGIC = b"GDB1"
+MAGIC_SEALED = b"GDB2"  # then a key seed; the connection leaves TLS for sealed records
 TOKEN_BYTES = 16
 HELLO_BYTES = len(MAGIC) + TOKEN_BYTES
 RECV_PIECE = 8 << 20  # one recv_into asks for at most this much
@@ -69,6 +75,18 @@ def _wake(fd: int, family: int) -> None:
         dup.shutdown(socket.SHUT_RDWR)
 
 
+def leave_tls(sock: ssl.SSLSocket) -> socket.socket:
+    """The bare socket under ``sock``, once both ends have keyed their sealed records:
+    nothing more is sent in TLS either way, so nothing is lost (OpenSSL reads a record
+    at a time and reads no further ahead)."""
+    if sock.pending():
+        raise InvalidFrame("a bulk-lane peer sent more in TLS than its hello")
+    timeout, family = sock.gettimeout(), sock.family
+    bare = socket.socket(family, socket.SOCK_STREAM, fileno=sock.detach())
+    bare.settimeout(timeout)
+    return bare
+
+
 def peer_node_id(sock: ssl.SSLSocket) -> str:
     """The node id the peer's (CA-checked) certificate names."""
     der = sock.getpeercert(binary_form=True)
@@ -85,10 +103,13 @@ class BulkConn:
     it shuts the socket down (which wakes the worker) and the worker closes it.
     """
 
-    def __init__(self, sock: socket.socket, token: bytes, peer: str | None) -> None:
+    def __init__(
+        self, sock: socket.socket, token: bytes, peer: str | None, seal: Seal | None = None
+    ) -> None:
         self.sock = sock
         self.token = token
         self.peer = peer  # the certificate's node id; in plaintext the first sender using it
+        self.seal = seal  # sealed records on the bare socket (None: plaintext or TLS bytes)
         self.busy = False
         self.used_s = time.monotonic()
         self._lock = threading.Lock()
@@ -123,6 +144,9 @@ class BulkConn:
         """Fill ``view`` from the socket (a worker thread); BulkClosed at EOF or error."""
 
         def work() -> None:
+            if self.seal is not None:
+                self.seal.recv(self.sock, view)
+                return
             got, size = 0, len(view)
             while got < size:
                 n = self.sock.recv_into(view[got:], min(size - got, RECV_PIECE))
@@ -140,7 +164,11 @@ class BulkConn:
 
         def work() -> None:
             for start in range(0, len(view), SEND_PIECE):
-                self.sock.sendall(view[start : start + SEND_PIECE])
+                piece = view[start : start + SEND_PIECE]
+                if self.seal is not None:
+                    self.seal.send(self.sock, piece)
+                else:
+                    self.sock.sendall(piece)
                 if sent is not None:
                     sent()
 
@@ -379,16 +407,19 @@ class BulkServer:
                 raise IdentityMismatch(
                     f"bulk-lane connection from {peer!r}, which tls.allow does not list"
                 )
-        hello = bytearray(HELLO_BYTES)
-        view, got = memoryview(hello), 0
-        while got < HELLO_BYTES:
-            n = sock.recv_into(view[got:])
-            if n == 0:
-                raise BulkClosed("a bulk-lane peer closed before its hello")
-            got += n
-        if not hello.startswith(MAGIC):
-            raise InvalidFrame(f"a bulk-lane connection began with {bytes(hello[:4])!r}, not GDB1")
-        return BulkConn(sock, bytes(hello[len(MAGIC) :]), peer)
+        hello = _read_hello(sock, HELLO_BYTES)
+        token = hello[len(MAGIC) :]
+        if hello.startswith(MAGIC):
+            return BulkConn(sock, token, peer)
+        if not hello.startswith(MAGIC_SEALED):
+            raise InvalidFrame(f"a bulk-lane connection began with {hello[:4]!r}, not GDB1 or GDB2")
+        if not isinstance(sock, ssl.SSLSocket):
+            raise InvalidFrame("a GDB2 (sealed) hello on a plaintext bulk lane; sealing needs TLS")
+        dialer_seed, seed = _read_hello(sock, SEED_BYTES), new_seed()
+        sock.sendall(seed)
+        seal = Seal.derive(dialer_seed, seed, token, dialer=False)
+        bare = held[0] = leave_tls(sock)
+        return BulkConn(bare, token, peer, seal)
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -464,6 +495,18 @@ class BulkServer:
         self.metrics.bulk_bytes.labels("sent").inc(len(view))
 
 
+def _read_hello(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes of a hello or a seed (blocking, within the socket's timeout)."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise BulkClosed("the bulk-lane peer closed before the hello or its answer was whole")
+        got += n
+    return bytes(data)
+
+
 # ---------------------------------------------------------------------------
 # The sending side: a peer client's connections to one receiver's lane
 
@@ -472,12 +515,21 @@ class BulkDialer:
     """A peer client's idle bulk-lane connections to one node, reused push after push."""
 
     def __init__(
-        self, host: str, port: int, tls: Credentials, expected: str | None, workers: int
+        self,
+        host: str,
+        port: int,
+        tls: Credentials,
+        expected: str | None,
+        workers: int,
+        *,
+        sealed: bool = False,
     ) -> None:
+        """``sealed``: the peer advertised sealed records (only used over TLS)."""
         self.host = host.strip("[]")
         self.port = port
         self.tls = tls
         self.expected = expected
+        self.sealed = sealed and not tls.insecure
         self.executor = worker_pool(workers, "bulk-out")
         self._idle: list[BulkConn] = []
 
@@ -486,7 +538,8 @@ class BulkDialer:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if now - conn.used_s < IDLE_S and not conn.peer_closed():
+            worn = conn.seal is not None and conn.seal.worn
+            if now - conn.used_s < IDLE_S and not worn and not conn.peer_closed():
                 conn.busy = True
                 return conn
             conn.abort()
@@ -512,7 +565,14 @@ class BulkDialer:
                         f"bulk lane {self.host}:{self.port} is {peer!r}, not {self.expected!r}"
                     )
             token = os.urandom(TOKEN_BYTES)
-            sock.sendall(MAGIC + token)
+            seal = None
+            if self.sealed:
+                seed = new_seed()
+                sock.sendall(MAGIC_SEALED + token + seed)
+                seal = Seal.derive(seed, _read_hello(sock, SEED_BYTES), token, dialer=True)
+                sock = leave_tls(sock)  # type: ignore[arg-type]
+            else:
+                sock.sendall(MAGIC + token)
             # From here the push's or pull's own deadlines bound every read and write: they
             # close the connection, which wakes the worker. A socket timeout would also
             # cap each whole sendall, which a slow link can honestly take longer than.
@@ -520,7 +580,7 @@ class BulkDialer:
         except BaseException:
             sock.close()
             raise
-        return BulkConn(sock, token, self.expected)
+        return BulkConn(sock, token, self.expected, seal)
 
     def put_back(self, conn: BulkConn) -> None:
         conn.busy = False

@@ -429,6 +429,7 @@ class Network:
             peers=self.peering.known(),
             protocol=self.config.gossip.protocol,
             bulk_port=self.bulk.port if self.bulk is not None else 0,
+            bulk_sealed=self.bulk is not None and not self.bulk.tls.insecure,
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:

@@ -349,7 +349,7 @@ class GossipServicer:
         if not len(view):
             return None
         await frames.wait(self.node.bulk.read(lane, view), len(view))
-        check = assembler.filled(len(view))
+        check = assembler.filled(len(view), sealed=lane.seal is not None)
         assert check is not None, "a filled segment is complete"
         return self.node.bulk.verify(check)
 

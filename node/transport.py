@@ -207,13 +207,20 @@ class PeerClient:
                 return None
             self._bulk_asked_s = loop.time()
             try:
-                port = (await self.handshake(min(timeout_s, BULK_DIAL_S))).bulk_port
+                reply = await self.handshake(min(timeout_s, BULK_DIAL_S))
             except GossipdError:
                 return None
-            if not port:
+            if not reply.bulk_port:
                 return None
             host = self.address.rpartition(":")[0]
-            self._bulk = BulkDialer(host, port, self.tls, self.expected, 2 * self.streams)
+            self._bulk = BulkDialer(
+                host,
+                reply.bulk_port,
+                self.tls,
+                self.expected,
+                2 * self.streams,
+                sealed=reply.bulk_sealed,
+            )
         try:
             return await self._bulk.take(min(timeout_s, BULK_DIAL_S))
         except GossipdError as err:
@@ -512,10 +519,14 @@ class PeerClient:
             await self.shaper.delay()  # the request's one-way latency; the reply is the server's
         # The server refuses segments it does not have; the lane is sized for those it has.
         nbytes = sum(plan.segments[i].nbytes for i in wanted if 0 <= i < len(plan))
-        # Over TLS a pull stays in gRPC frames: it is one stream, and one TLS connection
-        # of Python's ssl (a 16 KB record per read) moved 0.4 to 0.5 of what grpc's C core
-        # did; pushes, split over several connections, still gain on the lane.
-        lane = await self._bulk_conn(nbytes, timeout_s) if self.tls.insecure else None
+        lane = await self._bulk_conn(nbytes, timeout_s)
+        if lane is not None and not self.tls.insecure and lane.seal is None:
+            # A peer without sealed records: TLS bytes on one connection of Python's ssl
+            # (a 16 KB record per read) moved 0.4 to 0.5 of what grpc's C core does for a
+            # pull, which is one stream; pushes, split over several connections, still gain.
+            assert self._bulk is not None
+            self._bulk.put_back(lane)
+            lane = None
         if lane is not None:
             request.bulk_token = lane.token
         done = False
@@ -596,7 +607,7 @@ class PeerClient:
         for start in range(0, len(view), BULK_READ_PIECE):
             await self._bulk.read(lane, view[start : start + BULK_READ_PIECE])
             progressed()
-        check = assembler.filled(len(view))
+        check = assembler.filled(len(view), sealed=lane.seal is not None)
         assert check is not None, "a filled segment is complete"
         return self._bulk.verify(check)
 

@@ -253,15 +253,19 @@ class SegmentAssembler:
             raise InvalidFrame("bulk payload with no segment header before it")
         return self._buffer[self._filled :]
 
-    def filled(self, nbytes: int) -> Callable[[], ReceivedSegment] | None:
+    def filled(self, nbytes: int, *, sealed: bool = False) -> Callable[[], ReceivedSegment] | None:
         """``nbytes`` more of the open segment were written into :meth:`unfilled`. Once
         it is full, the segment's checks (checksum, decode, finiteness) come back as a
         call that touches only its own buffer: a bulk reader runs it in a worker thread
-        while the stream goes on to the next segment."""
+        while the stream goes on to the next segment. ``sealed``: the bytes came in
+        authenticated records (:mod:`gossipd.node.sealing`), whose tags already proved
+        them the peer's; the checksum would prove nothing more and is skipped."""
         assert self._buffer is not None and self._filled + nbytes <= len(self._buffer)
         self._filled += nbytes
         full = self._take_full()
-        return None if full is None else functools.partial(self._verified, *full)
+        if full is None:
+            return None
+        return functools.partial(self._verified, *full, checksum=not sealed)
 
     def close(self) -> None:
         """End of stream: a segment still open means the stream was truncated."""
@@ -286,8 +290,10 @@ class SegmentAssembler:
         self._seen.add(header.segment)
         return header, buffer
 
-    def _verified(self, header: pb.SegmentHeader, buffer: memoryview) -> ReceivedSegment:
-        actual = wirecodec.checksum(buffer)
+    def _verified(
+        self, header: pb.SegmentHeader, buffer: memoryview, *, checksum: bool = True
+    ) -> ReceivedSegment:
+        actual = wirecodec.checksum(buffer) if checksum else header.checksum
         if actual != header.checksum:
             raise InvalidFrame(
                 f"checksum mismatch on segment {header.segment}: header says "

@@ -65,7 +65,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., mesh_id: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol", "bulk_port")
+    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol", "bulk_port", "bulk_sealed")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class HandshakeReply(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_SEALED_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     node: NodeInfo
     fingerprint: str
@@ -80,7 +81,8 @@ class HandshakeReply(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     protocol: str
     bulk_port: int
-    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    bulk_sealed: bool
+    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ..., bulk_sealed: _Optional[bool] = ...) -> None: ...
 
 class PushOpen(_message.Message):
     __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token")

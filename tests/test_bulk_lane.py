@@ -39,11 +39,12 @@ import pytest
 import torch
 
 from gossipd.node import transport
-from gossipd.node.bulk import MAGIC, TOKEN_BYTES
+from gossipd.node.bulk import MAGIC, MAGIC_SEALED, TOKEN_BYTES, leave_tls
 from gossipd.node.errors import GossipdError
 from gossipd.node.mesh import free_ports
 from gossipd.node.messages import Ack, OutboundPush, Pulled
 from gossipd.node.protocols.base import Push
+from gossipd.node.sealing import LENGTH, SEED_BYTES, Seal, new_seed
 from gossipd.node.shaping import LinkShaper
 from gossipd.node.tls import Credentials
 from gossipd.node.transport import BULK_MIN_BYTES, Identity, OutcomeUnknown, PeerClient
@@ -60,6 +61,7 @@ from tests.fakepeer import (
     synthetic_plan,
 )
 from tests.insider_streams import Insider
+from tests.test_sealing import sealed_bytes
 from tests.test_tls import CLIENT, Pki
 
 NUMEL = 300_000  # float32 parameters: one segment of 1.2 MB
@@ -325,6 +327,16 @@ def _hello(sock: socket.socket, token: bytes | None = None) -> bytes:
     return token
 
 
+def _sealed_dial(lane: Lane) -> tuple[socket.socket, bytes, Seal]:
+    """A sealed connection by hand, as the node's client makes one: TLS, the GDB2 hello
+    with a seed, the daemon's seed back, then sealed records on the bare socket."""
+    sock = _dial(lane)
+    token, seed = f"test-lane-{next(_tokens):06d}".encode(), new_seed()
+    sock.sendall(MAGIC_SEALED + token + seed)
+    answer = bytes(_recv_exactly(sock, SEED_BYTES))
+    return leave_tls(sock), token, Seal.derive(seed, answer, token, dialer=True)  # type: ignore[arg-type]
+
+
 def _closed_within(sock: socket.socket, timeout_s: float) -> float | None:
     """Seconds until the daemon closed ``sock`` (EOF, reset or a TLS alert), or None if it
     was still open after ``timeout_s``. A daemon never writes on a connection pushed to."""
@@ -554,17 +566,15 @@ def test_a_large_push_over_mutual_tls_goes_over_the_lane_and_merges(daemons: Dae
     assert torch.allclose(merged, expected, atol=1e-6), (merged - expected).abs().max()
 
 
-def test_a_large_pull_brings_what_a_pull_in_frames_brings_on_the_lane_in_plaintext_only(
+def test_a_large_pull_brings_what_a_pull_in_frames_brings_on_the_lane(
     lane: Lane, daemons: Daemons
 ) -> None:
-    """Over TLS the node's client pulls in frames (one Python ssl connection is slower
-    than grpc's); the server still serves a pull that names a lane (tests below)."""
+    """Over TLS the payload comes in sealed records (the server advertises them)."""
     sent = _lane_bytes(lane.handle, "sent")
 
     pulled = _pull_with_client(lane)
 
-    on_lane = PAYLOAD_BYTES if lane.tls.insecure else 0
-    assert _lane_bytes(lane.handle, "sent") - sent == on_lane
+    assert _lane_bytes(lane.handle, "sent") - sent == PAYLOAD_BYTES
     assert sorted(pulled.values) == [0] and pulled.nbytes == PAYLOAD_BYTES
     assert torch.equal(pulled.values[0], _pull_in_frames(lane, daemons))
     assert pulled.weights[0] == _weight(lane.handle)
@@ -704,6 +714,80 @@ def test_a_payload_that_fails_its_checks_on_the_lane_is_refused_and_closes_the_c
         assert _closed_within(sock, IDLE_S) is not None, "the connection is still open"
     _counted(lane.handle, reason, refused)
     assert _weight(lane.handle) == pytest.approx(mine, abs=TOLERANCE)
+
+
+def test_over_tls_the_lane_advertises_sealed_records_and_the_client_uses_them(
+    daemons: Daemons,
+) -> None:
+    """The TLS daemon's Handshake says ``bulk_sealed`` (the plaintext one's does not), and
+    the node's client then dials sealed connections: the push merges as in frames."""
+    lane, plain = daemons.tls, daemons.lane
+    for each, tls, sender, sealed in (
+        (lane, lane.tls, daemons.tls_member, True),
+        (plain, PLAINTEXT, None, False),
+    ):
+        info = sender.info() if sender is not None else pb.NodeInfo(node_id=SENDER)
+        code, reply, details = handshake_tls(
+            tls, each.handle.address, info, fingerprint=PLAN.fingerprint
+        )
+        assert code == grpc.StatusCode.OK and reply is not None, (code, details)
+        assert (reply.bulk_port, reply.bulk_sealed) == (each.port, sealed)
+    mine, weight = _weight(lane.handle), 0.125
+
+    async def push() -> tuple[list[Ack], bool]:
+        client = lane.client()
+        try:
+            acks = await client.push(
+                _outbound(next(_sequence), weight, _values(14)), PUSH_TIMEOUT_S
+            )
+            return acks, client._bulk is not None and client._bulk.sealed
+        finally:
+            await client.close()
+
+    acks, sealed = asyncio.run(push())
+    assert acks == [Ack(0, False, mine + weight)]
+    assert sealed, "the client dialled the TLS lane without sealed records"
+
+
+@pytest.mark.parametrize("fault", ["tampered record", "NaN"])
+def test_a_sealed_connection_by_hand_carries_pushes_and_a_bad_one_is_refused_and_closes_it(
+    daemons: Daemons, fault: str
+) -> None:
+    """An honest sealed push merges; then a record altered on the way fails its tag (or
+    an honestly sealed NaN fails the finite check: sealing skips only the checksum), the
+    push is refused, the connection closed, and nothing of it merged."""
+    lane, weight = daemons.tls, 0.125
+    reason = {"tampered record": "InvalidFrame", "NaN": "NonFinitePayload"}[fault]
+    mine, refused = _weight(lane.handle), _rejected(lane.handle, reason)
+    sock, token, seal = _sealed_dial(lane)
+    with sock:
+        frames, payload = _frames(lane, next(_sequence), weight, _values(12), token=token)
+        honest = asyncio.run(_push_by_hand(lane, frames, _send(sock, sealed_bytes(seal, payload))))
+        values = _values(13)
+        if fault == "NaN":
+            values[NUMEL // 3] = float("nan")
+        frames, payload = _frames(lane, next(_sequence), weight, values, token=token)
+        wire = bytearray(sealed_bytes(seal, payload))
+        if fault == "tampered record":
+            wire[LENGTH.size + 1000] ^= 0x01
+        bad = asyncio.run(_push_by_hand(lane, frames, _send(sock, bytes(wire))))
+        assert _closed_within(sock, IDLE_S) is not None, "the connection is still open"
+    assert (honest.code, honest.results) == (grpc.StatusCode.OK, MERGED), honest
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT, bad
+    if fault == "tampered record":
+        assert "failed authentication" in bad.details, bad
+    _counted(lane.handle, reason, refused)
+    assert _weight(lane.handle) == pytest.approx(mine + weight, abs=TOLERANCE)
+
+
+def test_a_sealed_hello_on_a_plaintext_lane_is_refused(daemons: Daemons) -> None:
+    """Sealing keys come from TLS: without it there is nothing to seal with."""
+    lane = daemons.lane
+    refused = _rejected(lane.handle, "InvalidFrame")
+    with _dial(lane) as sock:
+        sock.sendall(MAGIC_SEALED + b"plaintext-sealed" + new_seed())
+        assert _closed_within(sock, IDLE_S) is not None, "the connection is still open"
+    _counted(lane.handle, "InvalidFrame", refused)
 
 
 @pytest.mark.parametrize("hello", ["garbage", "nothing"])
