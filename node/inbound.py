@@ -104,11 +104,12 @@ class Inbound:
         )
 
     async def on_pull(
-        self, request: pb.PullRequest, whole: bool = False
+        self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """Headers and chunk views of a snapshot of the requested segments (all when none
         are named); closing the generator drops the snapshot. ``whole``: each payload in
-        one view, for the bulk lane (unless shaping paces it chunk by chunk).
+        one view, for the bulk lane (unless shaping paces it chunk by chunk); ``sealed``:
+        in sealed records, which the reader does not checksum, so none is computed.
 
         With ``[link]`` shaping the reply waits its latency once, after the snapshot
         (the replica's lock is released by then), and each chunk waits for its turn at
@@ -139,6 +140,7 @@ class Inbound:
                 codec=codec,
                 chunk_bytes=chunk_bytes,
                 copy=False,
+                checksum=not sealed,
             ):
                 if shaper and isinstance(frame, memoryview):
                     await shaper.pace(frame.nbytes)

@@ -447,14 +447,14 @@ class Network:
         return await self.inbound.on_push(open_, segments, deadline_s)
 
     def on_pull(
-        self, request: pb.PullRequest, whole: bool = False
+        self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         if request.round and getattr(self.replica.core, "serves_one_pull", False):
-            return self._serve_one_pull(request, whole)
-        return self.inbound.on_pull(request, whole)
+            return self._serve_one_pull(request, whole, sealed)
+        return self.inbound.on_pull(request, whole, sealed)
 
     async def _serve_one_pull(
-        self, request: pb.PullRequest, whole: bool
+        self, request: pb.PullRequest, whole: bool, sealed: bool
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
         when several nodes scheduling alone pick this one, it serves one and the others
@@ -466,7 +466,7 @@ class Network:
             )
         self._serving_pull = request.requester or "a peer"
         try:
-            async for item in self.inbound.on_pull(request, whole):
+            async for item in self.inbound.on_pull(request, whole, sealed):
                 yield item
         finally:
             self._serving_pull = None

@@ -154,7 +154,7 @@ class Handlers(Protocol):
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply: ...
     def on_pull(
-        self, request: pb.PullRequest, whole: bool = False
+        self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]: ...
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str) -> None: ...
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
@@ -411,7 +411,13 @@ class GossipServicer:
         snapshot stays held until the last payload is written.
         """
         async with (
-            contextlib.aclosing(self.node.on_pull(req, whole=lane is not None)) as frames,
+            contextlib.aclosing(
+                self.node.on_pull(
+                    req,
+                    whole=lane is not None,
+                    sealed=lane is not None and lane[1].seal is not None,
+                )
+            ) as frames,
             InOrder() as lane_writes,
         ):
             async for frame in frames:

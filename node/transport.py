@@ -471,6 +471,7 @@ class PeerClient:
                     sum_weight=out.push.weights[index],
                     flat=out.snapshot[index],
                     codec=self.codec,
+                    checksum=lane is None or lane.seal is None,  # sealed: the tags prove it
                 )
                 header.bulk = lane is not None
                 yield pb.PushFrame(header=header).SerializeToString()

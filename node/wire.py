@@ -38,10 +38,18 @@ class Limits:
 
 
 def encoded_segment(
-    *, sender: str, sequence: int, segment: int, sum_weight: float, flat: torch.Tensor, codec: Codec
+    *,
+    sender: str,
+    sequence: int,
+    segment: int,
+    sum_weight: float,
+    flat: torch.Tensor,
+    codec: Codec,
+    checksum: bool = True,
 ) -> tuple[pb.SegmentHeader, memoryview]:
     """A segment's header and its encoded payload (a read-only view, valid while ``flat``
-    is unchanged): what chunk frames or the bulk lane then carry."""
+    is unchanged): what chunk frames or the bulk lane then carry. ``checksum=False``
+    (a payload in sealed records, whose receiver does not check it) leaves it 0."""
     data = wirecodec.encode(flat, codec)
     header = pb.SegmentHeader(
         sender=sender,
@@ -52,7 +60,7 @@ def encoded_segment(
         numel=flat.numel(),
         codec=int(codec),
         payload_bytes=len(data),
-        checksum=wirecodec.checksum(data),
+        checksum=wirecodec.checksum(data) if checksum else 0,
     )
     return header, data.toreadonly()
 
@@ -67,6 +75,7 @@ def segment_frames(
     codec: Codec,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
     copy: bool = True,
+    checksum: bool = True,
 ) -> Iterator[pb.SegmentHeader | bytes | memoryview]:
     """A header, then the encoded payload in ``chunk_bytes`` pieces (None: one piece,
     for the bulk lane).
@@ -82,6 +91,7 @@ def segment_frames(
         sum_weight=sum_weight,
         flat=flat,
         codec=codec,
+        checksum=checksum,
     )
     yield header
     for piece in chunks(data, chunk_bytes or max(len(data), 1)):
