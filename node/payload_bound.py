@@ -130,9 +130,10 @@ class PayloadBound:
             )
 
 
-# 1M elements: with the two blocks' 8 MiB in cache the three dots of a 16 MiB segment ran
-# in 1.9 ms on the 2-core VM (256K: 2.6 ms); a finite-sum pass alone took 0.8 ms.
-_GAUGE_BLOCK = 1 << 20
+# 512K elements: the three dots of 256 MiB took 32.5 ms on the 2-core VM (best of 5,
+# interleaved), against 39.7 with 1M-element blocks and 35.2 with 256K; a finite-sum pass
+# alone takes about a third of that.
+_GAUGE_BLOCK = 1 << 19
 
 
 @dataclass(frozen=True)
