@@ -416,6 +416,8 @@ class BulkServer:
         if not isinstance(sock, ssl.SSLSocket):
             raise InvalidFrame("a GDB2 (sealed) hello on a plaintext bulk lane; sealing needs TLS")
         dialer_seed, seed = _read_hello(sock, SEED_BYTES), new_seed()
+        if sock.pending():  # refused before this node's seed goes out
+            raise InvalidFrame("a bulk-lane peer sent more in TLS than its hello")
         sock.sendall(seed)
         seal = Seal.derive(dialer_seed, seed, token, dialer=False)
         bare = held[0] = leave_tls(sock)

@@ -780,6 +780,17 @@ def test_a_sealed_connection_by_hand_carries_pushes_and_a_bad_one_is_refused_and
     assert _weight(lane.handle) == pytest.approx(mine + weight, abs=TOLERANCE)
 
 
+def test_a_sealed_hello_with_more_tls_bytes_behind_it_is_refused(daemons: Daemons) -> None:
+    """After its seed the dialer must leave TLS: bytes it still sends in TLS (here in the
+    hello's own record) would be lost when the daemon leaves it, so they are refused."""
+    lane = daemons.tls
+    refused = _rejected(lane.handle, "InvalidFrame")
+    with _dial(lane) as sock:
+        sock.sendall(MAGIC_SEALED + b"sealed-and-extra" + new_seed() + b"more in TLS")
+        assert _closed_within(sock, IDLE_S) is not None, "the connection is still open"
+    _counted(lane.handle, "InvalidFrame", refused)
+
+
 def test_a_sealed_hello_on_a_plaintext_lane_is_refused(daemons: Daemons) -> None:
     """Sealing keys come from TLS: without it there is nothing to seal with."""
     lane = daemons.lane
