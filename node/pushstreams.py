@@ -50,11 +50,22 @@ class Stream:
     reused: bool = False
 
     def retire(self) -> None:
-        """Half-close an idle stream (the receiver ends it OK), or cancel a busy one."""
+        """Half-close an idle stream (the receiver ends it OK), or drop a busy one."""
         try:
             self.queue.put_nowait(None)
         except asyncio.QueueFull:
-            self.call.cancel()
+            self.drop()
+
+    def drop(self) -> None:
+        """Cancel the call and end its request iterator. grpc cancels its task that feeds
+        the call from the iterator only while the call still runs; after a receiver ended
+        it, that task waited on the empty queue for good, and asyncio logged it at ERROR
+        when the loop closed ("Task was destroyed but it is pending", then "aclose():
+        asynchronous generator is already running"), dozens per daemon under a flood."""
+        self.call.cancel()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(None)
 
 
 class StreamPool:

@@ -399,7 +399,7 @@ class PeerClient:
                 if answered:
                     self._streams.put_back(stream)
                 else:
-                    stream.call.cancel()
+                    stream.drop()
                 if lane is not None:
                     # A lane may hold bytes of a push that was not answered: never reused.
                     if answered and not lane.closed and self._bulk is not None:

@@ -282,3 +282,25 @@ def test_the_nodes_client_reuses_its_stream_and_hears_a_refusal_as_one(
     assert idle_streams == 1, "three pushes, one after another, share one stream"
     assert isinstance(refusal, MeshMismatch) and not isinstance(refusal, OutcomeUnknown)
     assert _weight(receiver) == pytest.approx(before + 0.5, abs=1e-12)
+
+
+def test_a_refused_push_leaves_no_task_of_its_stream_behind(receiver: DaemonHandle) -> None:
+    """grpc cancels the task that feeds a call from its request iterator only while the
+    call still runs. After a receiver refused a push (and so ended the call), the
+    client's task waited on its empty frame queue for good; asyncio logged each one at
+    ERROR when the loop closed, dozens per daemon under a flooding peer. Every task the
+    push started must end once the client is closed."""
+
+    async def refused() -> list[str]:
+        stranger = _client(receiver, fingerprint="0" * 16)
+        try:
+            with pytest.raises(MeshMismatch):
+                await stranger.push(_outbound(next(_sequence), 0.25), 30.0)
+        finally:
+            await stranger.close()
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=10.0)
+        return [repr(t.get_coro()) for t in others if not t.done()]
+
+    assert asyncio.run(refused()) == []
