@@ -17,8 +17,9 @@ exchange — and then carries its payloads in records of its own:
 * **Records.** A 4-byte big-endian plaintext length (1 .. ``RECORD_BYTES``), then the
   ciphertext and its 16-byte tag. The length is the associated data; the nonce is the
   direction's record counter (never sent, never reused under a key). A record altered,
-  dropped, reordered, replayed or cut short fails its tag, and the connection is
-  closed: what follows on it can no longer be trusted.
+  dropped, reordered or replayed fails its tag, and the connection is closed: what
+  follows on it can no longer be trusted. One cut short never completes: the peer's
+  close ends the read, or the lane's idle timeout does.
 * **Limits.** A direction carries at most ``MAX_SEALED_BYTES`` (64 GiB: AES-GCM's
   confidentiality bound stays below 2^-64 there); a dialer stops reusing a connection
   at half of that, and a record past it is refused. A record's length is checked
