@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from gossipd.node import transport
-from gossipd.node.bulk import MAGIC, MAGIC_SEALED, TOKEN_BYTES, leave_tls
+from gossipd.node.bulk import MAGIC, MAGIC_SEALED, TOKEN_BYTES, BulkDialer, leave_tls
 from gossipd.node.errors import GossipdError
 from gossipd.node.mesh import free_ports
 from gossipd.node.messages import Ack, OutboundPush, Pulled
@@ -778,6 +778,35 @@ def test_a_sealed_connection_by_hand_carries_pushes_and_a_bad_one_is_refused_and
         assert "failed authentication" in bad.details, bad
     _counted(lane.handle, reason, refused)
     assert _weight(lane.handle) == pytest.approx(mine + weight, abs=TOLERANCE)
+
+
+def test_a_client_that_does_not_seal_still_pushes_and_pulls_over_tls(daemons: Daemons) -> None:
+    """A dialer of an older release (``GDB1``, TLS bytes through Python's ssl) is still
+    served: its push merges and its pull brings the model, both on the lane."""
+    lane, weight = daemons.tls, 0.125
+    mine, received = _weight(lane.handle), _lane_bytes(lane.handle, "received")
+    sent = _lane_bytes(lane.handle, "sent")
+    host = lane.handle.address.rpartition(":")[0]
+
+    async def push_and_pull() -> tuple[list[Ack], Pulled, bool]:
+        client = lane.client()
+        client._bulk = BulkDialer(host, lane.port, lane.tls, lane.handle.node_id, 2)
+        try:
+            acks = await client.push(
+                _outbound(next(_sequence), weight, _values(15)), PUSH_TIMEOUT_S
+            )
+            pulled = await client.pull(PLAN, Limits(), PUSH_TIMEOUT_S)
+            return acks, pulled, client._bulk is not None and client._bulk.sealed
+        finally:
+            await client.close()
+
+    acks, pulled, sealed = asyncio.run(push_and_pull())
+    assert not sealed
+    assert acks == [Ack(0, False, mine + weight)]
+    assert _lane_bytes(lane.handle, "received") - received == PAYLOAD_BYTES
+    # Unsealed over TLS a pull goes in gRPC frames (one Python ssl connection is slower).
+    assert _lane_bytes(lane.handle, "sent") == sent
+    assert torch.equal(pulled.values[0], _pull_in_frames(lane, daemons))
 
 
 def test_a_sealed_hello_with_more_tls_bytes_behind_it_is_refused(daemons: Daemons) -> None:
