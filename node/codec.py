@@ -71,6 +71,23 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+class BlockHasher:
+    """:func:`checksum` of a payload fed block by block, in order (the same digest): a
+    receiver hashes each block while another pass has it in cache."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_64()
+        self.fed = 0
+
+    def update(self, block: torch.Tensor) -> None:
+        self._hash.update(block.numpy())
+        self.fed += block.numel() * block.element_size()
+
+    def digest(self, nbytes: int) -> int | None:
+        """The digest of ``nbytes`` fed whole; None if fewer were fed (hash them anew)."""
+        return self._hash.intdigest() if self.fed == nbytes else None
+
+
 def decode(
     data: bytes | bytearray | memoryview,
     codec: Codec,

@@ -35,6 +35,7 @@ where ``alpha`` is the sender's share of the merged weight.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,12 @@ class PayloadBound:
             factor = self.clip * scale / distance
             return Delta(diff.mul_(factor), True, own_norm, distance_norm * factor)
 
-    def gauge(self, own: torch.Tensor, values: torch.Tensor) -> Gauge | None:
+    def gauge(
+        self,
+        own: torch.Tensor,
+        values: torch.Tensor,
+        each: Callable[[torch.Tensor], None] | None = None,
+    ) -> Gauge | None:
         """``values``' squared norms against ``own`` as it is now, or None when they cannot
         stand in for the exact path (another dtype or device, or a square that overflowed).
 
@@ -87,6 +93,8 @@ class PayloadBound:
         step or two of the merge. That is what a sanity bound needs; the blend itself is
         computed at merge time from the segment as it is then. A finite ‖v‖² also proves
         every value finite, so the receiver's separate finiteness pass is not needed.
+        ``each`` is handed every block of ``values`` first, in order (the receiver
+        hashes it while the block is in cache).
         """
         if (
             values.dtype != own.dtype
@@ -101,6 +109,8 @@ class PayloadBound:
             # Blocks that stay in cache: each is read from memory once for all three dots.
             for start in range(0, values.numel(), _GAUGE_BLOCK):
                 v, o = values[start : start + _GAUGE_BLOCK], own[start : start + _GAUGE_BLOCK]
+                if each is not None:
+                    each(v)
                 vv += float(torch.dot(v, v))
                 vo += float(torch.dot(v, o))
                 oo += float(torch.dot(o, o))

@@ -315,11 +315,16 @@ class Replica:
             log_sinks(before, self.summary)
             return report
 
-    def gauge(self, segment: int, values: torch.Tensor) -> Gauge | None:
+    def gauge(
+        self,
+        segment: int,
+        values: torch.Tensor,
+        each: Callable[[torch.Tensor], None] | None = None,
+    ) -> Gauge | None:
         """A received segment's norms against ours (:meth:`PayloadBound.gauge`); called by
         the network's receiving workers, without the lock: the numbers feed a bound, not
         the blend, which is computed at merge time."""
-        return self.bound.gauge(self.flat.buffers[segment], values)
+        return self.bound.gauge(self.flat.buffers[segment], values, each)
 
     def settled(self) -> bool:
         """Nothing of this replica's is in flight, waiting in its queues, or due to fire.

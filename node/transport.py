@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from gossipd.node.bulk import BulkConn, BulkDialer, InOrder
 from gossipd.node.codec import Codec
@@ -495,7 +494,7 @@ class PeerClient:
         segments: list[int] | None = None,
         round: int = 0,
         progress_timeout_s: float | None = None,
-        gauge: Callable[[int, torch.Tensor], Gauge | None] | None = None,
+        gauge: Callable[..., Gauge | None] | None = None,
     ) -> Pulled:
         """``segments`` of the peer's model (all by default), verified segment by segment
         (and gauged against ours with ``gauge``, see :class:`SegmentAssembler`).

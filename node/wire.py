@@ -175,7 +175,7 @@ class SegmentAssembler:
         plan: SegmentPlan,
         limits: Limits,
         reserve: Callable[[int], None] | None = None,
-        gauge: Callable[[int, torch.Tensor], Gauge | None] | None = None,
+        gauge: Callable[..., Gauge | None] | None = None,
     ) -> None:
         self.plan = plan
         self.limits = limits
@@ -303,19 +303,33 @@ class SegmentAssembler:
     def _verified(
         self, header: pb.SegmentHeader, buffer: memoryview, *, checksum: bool = True
     ) -> ReceivedSegment:
-        actual = wirecodec.checksum(buffer) if checksum else header.checksum
+        seg = self.plan.segments[header.segment]
+        codec = Codec(header.codec)
+        if self.gauge is None:
+            if checksum:
+                self._check_sum(header, wirecodec.checksum(buffer))
+            values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel)
+            return ReceivedSegment(header.segment, header.sum_weight, values)
+        # Values that are the payload itself (no decoding copy) are hashed block by block
+        # as the gauge reads them: one pass over the segment from memory instead of two.
+        hasher = None
+        if checksum and not wirecodec.decoded_copy_bytes(codec, seg.dtype, seg.numel):
+            hasher = wirecodec.BlockHasher()
+        elif checksum:
+            self._check_sum(header, wirecodec.checksum(buffer))
+        values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel, check_finite=False)
+        gauge = self.gauge(header.segment, values, hasher.update if hasher else None)
+        if hasher is not None:
+            digest = hasher.digest(len(buffer))
+            self._check_sum(header, wirecodec.checksum(buffer) if digest is None else digest)
+        if gauge is None:  # it proved nothing: finiteness is checked on its own
+            wirecodec.require_finite(values)
+        return ReceivedSegment(header.segment, header.sum_weight, values, gauge)
+
+    @staticmethod
+    def _check_sum(header: pb.SegmentHeader, actual: int) -> None:
         if actual != header.checksum:
             raise InvalidFrame(
                 f"checksum mismatch on segment {header.segment}: header says "
                 f"{header.checksum:#018x}, payload hashes to {actual:#018x}"
             )
-        seg = self.plan.segments[header.segment]
-        codec = Codec(header.codec)
-        if self.gauge is None:
-            values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel)
-            return ReceivedSegment(header.segment, header.sum_weight, values)
-        values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel, check_finite=False)
-        gauge = self.gauge(header.segment, values)
-        if gauge is None:  # it proved nothing: finiteness is checked on its own
-            wirecodec.require_finite(values)
-        return ReceivedSegment(header.segment, header.sum_weight, values, gauge)

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from gossipd.node.codec import Codec
-from gossipd.node.errors import NonFinitePayload, PayloadOutOfBounds
+from gossipd.node.codec import BlockHasher, Codec, checksum
+from gossipd.node.errors import InvalidFrame, NonFinitePayload, PayloadOutOfBounds
 from gossipd.node.jobs import JobSpec, build_job
 from gossipd.node.messages import InboundPush, ReceivedSegment
 from gossipd.node.payload_bound import PayloadBound
@@ -139,3 +139,39 @@ def test_a_gauged_segment_beyond_the_clip_radius_is_clipped_on_the_exact_path() 
     moved = float((replica.flat.buffers[0] - own).pow(2).mean().sqrt())
     assert moved == pytest.approx(0.5 * 2.0 * 1.0, rel=1e-3)  # α · clip · scale (floor 1)
     assert replica.summary.weights == (2.0,)
+
+
+@pytest.mark.parametrize("block", [0, 1, -1], ids=["first block", "second block", "last byte"])
+def test_the_checksum_hashed_block_by_block_with_the_gauge_still_refuses_a_flipped_byte(
+    block: int,
+) -> None:
+    """The receiver hashes each block as the gauge reads it: the same digest as the whole
+    payload's, so a byte flipped anywhere (here in one of several gauge blocks) is refused."""
+    replica = _replica(numel=1 << 20)  # one 4 MiB segment: two gauge blocks
+    own = replica.flat.buffers[0].clone()
+    incoming = own + 0.1
+    assembler = SegmentAssembler(replica.flat.plan, Limits(), gauge=replica.gauge)
+    frames = segment_frames(
+        sender="s", sequence=1, segment=0, sum_weight=1.0, flat=incoming, codec=Codec.RAW,
+        chunk_bytes=None,
+    )  # fmt: skip
+    header, payload = next(frames), bytearray(b"".join(bytes(p) for p in frames))
+    at = len(payload) - 1 if block == -1 else block * (2 << 20) + 12345
+    payload[at] ^= 0x10
+    assembler.header(header)
+    pieces = [bytes(payload[i : i + (1 << 20)]) for i in range(0, len(payload), 1 << 20)]
+    for piece in pieces[:-1]:
+        assert assembler.chunk(piece) is None
+    with pytest.raises(InvalidFrame, match="checksum mismatch on segment 0"):
+        assembler.chunk(pieces[-1])
+    assert torch.equal(replica.flat.buffers[0], own)
+
+
+def test_a_block_hasher_gives_the_whole_payloads_checksum() -> None:
+    values = torch.randn(3 << 19, generator=torch.Generator().manual_seed(5))
+    hasher = BlockHasher()
+    for start in range(0, values.numel(), 1 << 19):
+        hasher.update(values[start : start + (1 << 19)])
+    data = memoryview(values.numpy()).cast("B")
+    assert hasher.digest(len(data)) == checksum(data)
+    assert hasher.digest(len(data) + 4) is None, "a payload not fed whole has no digest"
