@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, TypeVar
 from gossipd.node import certs
 from gossipd.node.admission import PeerSlots, Slots
 from gossipd.node.errors import BulkClosed, ConfigError, GossipdError, InvalidFrame, StreamIdle
-from gossipd.node.sealing import SEED_BYTES, Seal, new_seed
+from gossipd.node.sealing import SEED_BYTES, Seal, new_seed, recv_exact
 from gossipd.node.tls import Credentials, IdentityMismatch
 from gossipd.node.torchthreads import worker_pool
 
@@ -500,12 +500,7 @@ class BulkServer:
 def _read_hello(sock: socket.socket, size: int) -> bytes:
     """``size`` bytes of a hello or a seed (blocking, within the socket's timeout)."""
     data = bytearray(size)
-    view, got = memoryview(data), 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise BulkClosed("the bulk-lane peer closed before the hello or its answer was whole")
-        got += n
+    recv_exact(sock, memoryview(data), "the hello or its answer")
     return bytes(data)
 
 

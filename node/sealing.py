@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -60,12 +59,14 @@ def _nonce(counter: int) -> bytes:
     return b"\0\0\0\0" + counter.to_bytes(8, "big")
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, what: str) -> None:
+    """Fill ``view`` from ``sock`` (blocking, within its timeout); BulkClosed at EOF,
+    saying the peer closed ``what`` after how many of its bytes."""
     got, size = 0, len(view)
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise BulkClosed(f"the peer closed the bulk lane inside a sealed record ({got}/{size})")
+            raise BulkClosed(f"the peer closed the bulk lane inside {what} ({got}/{size} bytes)")
         got += n
 
 
@@ -95,10 +96,8 @@ class Seal:
         """Past half of what a direction may carry: dial a fresh connection instead."""
         return max(self.sent, self.received) > MAX_SEALED_BYTES // 2
 
-    def send(
-        self, sock: socket.socket, view: memoryview, sent: Callable[[], None] | None = None
-    ) -> None:
-        """Seal ``view`` into records and write them whole; ``sent`` after each record."""
+    def send(self, sock: socket.socket, view: memoryview) -> None:
+        """Seal ``view`` into records and write them whole."""
         if self.sent + len(view) > MAX_SEALED_BYTES:
             raise BulkClosed("this bulk-lane connection has carried its limit; dial a new one")
         if self._out is None:
@@ -113,8 +112,6 @@ class Seal:
             self._send_count += 1
             sock.sendall(out[: LENGTH.size + n + TAG_BYTES])
             self.sent += n
-            if sent is not None:
-                sent()
 
     def recv(self, sock: socket.socket, view: memoryview) -> None:
         """Fill ``view`` with the next plaintext: records decrypt straight into it; the
@@ -130,7 +127,7 @@ class Seal:
             if self._in is None:
                 self._in = bytearray(LENGTH.size + RECORD_BYTES + TAG_BYTES)
             record = memoryview(self._in)
-            _recv_exact(sock, record[: LENGTH.size])
+            recv_exact(sock, record[: LENGTH.size], "a sealed record")
             (n,) = LENGTH.unpack_from(record)
             if not 0 < n <= RECORD_BYTES:
                 raise InvalidFrame(
@@ -142,7 +139,7 @@ class Seal:
                     "connection; it must dial a new one"
                 )
             body = record[LENGTH.size :][: n + TAG_BYTES]
-            _recv_exact(sock, body)
+            recv_exact(sock, body, "a sealed record")
             into = view[got : got + n] if n <= size - got else memoryview(bytearray(n))
             try:
                 self._recv.decrypt_into(_nonce(self._recv_count), body, record[: LENGTH.size], into)
