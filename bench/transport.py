@@ -6,9 +6,11 @@ A receiver daemon (`gossipd node`, a real process) is sent the whole model by a
 node pushes to a peer: handshake, segments split over ``streams`` client streams,
 validation, checksum, assembly, merge on the receiver's trainer thread, acks.
 Goodput is model bytes over the wall time of ``push()`` (the ack included). The
-same run times a raw TCP socket and torch.distributed gloo send/recv between two
-processes, and hivemind's DecentralizedAverager where it is installed, and prints
-each as a ratio of raw TCP; ``--json`` puts one JSON object on the last line.
+same run times a raw TCP socket (first, and again last: every ratio is to its best
+time of both) and torch.distributed gloo send/recv between two processes, and
+hivemind's DecentralizedAverager where it is installed, and prints each as a ratio
+of raw TCP; ``--json`` puts one JSON object on the last line. Plaintext and mutual
+TLS pushes alternate within each repetition, each to a receiver of its own.
 
 The model is a stack of equal float32 tensors (``--tensor-mb``), so
 ``segment_bytes`` cuts it into segments the way it cuts a real network. The
@@ -228,54 +230,60 @@ async def _accepted_by(address: str, sender: Network) -> None:
 
 
 async def _push_and_pull(
-    address: str,
+    targets: list[tuple[str, dict[str, Any]]],
     flat: FlatModel,
     setting: Setting,
     reps: int,
     pull: bool,
-    tls: dict[str, Any],
     bulk: bool = True,
-) -> dict[str, list[float]]:
-    sender = await _sender_node(flat, setting, tls)
-    assert sender.identity is not None
-    client = PeerClient(
-        address,
-        sender.identity,
-        codec=Codec.RAW,
-        chunk_bytes=setting.chunk_kb * 1024,
-        streams=setting.streams,
-        tls=sender.tls,
-        expected="receiver",
-        bulk=bulk,
-    )
+) -> list[dict[str, list[float]]]:
+    """Push (and pull) the model to every receiver in ``targets`` (address, sender's
+    [tls]), one after the other within each repetition, so that what the machine does
+    meanwhile falls on all of them alike: one timing list per target."""
     snapshot = flat.snapshot()
     weights = dict.fromkeys(range(len(flat.plan)), 0.0)
-    times: dict[str, list[float]] = {"push": [], "pull": []}
-    try:
-        if not await sender.peering.verify(address):
-            raise RuntimeError(f"the receiver at {address} did not answer a handshake")
-        await _accepted_by(address, sender)
-        for sequence in range(reps + 1):  # the first push warms the connection up
-            out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
-            t0 = time.perf_counter()
-            acks = await client.push(out, TIMEOUT_S)
-            elapsed = time.perf_counter() - t0
-            if sorted(a.segment for a in acks if not a.duplicate) != sorted(weights):
-                raise RuntimeError(f"push {sequence + 1} was not merged whole: {acks}")
-            if sequence:
-                times["push"].append(elapsed)
+    times: list[dict[str, list[float]]] = [{"push": [], "pull": []} for _ in targets]
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for address, tls in targets:
+            sender = await _sender_node(flat, setting, tls)
+            stack.push_async_callback(sender.close, grace_s=0.1)
+            assert sender.identity is not None
+            client = PeerClient(
+                address,
+                sender.identity,
+                codec=Codec.RAW,
+                chunk_bytes=setting.chunk_kb * 1024,
+                streams=setting.streams,
+                tls=sender.tls,
+                expected="receiver",
+                bulk=bulk,
+            )
+            stack.push_async_callback(client.close)
+            if not await sender.peering.verify(address):
+                raise RuntimeError(f"the receiver at {address} did not answer a handshake")
+            await _accepted_by(address, sender)
+            clients.append(client)
+        for sequence in range(reps + 1):  # the first push warms each connection up
+            for client, timed in zip(clients, times, strict=True):
+                out = OutboundPush(Push("receiver", sequence + 1, weights), snapshot)
+                t0 = time.perf_counter()
+                acks = await client.push(out, TIMEOUT_S)
+                elapsed = time.perf_counter() - t0
+                if sorted(a.segment for a in acks if not a.duplicate) != sorted(weights):
+                    raise RuntimeError(f"push {sequence + 1} was not merged whole: {acks}")
+                if sequence:
+                    timed["push"].append(elapsed)
         for rep in range(reps + 1 if pull else 0):
-            t0 = time.perf_counter()
-            model = await client.pull(flat.plan, Limits(), TIMEOUT_S)
-            elapsed = time.perf_counter() - t0
-            if len(model.values) != len(flat.plan):
-                raise RuntimeError("pull returned a partial model")
-            del model
-            if rep:
-                times["pull"].append(elapsed)
-    finally:
-        await client.close()
-        await sender.close(grace_s=0.1)
+            for client, timed in zip(clients, times, strict=True):
+                t0 = time.perf_counter()
+                model = await client.pull(flat.plan, Limits(), TIMEOUT_S)
+                elapsed = time.perf_counter() - t0
+                if len(model.values) != len(flat.plan):
+                    raise RuntimeError("pull returned a partial model")
+                del model
+                if rep:
+                    timed["pull"].append(elapsed)
     return times
 
 
@@ -287,40 +295,45 @@ def bench_gossipd(
     pull: bool,
     tls_modes: tuple[bool, ...] = (False, True),
 ) -> list[dict[str, Any]]:
-    """One receiver daemon per segment size and TLS mode; every setting pushes to it.
+    """Per segment size one receiver daemon per TLS mode; every setting pushes to each.
 
-    Plaintext and mutual TLS run one after the other in the same run, so their
-    ratio is measured side by side (TLS: the push rows say "mTLS"). Each setting
-    pushes (and pulls) twice: on the receiver's bulk lane, then with the lane off in
-    the sender, in gRPC chunk frames (those rows say "frames").
+    Plaintext and mutual TLS are timed in turn within each repetition (a plaintext
+    push, then an mTLS one, then the next pair), so their ratio compares pushes a
+    fraction of a second apart rather than minutes: on a shared machine the load
+    changes within a run (TLS: the push rows say "mTLS"). Each setting pushes (and
+    pulls) twice: on the receiver's bulk lane, then with the lane off in the sender,
+    in gRPC chunk frames (those rows say "frames"). Rows come per mode, plaintext
+    first.
     """
     keep_freed_buffers()  # this process hosts the sending node: its heap is tuned as a node's
-    rows = []
-    for secure in tls_modes:
-        for segment_mb in sorted({s.segment_mb for s in settings}):
-            group = [s for s in settings if s.segment_mb == segment_mb]
-            model = bench_job(_job_spec(numel, tensor_numel, seed=2)).model
-            flat = FlatModel(model, segment_mb * MiB)
-            with tempfile.TemporaryDirectory(prefix="gossipd-bench-") as tmp:
-                workdir = Path(tmp)
+    rows: dict[bool, list[dict[str, Any]]] = {secure: [] for secure in tls_modes}
+    for segment_mb in sorted({s.segment_mb for s in settings}):
+        group = [s for s in settings if s.segment_mb == segment_mb]
+        model = bench_job(_job_spec(numel, tensor_numel, seed=2)).model
+        flat = FlatModel(model, segment_mb * MiB)
+        with (
+            tempfile.TemporaryDirectory(prefix="gossipd-bench-") as tmp,
+            contextlib.ExitStack() as daemons,
+        ):
+            targets = []
+            for secure in tls_modes:
+                workdir = Path(tmp) / ("mtls" if secure else "plaintext")
+                workdir.mkdir()
                 config = _receiver_config(workdir, numel, tensor_numel, group[0], secure)
-                tls = _site_tls(workdir, secure, "sender")
-                with _daemon(config, workdir / "receiver") as address:
-                    for (i, setting), bulk in itertools.product(enumerate(group), (True, False)):
-                        do_pull = pull and i == 0
-                        times = asyncio.run(
-                            _push_and_pull(address, flat, setting, reps, do_pull, tls, bulk)
-                        )
-                        notes = [n for n, on in (("mTLS", secure), ("frames", not bulk)) if on]
-                        suffix = f" ({', '.join(notes)})" if notes else ""
-                        label = f"{setting.label} ({len(flat.plan)} segments)"
-                        rows.append(row("gossipd push" + suffix, label, times["push"]))
-                        if do_pull:
-                            label = (
-                                f"segment {segment_mb} MiB, chunk {setting.chunk_kb} KiB, 1 stream"
-                            )
-                            rows.append(row("gossipd pull" + suffix, label, times["pull"]))
-    return rows
+                address = daemons.enter_context(_daemon(config, workdir / "receiver"))
+                targets.append((address, _site_tls(workdir, secure, "sender")))
+            for (i, setting), bulk in itertools.product(enumerate(group), (True, False)):
+                do_pull = pull and i == 0
+                timed = asyncio.run(_push_and_pull(targets, flat, setting, reps, do_pull, bulk))
+                for secure, times in zip(tls_modes, timed, strict=True):
+                    notes = [n for n, on in (("mTLS", secure), ("frames", not bulk)) if on]
+                    suffix = f" ({', '.join(notes)})" if notes else ""
+                    label = f"{setting.label} ({len(flat.plan)} segments)"
+                    rows[secure].append(row("gossipd push" + suffix, label, times["push"]))
+                    if do_pull:
+                        label = f"segment {segment_mb} MiB, chunk {setting.chunk_kb} KiB, 1 stream"
+                        rows[secure].append(row("gossipd pull" + suffix, label, times["pull"]))
+    return [r for secure in tls_modes for r in rows[secure]]
 
 
 # ---------------------------------------------------------------------------

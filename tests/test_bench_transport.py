@@ -131,10 +131,12 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         REPS,
     )
 
-    # Bytes moved: each baseline was asked for the model's size, each push carried the
-    # whole snapshot and had every segment merged, the pull returned the receiver's model.
-    for name in ("bench_raw_tcp", "bench_gloo", "bench_grpc_bare", "bench_gossipd"):
+    # Bytes moved: each baseline was asked for the model's size (raw TCP first and last),
+    # each push carried the whole snapshot and had every segment merged, the pull
+    # returned the receiver's model.
+    for name in ("bench_gloo", "bench_grpc_bare", "bench_gossipd"):
         assert [size for _, size in recorder.calls[name]] == [nbytes], name
+    assert [size for _, size in recorder.calls["bench_raw_tcp"]] == [nbytes, nbytes]
     # Per TLS mode, setting and path, a warm-up push, then REPS; per mode and path, a
     # warm-up pull and REPS.
     assert len(recorder.pushes) == 8 * (REPS + 1)
@@ -149,9 +151,11 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         assert sum(v.numel() * 4 for v in pulled.values()) == nbytes
         assert torch.equal(pulled[0], receiver.buffers[0])  # pushes of weight 0 merge nothing
 
-    # Times: REPS of them per row, each inside the call that took it.
+    # Times: REPS of them per row (raw TCP: REPS at each end), each inside the call that
+    # took it.
     for r in rows:
-        assert len(r["times_s"]) == REPS and all(0 < t < math.inf for t in r["times_s"]), r
+        reps = 2 * REPS if r["method"] == "raw TCP" else REPS
+        assert len(r["times_s"]) == reps and all(0 < t < math.inf for t in r["times_s"]), r
         assert r["nbytes"] == nbytes, r
     for method, name in [
         ("raw TCP", "bench_raw_tcp"),
@@ -159,14 +163,19 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         ("grpc.aio bare", "bench_grpc_bare"),
     ]:
         [row] = [r for r in rows if r["method"] == method]
-        assert sum(row["times_s"]) <= recorder.calls[name][0][0], method
+        ends = [row["times_s"][i : i + REPS] for i in range(0, len(row["times_s"]), REPS)]
+        for times, (wall, _) in zip(ends, recorder.calls[name], strict=True):
+            assert sum(times) <= wall, method
     gossipd_times = [t for r in rows if r["method"].startswith("gossipd") for t in r["times_s"]]
     assert sum(gossipd_times) <= recorder.calls["bench_gossipd"][0][0]
+    # Pushes went per setting and path, REPS + 1 rounds of a plaintext then an mTLS push;
+    # the rows list the plaintext ones first.
     walls = [wall for wall, _, _ in recorder.pushes]
-    per_setting = [walls[i + 1 : i + REPS + 1] for i in range(0, len(walls), REPS + 1)]
-    push_rows = [r for r in rows if r["method"].startswith("gossipd push")]  # in push order
-    for r, own in zip(push_rows, per_setting, strict=True):  # warm-ups left out
-        assert all(t >= w for t, w in zip(r["times_s"], own, strict=True)), (r, own)
+    rounds = [walls[i : i + 2 * (REPS + 1)] for i in range(0, len(walls), 2 * (REPS + 1))]
+    own = [r[mode + 2 :: 2] for mode in (0, 1) for r in rounds]  # warm-ups left out
+    push_rows = [r for r in rows if r["method"].startswith("gossipd push")]
+    for r, mine in zip(push_rows, own, strict=True):
+        assert all(t >= w for t, w in zip(r["times_s"], mine, strict=True)), (r, mine)
 
     # Derived columns, from the row's own times and the raw TCP row.
     raw = rows[0]
