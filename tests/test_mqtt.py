@@ -258,7 +258,7 @@ def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: 
     assert replies[0]["ok"] and replies[0]["command"] == "leave", replies
     assert b.proc.wait(timeout=60) == 0, b.log()[-3000:]
     left = json.loads((b.data_dir / "summary.json").read_text())["sum_weights"]
-    assert sum(left) == pytest.approx(0.0, abs=1e-9)  # all of it handed to a or c
+    assert sum(left) == pytest.approx(0.0, abs=1e-9), b.log()[-3000:]  # all to a or c
     rest = [mesh.by_id["a"], mesh.by_id["c"]]
     wait_until(lambda: all("b" not in status_of(h)["live_peers"] for h in rest), "b gone", 60.0)
     weights = stop_in_turn(rest)
