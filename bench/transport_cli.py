@@ -31,7 +31,6 @@ from gossipd.node.errors import GossipdError
 
 DEFAULT_SETTINGS = ("4:1024:1", "4:1024:4", "16:1024:4", "16:4096:4", "64:4096:4")
 QUICK_SETTINGS = ("16:1024:1", "16:1024:4")
-RAW_TCP_LABEL = "1 MiB sendall, 1-byte ack, before and after"
 PUSH_COST_BYTES = 4096  # small enough that only what every push pays is measured
 PUSH_COST_PUSHES, PUSH_COST_PUSHES_QUICK = 1000, 200
 MIN_PUSH_COST_PUSHES = 10
@@ -269,8 +268,10 @@ def _goodput(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
 
     # Raw TCP is timed first and again after the gossipd rows, and every ratio is to its
     # best time of both: a quiet moment at either end of the run raises the bar for all.
-    payload = torch.ones(numel)
-    raw = row("raw TCP", RAW_TCP_LABEL, bench_raw_tcp(_bytes_of(payload), reps))
+    def raw_tcp() -> list[float]:
+        return bench_raw_tcp(_bytes_of(torch.ones(numel)), reps)
+
+    raw = row("raw TCP", "1 MiB sendall, 1-byte ack, before and after", raw_tcp())
     rows = [raw]
     if not args.skip_gloo:
         _optional(
@@ -290,8 +291,7 @@ def _goodput(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         ),
     )
     rows += bench_gossipd(numel, tensor_numel, settings, reps, pull=not args.no_pull)
-    raw["times_s"] += bench_raw_tcp(_bytes_of(payload), reps)
-    del payload
+    raw["times_s"] += raw_tcp()
     if args.skip_hivemind:
         notes.append("hivemind: skipped (--skip-hivemind)")
     elif importlib.util.find_spec("hivemind") is None:
