@@ -289,17 +289,20 @@ class Outbound:
         # there, after the outcomes the cancelled pushes just posted.
         await asyncio.wrap_future(replica.barrier())
         # The hand-off goes to a peer that answers: one that did not just stall a push
-        # and has no failure on record. A hand-off cut off by the shutdown deadline has
-        # an unknown outcome, and folding it back while the receiver merged it makes
-        # mass, so a slow receiver is the last choice.
-        live = [s for s in self.membership.live() if s.node_id in replica.summary.peers]
-        steady = sorted(s.node_id for s in live if s.failures == 0 and s.node_id not in slow_peers)
-        others = sorted({s.node_id for s in live} - set(steady))
-        self.rng.shuffle(steady)
-        self.rng.shuffle(others)
+        # and has no failure on record, then the others by fewest failures on record.
+        # A hand-off cut off by the shutdown deadline has an unknown outcome, and folding
+        # it back while the receiver merged it makes mass, so a slow receiver is the last
+        # choice. Ties are shuffled (seeded), so leavers do not all pick the same heir.
+        live = sorted(
+            (s for s in self.membership.live() if s.node_id in replica.summary.peers),
+            key=lambda s: s.node_id,
+        )
+        self.rng.shuffle(live)
+        live.sort(key=lambda s: (s.node_id in slow_peers, s.failures))  # stable: ties shuffled
+        candidates = [s.node_id for s in live]
         # A hand-off that surely merged nothing (the peer died since it was last heard
         # from, say) goes to the next candidate; one that may have merged ends the tries.
-        for peer in steady + others:
+        for peer in candidates:
             out = await asyncio.wrap_future(replica.request_hand_off(peer))
             if out is None:
                 break
