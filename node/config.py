@@ -353,13 +353,17 @@ class NodeConfig(_Section):
                 "raise those timeouts"
             )
         rate_bytes_s = link.rate_mbit * 1e6 / 8
-        if link.rate_mbit and rate_bytes_s < limits.min_push_rate_bytes_s:
-            raise ValueError(
-                f"link.rate_mbit = {link.rate_mbit:g} ({rate_bytes_s:g} bytes/s) is below "
-                f"limits.min_push_rate_bytes_s = {limits.min_push_rate_bytes_s:g}, so peers "
-                "would end this node's pushes as too slow; raise the rate or lower "
-                "min_push_rate_bytes_s on every site"
-            )
+        for key, outcome in (
+            ("min_push_rate_bytes_s", "peers would end this node's pushes as too slow"),
+            ("min_pull_rate_bytes_s", "this node would cut off the pulls it serves"),
+        ):
+            floor = getattr(limits, key)
+            if link.rate_mbit and rate_bytes_s < floor:
+                raise ValueError(
+                    f"link.rate_mbit = {link.rate_mbit:g} ({rate_bytes_s:g} bytes/s) is below "
+                    f"limits.{key} = {floor:g}, so {outcome}; raise the rate or lower "
+                    f"{key} on every site"
+                )
         return self
 
 

@@ -106,6 +106,18 @@ class LimitsConfig(_Section):
         "RMS distance is at most this many times max(RMS of ours, payload_scale_floor)",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
+    max_inbound_pulls_per_peer: int = Field(
+        2,
+        ge=1,
+        description="PullModel streams one peer may hold at once (an honest one pulls one "
+        "model at a time), so one peer never takes the others' slots",
+    )
+    min_pull_rate_bytes_s: float = Field(
+        65536.0,
+        gt=0,
+        description="a pull this node serves must be read at this average rate, after the "
+        "first stream_idle_timeout_s; a slower one is cut off (PullTooSlow)",
+    )
     max_pending_bytes: int = Field(
         512 << 20,
         ge=1024,

@@ -86,6 +86,12 @@ class PushTooSlow(StreamIdle):
     time, however short each silence is."""
 
 
+class PullTooSlow(StreamIdle):
+    """A pull we serve whose reader takes it slower than ``limits.min_pull_rate_bytes_s``:
+    reading just inside the idle timeout, it would hold a slot and a whole snapshot of the
+    model for as long as it likes."""
+
+
 class PushTooLong(StreamIdle):
     """An inbound push still arriving at ``limits.max_push_s``: fast enough frame by frame,
     it would still hold its slot and reserved bytes for as long as its sender likes."""

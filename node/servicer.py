@@ -6,12 +6,13 @@ INVALID_ARGUMENT instead of grpc's generic UNKNOWN. Every gossipd error maps to
 its status code with the same text the local log gets.
 
 Streams are admitted against the caps in ``limits`` (see :mod:`admission`):
-concurrent pushes and pulls, pushes per peer (a member with a valid certificate
+concurrent pushes and pulls, pushes and pulls per peer (a member with a valid certificate
 still cannot take the slots the others need), payload bytes held by unfinished
 pushes, how long a stream may stay silent, how slowly a push may arrive and how
-long it may take. A silent, trickling or overlong push, or a pull whose reader
-stopped reading, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`,
-:class:`PushTooSlow`, :class:`PushTooLong`, counted).
+long it may take, and the same for pulls we serve (per peer, and how slowly one may
+be read). A silent, trickling or overlong push, or a pull whose reader stopped
+reading or reads too slowly, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`,
+:class:`PushTooSlow`, :class:`PushTooLong`, :class:`PullTooSlow`, counted).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from gossipd.node import errors
 from gossipd.node.admission import ByteBudget, IdleBounded, PeerSlots, Slots, push_deadline_s
 from gossipd.node.bulk import InOrder
 from gossipd.node.certs import CertificateError
-from gossipd.node.errors import GossipdError, InvalidFrame, MeshMismatch, StreamIdle
+from gossipd.node.errors import (
+    GossipdError,
+    InvalidFrame,
+    MeshMismatch,
+    PullTooSlow,
+    StreamIdle,
+)
 from gossipd.node.segments import check_fingerprint, check_protocol
 from gossipd.node.tls import Credentials, IdentityMismatch, NotAllowed, check_claim
 from gossipd.node.wire import (
@@ -75,6 +82,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PushTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PushTooLong: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.PullTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PayloadOutOfBounds: grpc.StatusCode.INVALID_ARGUMENT,
     IdentityMismatch: grpc.StatusCode.PERMISSION_DENIED,
     NotAllowed: grpc.StatusCode.PERMISSION_DENIED,
@@ -180,9 +188,15 @@ class GossipServicer:
             "inbound push streams",
             "limits.max_inbound_pushes_per_peer",
         )
+        self.peer_pulls = PeerSlots(
+            limits.max_inbound_pulls_per_peer,
+            "PullModel streams",
+            "limits.max_inbound_pulls_per_peer",
+        )
         self.min_push_rate = limits.min_push_rate_bytes_s
+        self.min_pull_rate = limits.min_pull_rate_bytes_s
         self.pending = ByteBudget(limits.max_pending_bytes, "limits.max_pending_bytes")
-        plan = node.new_assembler().plan
+        self.plan = plan = node.new_assembler().plan
         self.pending.check_fits(plan)
         self.push_deadline_s = push_deadline_s(node.config, plan)
         node.metrics.inbound_push_streams.set_function(lambda: self.pushes.in_use)
@@ -367,10 +381,12 @@ class GossipServicer:
             ) from None
 
     async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``.
+        """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``,
+        and the whole reply :meth:`_pull_deadline_s`.
 
-        A reader that stops reading is cut off there, its snapshot and slot released
-        (the slot counts pulls we serve). The refusal is sent with ``set_code``, not
+        A reader that stops reading, or reads too slowly, is cut off there, its snapshot
+        and slots released (one peer holds at most ``limits.max_inbound_pulls_per_peer``
+        of the ``limits.max_inbound_pulls`` we serve). The refusal is sent with ``set_code``, not
         ``abort``, which would wait behind frames the reader never takes. grpc keeps
         such a call (a frame and a window) until its client goes away or its
         connection is closed (:func:`admission.server_options`).
@@ -382,6 +398,7 @@ class GossipServicer:
             self.check_mesh(req.mesh_id, f"requester {req.requester!r}")
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
             with contextlib.ExitStack() as held:
+                held.enter_context(self.peer_pulls.take(req.requester))
                 held.enter_context(self.pulls.take())
                 bulk, lane = self.node.bulk, None
                 if req.bulk_token and bulk is not None:
@@ -408,31 +425,54 @@ class GossipServicer:
         A payload goes on the lane in a worker while the next header's checksum is
         computed and sent (:class:`~gossipd.node.bulk.InOrder`); a socket timeout
         (``stream_idle_timeout_s``) per piece bounds a reader that stops reading. The
-        snapshot stays held until the last payload is written.
+        snapshot stays held until the last payload is written, or until the reply's
+        deadline, which starts with its first frame (the snapshot waits for the
+        trainer's step boundary, however long a step takes).
         """
-        async with (
-            contextlib.aclosing(
-                self.node.on_pull(
-                    req,
-                    whole=lane is not None,
-                    sealed=lane is not None and lane[1].seal is not None,
-                )
-            ) as frames,
-            InOrder() as lane_writes,
-        ):
-            async for frame in frames:
-                if isinstance(frame, memoryview):
-                    if lane is not None:
-                        bulk, conn = lane
-                        await lane_writes.write(functools.partial(bulk.write, conn, frame))
-                        continue
-                    data = pull_chunk_frame(frame)
-                else:
-                    frame.bulk = lane is not None and frame.payload_bytes > 0
-                    data = pb.PullFrame(header=frame).SerializeToString()
-                await self.write_within(
-                    context, data, "the reader took no frame", "the pull was cut off"
-                )
+        nbytes, allowed_s = self._pull_deadline_s(req)
+        loop = asyncio.get_running_loop()
+        try:
+            async with (
+                asyncio.timeout(None) as deadline,
+                contextlib.aclosing(
+                    self.node.on_pull(
+                        req,
+                        whole=lane is not None,
+                        sealed=lane is not None and lane[1].seal is not None,
+                    )
+                ) as frames,
+                InOrder() as lane_writes,
+            ):
+                async for frame in frames:
+                    if deadline.when() is None:
+                        deadline.reschedule(loop.time() + allowed_s)
+                    if isinstance(frame, memoryview):
+                        if lane is not None:
+                            bulk, conn = lane
+                            await lane_writes.write(functools.partial(bulk.write, conn, frame))
+                            continue
+                        data = pull_chunk_frame(frame)
+                    else:
+                        frame.bulk = lane is not None and frame.payload_bytes > 0
+                        data = pb.PullFrame(header=frame).SerializeToString()
+                    await self.write_within(
+                        context, data, "the reader took no frame", "the pull was cut off"
+                    )
+        except TimeoutError:
+            raise PullTooSlow(
+                f"{req.requester!r} did not read a pull of {nbytes} bytes within "
+                f"{allowed_s:.3g} s (limits.stream_idle_timeout_s = {self.idle_s:g} s, then "
+                f"limits.min_pull_rate_bytes_s = {self.min_pull_rate:g}); the pull was cut "
+                "off, its slot and snapshot released"
+            ) from None
+
+    def _pull_deadline_s(self, req: Any) -> tuple[int, float]:
+        """The bytes a pull asks for (as this node holds them: a codec only sends fewer)
+        and how long its reply may take from its first frame: the first
+        ``limits.stream_idle_timeout_s`` free, then ``limits.min_pull_rate_bytes_s``."""
+        wanted = set(req.segments) or range(len(self.plan))
+        nbytes = sum(seg.nbytes for seg in self.plan.segments if seg.index in wanted)
+        return nbytes, self.idle_s + nbytes / self.min_pull_rate
 
     async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def call() -> pb.LeaveReply:

@@ -212,6 +212,16 @@ def test_the_config_refuses_bad_link_values_with_the_key_and_the_fix(
         parse_config({"mesh_id": MESH, "node_id": "n0", "tls": {"insecure": True}, "link": link})
 
 
+def test_the_config_refuses_a_link_slower_than_the_pulls_it_serves_may_be() -> None:
+    """1 Mbit/s (125,000 bytes/s) is above the push floor but below this pull floor."""
+    config = {"mesh_id": MESH, "node_id": "n0", "tls": {"insecure": True}}
+    config |= {"link": {"rate_mbit": 1.0}, "limits": {"min_pull_rate_bytes_s": 200_000.0}}
+    with pytest.raises(
+        ConfigError, match=r"below limits\.min_pull_rate_bytes_s = 200000, so this node would"
+    ):
+        parse_config(config)
+
+
 def test_mesh_up_flags_give_each_node_its_own_link_table(tmp_path: Path) -> None:
     """One value for all, or one per node (two fast, two slow); written into each config."""
     args = build_parser().parse_args(
