@@ -8,8 +8,9 @@ overlap protocol averages by pulls). Now one peer holds at most
 ``limits.max_inbound_pulls_per_peer`` pulls, and a reply still being read after the
 first idle interval plus its bytes at ``limits.min_pull_rate_bytes_s`` is cut off
 (``PullTooSlow``, DEADLINE_EXCEEDED, counted), its slots freed and its lane connection
-closed, while others pull as before. Pulls move no weight: the daemon's sum of weights
-is the same before and after.
+closed, while others pull as before. A reader that takes nothing at all is cut off
+after one idle interval (``StreamIdle``). Pulls move no weight: the daemon's sum of
+weights is the same before and after each.
 
 One plaintext daemon with a 32 MiB model, so that a reply does not fit in loopback's
 socket buffers: a reader that takes 1 MiB every half second reads at 2 MiB/s, a
@@ -19,6 +20,7 @@ quarter of the 8 MiB/s floor set here, each piece well inside the 4 s idle timeo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -187,6 +189,30 @@ def test_a_pull_read_below_the_minimum_rate_is_cut_off_and_one_peer_holds_one_pu
     assert _rejected(handle, "TooManyStreams") == over_cap + 1
 
     # Its slot was freed with it: the same peer pulls again, whole.
+    after = asyncio.run(_pull(served, SLOW))
+    assert after.code == grpc.StatusCode.OK and after.payload_bytes == MODEL_BYTES, after
+    assert handle.status()["sum_weights"] == weights
+
+
+def test_a_pull_whose_lane_is_never_read_ends_at_the_idle_timeout_and_frees_its_slot(
+    served: Served,
+) -> None:
+    """Nothing read at all: the write that fills the socket buffers waits one idle interval."""
+    handle = served.handle
+    weights, idled = handle.status()["sum_weights"], _rejected(handle, "StreamIdle")
+    with _lane(served, b"pull-limits-0002") as sock:
+        stalled = asyncio.run(_pull(served, SLOW, b"pull-limits-0002"))
+
+        assert stalled.code == grpc.StatusCode.DEADLINE_EXCEEDED, stalled
+        assert "limits.stream_idle_timeout_s" in stalled.details, stalled
+        assert stalled.took_s < IDLE_S + 10, stalled
+        sock.settimeout(IDLE_S + 10)
+        got = 0
+        with contextlib.suppress(ConnectionResetError):
+            while data := sock.recv(1 << 20):  # what the buffers held, then the close
+                got += len(data)
+        assert got < MODEL_BYTES, f"the lane carried the whole model ({got} bytes)"
+    wait_until(lambda: _rejected(handle, "StreamIdle") == idled + 1, "the stall counted", 10)
     after = asyncio.run(_pull(served, SLOW))
     assert after.code == grpc.StatusCode.OK and after.payload_bytes == MODEL_BYTES, after
     assert handle.status()["sum_weights"] == weights
