@@ -50,7 +50,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "cpu_share": args.cpu_share,
         "codec": args.codec,
         "learning_rate": args.learning_rate,
-        "workdir": Path(args.workdir) if args.workdir else None,
+        "workdir": _fresh_workdir(args.workdir),
         "plot_path": Path(args.plot) if args.plot else None,
         "seed": args.seed,
         "ranks": args.ranks,
@@ -64,6 +64,25 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         fields.update(_node_based(args))
     fields.update(overrides)
     return MeshSpec(**fields)  # type: ignore[arg-type]
+
+
+def _fresh_workdir(text: str | None) -> Path | None:
+    """``--workdir``, refused while it holds an earlier run's node state: its nodes would
+    resume from their checkpoints instead of training anew (and stop at once where they
+    had reached ``--max-steps``), and this run's summary would describe that one."""
+    if not text:
+        return None
+    workdir = Path(text)
+    earlier = sorted(workdir.glob("node-*/checkpoint.pt")) or sorted(
+        workdir.glob("*/node-*/checkpoint.pt")  # demo: local-only/ and gossip/
+    )
+    if earlier:
+        raise GossipdError(
+            f"--workdir {workdir} holds an earlier run's node state ({earlier[0]}): its "
+            "nodes would resume from those checkpoints, not train anew; give a new or empty "
+            "--workdir, or remove that one"
+        )
+    return workdir
 
 
 def _node_based(args: argparse.Namespace) -> dict[str, object]:
@@ -272,8 +291,8 @@ def _add_mesh_args(
     p.add_argument(
         "--workdir",
         default=None,
-        help="keep configs, node state, logs and certificates here "
-        "(default: a temporary directory, removed at the end)",
+        help="keep configs, node state, logs and certificates here; one that holds an "
+        "earlier run's nodes is refused (default: a temporary directory, removed at the end)",
     )
     p.add_argument(
         "--plot",

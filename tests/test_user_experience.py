@@ -248,3 +248,27 @@ def test_help_runs_as_a_user_types_it(argv: list[str]) -> None:
         check=True,
     ).stdout
     assert "usage: gossipd" in shown and not SPHINX.search(shown)
+
+
+@pytest.mark.parametrize(
+    ("command", "earlier"),
+    [(["mesh", "up"], "node-0/checkpoint.pt"), (["demo"], "gossip/node-1/checkpoint.pt")],
+)
+def test_a_workdir_holding_an_earlier_runs_nodes_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str], earlier: str
+) -> None:
+    """Its nodes would resume from their checkpoints: a run of the same command again
+    trained nothing (they had reached --max-steps) and printed that run's table as its own."""
+    from gossipd.node.cli import main
+
+    workdir = tmp_path / "runs"
+    (workdir / earlier).parent.mkdir(parents=True)
+    (workdir / earlier).write_bytes(b"an earlier run's checkpoint")
+    before = sorted(workdir.rglob("*"))
+
+    assert main([*command, "--nodes", "2", "--max-steps", "50", "--workdir", str(workdir)]) == 2
+
+    err = capsys.readouterr().err
+    assert f"gossipd: error: --workdir {workdir} holds an earlier run's node state" in err, err
+    assert str(workdir / earlier) in err and "give a new or empty --workdir" in err, err
+    assert sorted(workdir.rglob("*")) == before, "something was written before the refusal"
