@@ -459,6 +459,8 @@ class GossipServicer:
                         context, data, "the reader took no frame", "the pull was cut off"
                     )
         except TimeoutError:
+            if not deadline.expired():
+                raise
             raise PullTooSlow(
                 f"{req.requester!r} did not read a pull of {nbytes} bytes within "
                 f"{allowed_s:.3g} s (limits.stream_idle_timeout_s = {self.idle_s:g} s, then "
