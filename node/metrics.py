@@ -172,6 +172,12 @@ class NodeMetrics:
             "limits.max_inbound_pushes_per_peer of them)",
             registry=r,
         )
+        self.inbound_pull_streams = Gauge(
+            "gossipd_inbound_pull_streams",
+            "Pulls this node serves now (limits.max_inbound_pulls; one peer may hold "
+            "limits.max_inbound_pulls_per_peer of them)",
+            registry=r,
+        )
         self.mass_inconsistencies = Counter(
             "gossipd_mass_inconsistencies_total",
             "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"

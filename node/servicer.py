@@ -200,6 +200,7 @@ class GossipServicer:
         self.pending.check_fits(plan)
         self.push_deadline_s = push_deadline_s(node.config, plan)
         node.metrics.inbound_push_streams.set_function(lambda: self.pushes.in_use)
+        node.metrics.inbound_pull_streams.set_function(lambda: self.pulls.in_use)
 
     def check_mesh(self, mesh_id: str, who: str) -> None:
         if mesh_id != self.node.mesh_id:

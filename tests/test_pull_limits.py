@@ -33,7 +33,7 @@ import pytest
 from gossipd.node.bulk import MAGIC
 from gossipd.node.mesh import free_ports
 from gossipd.proto import gossip_pb2 as pb
-from tests.conftest import DaemonHandle, start_daemon, wait_until
+from tests.conftest import DaemonHandle, scrape_metrics, start_daemon, wait_until
 from tests.fakepeer import MESH, FakePeer, handshake_tls, synthetic_plan
 from tests.test_bulk_lane import PLAINTEXT
 
@@ -144,6 +144,11 @@ def _read_slowly(sock: socket.socket, got: list[int], done: threading.Event) -> 
         time.sleep(EVERY_S)  # the reader's pace, not a wait for the daemon
 
 
+def _serving(handle: DaemonHandle) -> float:
+    """The daemon's gauge of the pulls it serves now."""
+    return scrape_metrics(handle.node_json()["metrics_port"])["gossipd_inbound_pull_streams"]
+
+
 def _rejected(handle: DaemonHandle, reason: str) -> int:
     return handle.status()["rejected"].get(reason, 0)
 
@@ -164,6 +169,7 @@ def test_a_pull_read_below_the_minimum_rate_is_cut_off_and_one_peer_holds_one_pu
         first = asyncio.Event()
         slow = asyncio.create_task(_pull(served, SLOW, token, first))
         await asyncio.wait_for(first.wait(), 30.0)
+        assert await asyncio.to_thread(_serving, handle) == 1
         # While the slow pull holds SLOW's one slot: its second is refused at once,
         # another peer's pull (the other slot) goes through whole.
         again = await _pull(served, SLOW)
@@ -187,6 +193,7 @@ def test_a_pull_read_below_the_minimum_rate_is_cut_off_and_one_peer_holds_one_pu
     assert got[0] < MODEL_BYTES, f"the slow reader got the whole model ({got[0]} bytes)"
     wait_until(lambda: _rejected(handle, "PullTooSlow") == cut + 1, "the cut-off pull counted", 10)
     assert _rejected(handle, "TooManyStreams") == over_cap + 1
+    wait_until(lambda: _serving(handle) == 0, "no pull served any more", 10)
 
     # Its slot was freed with it: the same peer pulls again, whole.
     after = asyncio.run(_pull(served, SLOW))
