@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from gossipd.node.cli_mesh import add_mesh_commands
@@ -369,6 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to a command other than a daemon, unwound as Ctrl-C is: `mesh up`, `demo`
+    and the benchmarks stop the processes they started on the way out. Without it a
+    SIGTERM (``timeout``, a cancelled CI job) killed the launcher alone and left its
+    daemons training."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -381,13 +393,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if getattr(args, "plot_default", None) and args.plot is None:
         args.plot = args.plot_default
+    # Daemons stop on SIGTERM in their own loop; in the main thread only (a test may call
+    # main from another), and restored after (a test may call it in-process).
+    catch = args.command not in ("node", "coordinator") and (
+        threading.current_thread() is threading.main_thread()
+    )
+    previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
     try:
         return int(args.func(args))
     except GossipdError as err:
         print(f"gossipd: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("gossipd: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+    finally:
+        if catch:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

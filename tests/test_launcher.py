@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +148,52 @@ def test_final_models_come_from_the_checkpoints_nodes_write_at_exit(tmp_path: Pa
     assert [w[0] for w in weights] == [0.0, 2.0]
     assert torch.equal(final[0], initial[0])
     assert torch.allclose(final[1], (initial[0] + initial[1]) / 2, atol=1e-6)
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Live processes whose command line names ``path`` (a node's config lives there)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_sigterm_to_mesh_up_stops_its_nodes_and_the_mesh_keeps_its_weight(tmp_path: Path) -> None:
+    """``timeout`` or a cancelled CI job sends SIGTERM: it used to kill the launcher alone,
+    and its daemons trained on (with --max-steps 0, for ever). Now it unwinds as Ctrl-C
+    does, every node is stopped (each leaves with a final checkpoint) and it exits 143."""
+    workdir = tmp_path / "mesh"
+    argv = ["mesh", "up", "--nodes", "2", "--max-steps", "0", "--duration-s", "0"]
+    argv += ["--insecure", "--workdir", str(workdir)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossipd.node.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        stepping = [workdir / f"node-{i}" / "initial.pt" for i in range(2)]  # before a 1st step
+        while not all(p.exists() for p in stepping):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)  # a poll of the nodes' files, bounded above
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        left = _processes_naming(workdir)
+        for pid in left:  # a failure here must not leave them training
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.rstrip().endswith("gossipd: stopped by SIGTERM"), err
+    assert left == [], "nodes outlived their launcher"
+    weights = [
+        json.loads((workdir / f"node-{i}" / "summary.json").read_text())["sum_weights"]
+        for i in range(2)
+    ]
+    assert sum(w[0] for w in weights) == pytest.approx(2.0, abs=1e-9), weights
