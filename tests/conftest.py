@@ -220,6 +220,20 @@ def restart_daemon(handle: DaemonHandle) -> DaemonHandle:
     return answering(replace(handle, proc=proc))
 
 
+def left_running(workdir: Path) -> list[int]:
+    """Processes whose command line names the run's files (its sites)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(workdir).encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
 def kill_hard(handle: DaemonHandle) -> None:
     """``kill -9``: no hand-off, no final checkpoint, whatever was in flight is cut."""
     handle.proc.kill()

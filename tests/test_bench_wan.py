@@ -32,6 +32,7 @@ from gossipd.bench.wan_results import (
     time_to_target_s,
 )
 from gossipd.node.errors import ConfigError
+from tests.conftest import left_running
 
 ROOT, WHY_NOT = wan_net.have_root()
 RUN_TIMEOUT_S = 400.0
@@ -137,20 +138,6 @@ def bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.Popen[
         pytest.fail(f"bench wan did not end in {RUN_TIMEOUT_S:.0f} s:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1]), proc, err
-
-
-def left_running(workdir: Path) -> list[int]:
-    """Processes whose command line names the run's files (its sites)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(workdir).encode() in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def check_fields(result: dict[str, Any], protocols: list[str]) -> None:

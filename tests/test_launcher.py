@@ -25,6 +25,7 @@ import torch
 from gossipd.node import checkpoint
 from gossipd.node.errors import GossipdError
 from gossipd.node.mesh import LocalMesh, MeshSpec
+from tests.conftest import left_running
 
 
 class FlakyProxy:
@@ -150,16 +151,6 @@ def test_final_models_come_from_the_checkpoints_nodes_write_at_exit(tmp_path: Pa
     assert torch.allclose(final[1], (initial[0] + initial[1]) / 2, atol=1e-6)
 
 
-def _processes_naming(path: Path) -> list[int]:
-    """Live processes whose command line names ``path`` (a node's config lives there)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-    return pids
-
-
 def test_sigterm_to_mesh_up_stops_its_nodes_and_the_mesh_keeps_its_weight(tmp_path: Path) -> None:
     """``timeout`` or a cancelled CI job sends SIGTERM: it used to kill the launcher alone,
     and its daemons trained on (with --max-steps 0, for ever). Now it unwinds as Ctrl-C
@@ -185,7 +176,7 @@ def test_sigterm_to_mesh_up_stops_its_nodes_and_the_mesh_keeps_its_weight(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        left = _processes_naming(workdir)
+        left = left_running(workdir)
         for pid in left:  # a failure here must not leave them training
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -32,10 +32,10 @@ import pytest
 
 from gossipd.node.bulk import MAGIC
 from gossipd.node.mesh import free_ports
+from gossipd.node.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, scrape_metrics, start_daemon, wait_until
 from tests.fakepeer import MESH, FakePeer, handshake_tls, synthetic_plan
-from tests.test_bulk_lane import PLAINTEXT
 
 NUMEL = 8 << 20  # float32: one segment of 32 MiB
 PLAN = synthetic_plan(numel=NUMEL)
@@ -73,7 +73,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         with FakePeer("pull-limits-asker", fingerprint=PLAN.fingerprint) as asker:
             code, reply, details = handshake_tls(
-                PLAINTEXT, handle.address, asker.info(), fingerprint=PLAN.fingerprint
+                Credentials(insecure=True),
+                handle.address,
+                asker.info(),
+                fingerprint=PLAN.fingerprint,
             )
         assert code == grpc.StatusCode.OK and reply is not None and reply.bulk_port, details
         yield Served(handle, reply.bulk_port)
