@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from gossipd.node.mesh import free_ports
+from gossipd.node.launch.localmesh import free_ports
 
 MiB = 1 << 20
 TIMEOUT_S = 120.0

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from gossipd.bench.overlap_mesh import MeshSettings, run_mode
 from gossipd.bench.overlap_sim import MODES, SimSettings, run_grid
-from gossipd.node.plot import save_figure
+from gossipd.node.launch.plot import save_figure
 
 GOAL_WAIT = 0.03  # the goal for scheduled overlap: under 3% of wall time waited
 

@@ -1,6 +1,6 @@
 """The real half of `gossipd bench overlap`: 4 `gossipd node` processes, one mode at a time.
 
-Each mode runs a fresh local mesh (:func:`gossipd.node.launcher.run_mesh`, mutual
+Each mode runs a fresh local mesh (:func:`gossipd.node.launch.launcher.run_mesh`, mutual
 TLS, a `gossipd coordinator` process beside it for the coordinated mode) for the
 same wall-clock budget, one after another: side by side they would share two
 cores and time each other. Every node's ``[link]`` shapes its sends (the test
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossipd.node.errors import JobError
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.launcher import run_mesh
-from gossipd.node.mesh import MeshSpec
+from gossipd.node.launch.launcher import run_mesh
+from gossipd.node.launch.localmesh import MeshSpec
+from gossipd.node.trainer.jobs import JobSpec, build_job
 
 JOB = "gossipd.bench.overlap_mesh:paced_digits"
 

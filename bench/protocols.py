@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.plot import save_figure
+from gossipd.node.launch.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
 from gossipd.node.sim import SimSpec, run_sim
 from gossipd.node.sim.command import checked_options, parse_setting

@@ -12,7 +12,7 @@ MLP, well under a millisecond a step, so gossip's fixed per-push costs dominate)
 and ``wide_digits`` (a 4.35M-parameter MLP of 17 MB with 256-sample batches, a
 step of about a tenth of a second, against which the per-byte costs count).
 
-The mesh is :class:`~gossipd.node.mesh.LocalMesh`, the one `gossipd mesh up`
+The mesh is :class:`~gossipd.node.launch.localmesh.LocalMesh`, the one `gossipd mesh up`
 drives, without the launcher's progress sampling: that pulls every node's model
 every two seconds, which would itself take CPU from the trainers measured here.
 Periodic evaluations and checkpoints are off for the same reason. Pushes and
@@ -36,8 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from gossipd.node.errors import GossipdError, JobError
-from gossipd.node.jobs import DigitsJob, JobSpec, _init_seeded, build_job
-from gossipd.node.mesh import STARTUP_TIMEOUT_S, LocalMesh, MeshSpec
+from gossipd.node.launch.localmesh import STARTUP_TIMEOUT_S, LocalMesh, MeshSpec
+from gossipd.node.trainer.jobs import DigitsJob, JobSpec, _init_seeded, build_job
 
 WIDE_JOB = "gossipd.bench.trainer_overhead:wide_digits"
 JOBS = {"digits": "digits", "wide_digits": WIDE_JOB}  # short names --trainer-jobs takes

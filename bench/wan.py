@@ -31,10 +31,10 @@ from typing import IO, Any
 from gossipd.bench import wan_results as results
 from gossipd.bench.wan_scenarios import DEFAULT_PATH, scenario
 from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
-from gossipd.node.config_ranks import ALLREDUCE
 from gossipd.node.errors import ConfigError
-from gossipd.node.plot import save_figure
+from gossipd.node.launch.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.shared.config_ranks import ALLREDUCE
 
 log = logging.getLogger("gossipd.bench.wan")
 

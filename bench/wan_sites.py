@@ -29,9 +29,9 @@ from gossipd.bench import wan_cleanup
 from gossipd.bench.wan_net import LoopbackTestbed, Testbed, open_testbed
 from gossipd.bench.wan_results import History, eval_every_steps
 from gossipd.bench.wan_scenarios import Scenario
-from gossipd.node.config_ranks import ALLREDUCE
-from gossipd.node.mesh import free_ports
-from gossipd.node.plot import read_history
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.launch.plot import read_history
+from gossipd.node.shared.config_ranks import ALLREDUCE
 
 log = logging.getLogger(__name__)
 

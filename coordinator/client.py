@@ -9,7 +9,7 @@ turns False after ``missed_heartbeats`` consecutive failed calls (10 s at the
 defaults) and True again once the coordinator has the node registered.
 
 The coordinator is dialed expecting ``gossipd-coordinator`` in its certificate
-(:data:`gossipd.node.certs.COORDINATOR_DNS_NAME`): a site certificate of the same CA
+(:data:`gossipd.node.shared.certs.COORDINATOR_DNS_NAME`): a site certificate of the same CA
 cannot pose as the coordinator.
 """
 
@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import grpc
 
-from gossipd.node import certs
 from gossipd.node.errors import GossipdError
-from gossipd.node.tls import Credentials
+from gossipd.node.shared import certs
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import coordinator_pb2 as pb
 from gossipd.proto import coordinator_pb2_grpc as pb_grpc
 

@@ -1,6 +1,6 @@
 """The coordinator's configuration: one TOML file, validated before anything listens.
 
-Errors read like a site's (:mod:`gossipd.node.config`): the key, the value, the fix.
+Errors read like a site's (:mod:`gossipd.node.shared.config`): the key, the value, the fix.
 The coordinator has no plaintext mode: the node id of every caller comes from its
 client certificate, so without certificates it could not tell nodes apart.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gossipd.node.config import MetricsConfig, check_address, explain, read_toml
-from gossipd.node.scheduler import DEFAULT_LEASE_S, DEFAULT_THRESHOLD, MAX_TIME_S
+from gossipd.node.protocols.scheduler import DEFAULT_LEASE_S, DEFAULT_THRESHOLD, MAX_TIME_S
+from gossipd.node.shared.config import MetricsConfig, check_address, explain, read_toml
 
 ID_PATTERN = r"^[A-Za-z0-9._-]+$"
 

@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from gossipd.node.scheduler import Grant, Scheduler, SchedulerError
+from gossipd.node.protocols.scheduler import Grant, Scheduler, SchedulerError
 
 log = logging.getLogger("gossipd.coordinator")
 

@@ -1,7 +1,7 @@
 """``gossipd coordinator``: the Coordinator service on grpc.aio, with mutual TLS, health,
 reflection, Prometheus metrics and its learned state kept in ``data_dir``.
 
-It serves with the node's own plumbing: :class:`~gossipd.node.tls.Credentials` (a
+It serves with the node's own plumbing: :class:`~gossipd.node.shared.tls.Credentials` (a
 coordinator certificate of the mesh CA; callers must hold site certificates of the
 same CA), the standard gRPC health and reflection services, and a Prometheus registry
 served like a node's. Two background tasks: one drops members that stopped sending
@@ -32,8 +32,8 @@ from gossipd.coordinator.service import SERVICE, CoordinatorServicer
 from gossipd.coordinator.state import SavedState, StateError, load_state, save_state
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols.base import shared_seed
-from gossipd.node.scheduler import Scheduler
-from gossipd.node.tls import Credentials
+from gossipd.node.protocols.scheduler import Scheduler
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gossipd.coordinator")

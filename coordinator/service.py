@@ -17,11 +17,11 @@ import grpc
 
 from gossipd.coordinator.members import Members, View
 from gossipd.coordinator.metrics import CoordinatorMetrics
-from gossipd.node.config import check_address
 from gossipd.node.errors import GossipdError
-from gossipd.node.rejections import RejectionLog, peer_host
-from gossipd.node.scheduler import MAX_TIME_S, SchedulerError
-from gossipd.node.tls import Credentials
+from gossipd.node.protocols.scheduler import MAX_TIME_S, SchedulerError
+from gossipd.node.shared.config import check_address
+from gossipd.node.shared.rejections import RejectionLog, peer_host
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import coordinator_pb2 as pb
 from gossipd.proto import coordinator_pb2_grpc as pb_grpc
 

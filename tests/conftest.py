@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.mesh import free_ports, spawn_node, stop_process, stop_processes
-from gossipd.node.status import query_status
-from gossipd.node.tls import Credentials
+from gossipd.node.launch.localmesh import free_ports, spawn_node, stop_process, stop_processes
+from gossipd.node.net.status import query_status
+from gossipd.node.shared.tls import Credentials
 
 # Files whose tests run real meshes for tens of seconds, roughly longest first. They are
 # queued before the rest (with `--dist loadfile --no-loadscope-reorder`, xdist hands out
@@ -267,7 +267,7 @@ def status_of(handle: DaemonHandle, *, checksum: bool = False) -> dict[str, Any]
     test reads a counter the node does not report as 0 and fails on its assertion.
     """
 
-    from gossipd.node.status import status_dict
+    from gossipd.node.net.status import status_dict
     from gossipd.proto import gossip_pb2 as pb
     from gossipd.proto import gossip_pb2_grpc as pb_grpc
 

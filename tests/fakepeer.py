@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.segments import FlatModel, SegmentPlan
+from gossipd.node.trainer import codec as wirecodec
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.segments import FlatModel, SegmentPlan
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -493,7 +493,7 @@ def pull_unchecked(
 # -- The same outsider over mutual TLS ----------------------------------------------------
 #
 # ``tls`` is anything with the ``channel(address, options, expected)`` of
-# :class:`gossipd.node.tls.Credentials`: a site's Credentials (a valid certificate of
+# :class:`gossipd.node.shared.tls.Credentials`: a site's Credentials (a valid certificate of
 # the mesh), ``Credentials(insecure=True)`` (plaintext), or a test's own object that
 # presents files Credentials would refuse to load (expired, another CA's). Each call
 # opens its own channel and returns (status code, reply or None, error details).

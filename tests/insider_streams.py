@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 import torch
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.tls import Credentials
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer import codec as wirecodec
 from gossipd.proto import gossip_pb2 as pb
 from tests.fakepeer import MESH
 from tests.insider import Member

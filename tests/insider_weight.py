@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gossipd.node.tls import Credentials
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.insider import Member
 

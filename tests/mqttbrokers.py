@@ -17,8 +17,8 @@ from typing import Any
 
 import aiomqtt
 
-from gossipd.node.broker import EmbeddedBroker
-from gossipd.node.mesh import free_ports, stop_process
+from gossipd.node.launch.broker import EmbeddedBroker
+from gossipd.node.launch.localmesh import free_ports, stop_process
 from tests.conftest import wait_until
 
 # Debian installs the broker outside a normal user's PATH.

@@ -23,15 +23,15 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.admission import ByteBudget, held_bytes
-from gossipd.node.codec import Codec
-from gossipd.node.config import NodeConfig
 from gossipd.node.errors import ConfigError
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.segments import FlatModel, SegmentPlan, plan_segments
-from gossipd.node.servicer import GossipServicer
-from gossipd.node.wire import Limits, SegmentAssembler
+from gossipd.node.net.admission import ByteBudget, held_bytes
+from gossipd.node.net.servicer import GossipServicer
+from gossipd.node.net.wire import Limits, SegmentAssembler
+from gossipd.node.shared.config import NodeConfig
+from gossipd.node.trainer import codec as wirecodec
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.segments import FlatModel, SegmentPlan, plan_segments
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, check_alive, start_daemon, status_of, stop_all, wait_until
 from tests.fakepeer import MESH, FakePeer, leave_as
@@ -64,7 +64,7 @@ FP16_PUSH_HELD = sum(held_bytes(seg, Codec.FP16) for seg in PLAN.segments)
 @pytest.fixture(scope="module")
 def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     """A lone daemon with one push slot and a budget of exactly one whole fp16 push."""
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     handle = start_daemon(
         tmp_path_factory.mktemp("receiver"),
@@ -285,7 +285,7 @@ PULL_LIMITS = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     """A lone daemon serving one pull at a time, whose connections age in seconds."""
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     handle = start_daemon(
         tmp_path_factory.mktemp("server"),

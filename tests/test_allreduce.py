@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node.allreduce import AllreduceSite, resolve_backend
-from gossipd.node.config import load_config, parse_config
+from gossipd.node.baselines.allreduce import AllreduceSite, resolve_backend
 from gossipd.node.errors import ConfigError
-from gossipd.node.launcher import run_mesh
-from gossipd.node.mesh import MeshSpec, free_ports, spawn_node, stop_process
+from gossipd.node.launch.launcher import run_mesh
+from gossipd.node.launch.localmesh import MeshSpec, free_ports, spawn_node, stop_process
+from gossipd.node.shared.config import load_config, parse_config
 from tests.conftest import wait_until, write_config
 
 COLLECTIVE_TIMEOUT_S = 10.0

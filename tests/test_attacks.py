@@ -87,7 +87,7 @@ def _filled(value: float) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     """A lone daemon (push probability 0): only merged pushes change its model or weight."""
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     # One step, then it idles: it still merges every push, without spinning a core.
     handle = start_daemon(

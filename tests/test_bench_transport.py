@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from gossipd.bench import trainer_overhead, transport, transport_cli
-from gossipd.node.codec import Codec
 from gossipd.node.errors import JobError
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.messages import OutboundPush
+from gossipd.node.net.transport import Identity, PeerClient
+from gossipd.node.net.wire import segment_frames
 from gossipd.node.protocols.sumweight import Push
-from gossipd.node.tls import Credentials
-from gossipd.node.transport import Identity, PeerClient
-from gossipd.node.wire import segment_frames
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.messages import OutboundPush
 from gossipd.proto import gossip_pb2 as pb
 
 MODEL_MB = 8

@@ -1,4 +1,4 @@
-"""The bulk lane (``node/bulk.py``) on real daemons: large payloads as raw bytes beside gRPC.
+"""The bulk lane (``node/net/bulk.py``) on real daemons: large payloads as raw bytes beside gRPC.
 
 What it protects. A push or a pull of a part of 1 MiB or more (``BULK_MIN_BYTES``)
 travels on the receiver's lane, counted in ``gossipd_bulk_bytes_total``, and ends
@@ -38,17 +38,17 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node import transport
-from gossipd.node.bulk import MAGIC, MAGIC_SEALED, TOKEN_BYTES, BulkDialer, leave_tls
 from gossipd.node.errors import GossipdError
-from gossipd.node.mesh import free_ports
-from gossipd.node.messages import Ack, OutboundPush, Pulled
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net import transport
+from gossipd.node.net.bulk import MAGIC, MAGIC_SEALED, TOKEN_BYTES, BulkDialer, leave_tls
+from gossipd.node.net.sealing import LENGTH, SEED_BYTES, Seal, new_seed
+from gossipd.node.net.shaping import LinkShaper
+from gossipd.node.net.transport import BULK_MIN_BYTES, Identity, OutcomeUnknown, PeerClient
+from gossipd.node.net.wire import Limits
 from gossipd.node.protocols.base import Push
-from gossipd.node.sealing import LENGTH, SEED_BYTES, Seal, new_seed
-from gossipd.node.shaping import LinkShaper
-from gossipd.node.tls import Credentials
-from gossipd.node.transport import BULK_MIN_BYTES, Identity, OutcomeUnknown, PeerClient
-from gossipd.node.wire import Limits
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.messages import Ack, OutboundPush, Pulled
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, scrape_metrics, start_daemon, wait_until
 from tests.fakepeer import (

@@ -17,9 +17,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gossipd.node import certs
-from gossipd.node.certs import MESH_DNS_NAME, CertificateError
 from gossipd.node.errors import GossipdError
+from gossipd.node.shared import certs
+from gossipd.node.shared.certs import MESH_DNS_NAME, CertificateError
 
 RPC_TIMEOUT_S = 10.0
 CLI_TIMEOUT_S = 60.0

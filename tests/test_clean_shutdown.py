@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from gossipd.node.mesh import free_ports
+from gossipd.node.launch.localmesh import free_ports
 from tests.conftest import wait_until
 
 TIMEOUT_S = 120.0
@@ -23,8 +23,8 @@ STEPS = (150, 300, 450)  # each leaves while the others still push to it
 WORKER = f"""
 import sys
 import torch
-from gossipd.node.api import GossipNode
-from gossipd.node.jobs import JobSpec, build_job
+from gossipd.node.site.api import GossipNode
+from gossipd.node.trainer.jobs import JobSpec, build_job
 
 torch.set_num_threads(1)
 name, port, steps, seeds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from torch.distributed.run import get_args_parser
 
-from gossipd.node.cli import build_parser
-from gossipd.node.config import load_config
+from gossipd.node.cli.main import build_parser
+from gossipd.node.shared.config import load_config
 from tests.test_containers import (
     COMPOSE,
     DOCKER,

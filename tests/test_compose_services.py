@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from gossipd.node.certs import check_pair
-from gossipd.node.mesh import free_ports, stop_process
+from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.shared.certs import check_pair
 from tests.conftest import coordinator_process, wait_until
 from tests.mqttbrokers import MOSQUITTO
 from tests.test_containers import (

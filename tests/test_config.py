@@ -1,4 +1,4 @@
-"""Tests for gossipd.node.config: defaults, and errors that name the key, the value and a fix."""
+"""Site config (gossipd.node.shared.config): defaults, and errors that name key, value and fix."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gossipd.node.config import NodeConfig, load_config, parse_config
 from gossipd.node.errors import ConfigError, GossipdError
 from gossipd.node.protocols import settings_class
+from gossipd.node.shared.config import NodeConfig, load_config, parse_config
 
 MINIMAL = {"mesh_id": "test-mesh", "node_id": "site-a", "tls": {"insecure": True}}
 

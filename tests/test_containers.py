@@ -26,9 +26,9 @@ import pytest
 import yaml
 
 from gossipd.coordinator.config import CoordinatorConfig, load_coordinator_config
-from gossipd.node.certs import check_pair
-from gossipd.node.cli import build_parser
-from gossipd.node.config import NodeConfig, load_config
+from gossipd.node.cli.main import build_parser
+from gossipd.node.shared.certs import check_pair
+from gossipd.node.shared.config import NodeConfig, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"

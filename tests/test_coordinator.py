@@ -24,11 +24,12 @@ from gossipd.coordinator.client import CoordinatorClient, CoordinatorUnavailable
 from gossipd.coordinator.config import parse_coordinator_config
 from gossipd.coordinator.server import CoordinatorServer
 from gossipd.coordinator.state import STATE_FILE, StateError
-from gossipd.node import certs, cli
+from gossipd.node.cli import main as cli
 from gossipd.node.errors import ConfigError
-from gossipd.node.mesh import free_ports
+from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.protocols.base import shared_seed
-from gossipd.node.tls import Credentials
+from gossipd.node.shared import certs
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import coordinator_pb2 as pb
 from gossipd.proto import coordinator_pb2_grpc as pb_grpc
 

@@ -19,8 +19,8 @@ import pytest
 
 from gossipd.coordinator.client import CoordinatorUnavailable
 from gossipd.coordinator.state import STATE_FILE
-from gossipd.node import certs
-from gossipd.node.mesh import free_ports, stop_process
+from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.shared import certs
 from tests.conftest import scrape_metrics, write_config
 from tests.test_coordinator import MESH, Node, until
 

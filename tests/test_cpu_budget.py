@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.node.config import parse_config
-from gossipd.node.cpubudget import (
+from gossipd.node.errors import ConfigError
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.cpubudget import (
     CREDIT_S,
     DEBT_S,
     SAMPLE_S,
@@ -22,8 +23,7 @@ from gossipd.node.cpubudget import (
     CpuBudget,
     available_cpus,
 )
-from gossipd.node.errors import ConfigError
-from gossipd.node.mesh import free_ports
+from gossipd.node.shared.config import parse_config
 from tests.conftest import (
     DaemonHandle,
     check_alive,

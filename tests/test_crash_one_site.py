@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from gossipd.node import checkpoint
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
+from gossipd.node.trainer import checkpoint
 from tests.conftest import (
     kill_hard,
     restart_daemon,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
 from tests.conftest import wait_until
 
 CHECKPOINT_EVERY = 100

@@ -29,7 +29,7 @@ def _pair(daemons: Any, **config: Any) -> tuple[Any, Any]:
 def test_health_cli_says_serving_for_a_live_node_and_fails_for_a_closed_port(
     daemons: Any,
 ) -> None:
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     node = daemons("a")
 
@@ -54,7 +54,15 @@ def test_status_cli_json_reports_identity_step_weights_and_checksum(daemons: Any
     wait_until(lambda: node.status()["training_done"], "the solo node to finish training")
     assert node.status()["step"] == max_steps
     out = subprocess.run(
-        [sys.executable, "-m", "gossipd.node.cli", "status", "--address", node.address, "--json"],
+        [
+            sys.executable,
+            "-m",
+            "gossipd.node.cli",
+            "status",
+            "--address",
+            node.address,
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -84,7 +92,7 @@ def test_a_paced_trainer_steps_no_faster_than_its_rate(daemons: Any) -> None:
 
 
 def test_status_cli_names_the_address_when_nothing_listens() -> None:
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     address = f"127.0.0.1:{free_ports(1)[0]}"
     proc = subprocess.run(
@@ -188,7 +196,7 @@ def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> N
 
 
 def test_training_failure_shuts_the_daemon_down_with_exit_code_1(tmp_path: Path) -> None:
-    from gossipd.node.mesh import free_ports, spawn_node, stop_process
+    from gossipd.node.launch.localmesh import free_ports, spawn_node, stop_process
     from tests.conftest import write_config
 
     data_dir = tmp_path / "fragile"
@@ -222,7 +230,7 @@ BAD_OUTPUT = ("Traceback", "Event loop is closed", "was never awaited", "Task wa
 
 def _node_cli(tmp_path: Path, node_id: str, **config: Any) -> subprocess.CompletedProcess[str]:
     """Run `gossipd node` to its exit (default log level: what an operator sees)."""
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
     from tests.conftest import write_config
 
     full: dict[str, Any] = {
@@ -288,7 +296,7 @@ def test_join_failure_after_the_server_started_is_one_line_and_saves_nothing(
     tmp_path: Path,
 ) -> None:
     """Raised inside the event loop (bootstrap), it still reaches the CLI as exit code 2."""
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
 
     nobody = f"127.0.0.1:{free_ports(1)[0]}"
     proc = _node_cli(tmp_path, "joiner", join=True, seeds=[nobody], join_timeout_s=1.0)
@@ -302,7 +310,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     between the pick and the bind ("address already in use" in the suite)."""
     import socket
 
-    from gossipd.node.mesh import EPHEMERAL_RANGE, free_ports
+    from gossipd.node.launch.localmesh import EPHEMERAL_RANGE, free_ports
 
     ports = free_ports(8)
     assert len(set(ports)) == 8

@@ -25,10 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from gossipd.node import certs
-from gossipd.node.config import parse_config
-from gossipd.node.mesh import free_ports
-from gossipd.node.network import Network
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.network import Network
 from gossipd.node.protocols import PROTOCOLS, CoreSettings, build, keeps_weights
 from gossipd.node.protocols.base import (
     Action,
@@ -49,8 +47,10 @@ from gossipd.node.protocols.base import (
     ViewChanged,
     shared_seed,
 )
-from gossipd.node.replica import Replica
+from gossipd.node.shared import certs
+from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SimSpec, Simulation
+from gossipd.node.trainer.replica import Replica
 from tests.pullcore import NAME as PULL
 from tests.pullcore import PullEveryRound
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError, MeshMismatch
-from gossipd.node.mesh import free_ports
-from gossipd.node.messages import Ack, OutboundPush
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.transport import Identity, OutcomeUnknown, PeerClient
 from gossipd.node.protocols.base import Push
-from gossipd.node.tls import Credentials
-from gossipd.node.transport import Identity, OutcomeUnknown, PeerClient
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.messages import Ack, OutboundPush
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, start_daemon, wait_until
 from tests.fakepeer import FakePeer, push_frames, synthetic_plan

@@ -1,4 +1,4 @@
-"""gossipd.node.fairlock.FairLock: re-entrant, owner-checked, handed over in arrival order.
+"""gossipd.node.trainer.fairlock.FairLock: re-entrant, owner-checked, handed over in arrival order.
 
 No sleep is used as synchronisation: threads meet on Events (every wait bounded), and where a
 test must know a thread is queued it polls ``len(lock._waiters)`` in a bounded loop. The
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gossipd.node.fairlock import FairLock
+from gossipd.node.trainer.fairlock import FairLock
 
 WAIT_S = 30.0
 pytestmark = pytest.mark.timeout(120)

@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 
-from gossipd.node.codec import BlockHasher, Codec, checksum
 from gossipd.node.errors import InvalidFrame, NonFinitePayload, PayloadOutOfBounds
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.messages import InboundPush, ReceivedSegment
-from gossipd.node.payload_bound import PayloadBound
-from gossipd.node.replica import Replica
-from gossipd.node.wire import Limits, SegmentAssembler, segment_frames
+from gossipd.node.net.wire import Limits, SegmentAssembler, segment_frames
+from gossipd.node.trainer.codec import BlockHasher, Codec, checksum
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
+from gossipd.node.trainer.payload_bound import PayloadBound
+from gossipd.node.trainer.replica import Replica
 
 
 def _replica(bound: PayloadBound | None = None, numel: int | None = None) -> Replica:

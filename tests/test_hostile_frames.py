@@ -23,11 +23,11 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.codec import Codec
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.segments import FlatModel
-from gossipd.node.transport import CHANNEL_OPTIONS
+from gossipd.node.net.transport import CHANNEL_OPTIONS
+from gossipd.node.trainer import codec as wirecodec
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.segments import FlatModel
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import wait_until
 from tests.fakepeer import FakePeer
@@ -119,7 +119,7 @@ def attacker() -> Iterator[FakePeer]:
 
 @pytest.fixture(scope="module")
 def victim(attacker: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from gossipd.node.mesh import free_ports
+    from gossipd.node.launch.localmesh import free_ports
     from tests.conftest import start_daemon
 
     handle = start_daemon(

@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node.admission import IdleBounded, PeerSlots
 from gossipd.node.errors import PayloadOutOfBounds, PushTooSlow, TooManyStreams
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.messages import InboundPush, ReceivedSegment
-from gossipd.node.payload_bound import PayloadBound
-from gossipd.node.replica import Replica
-from gossipd.node.report import StepReport
-from gossipd.node.tls import Credentials
+from gossipd.node.net.admission import IdleBounded, PeerSlots
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
+from gossipd.node.trainer.payload_bound import PayloadBound
+from gossipd.node.trainer.replica import Replica
+from gossipd.node.trainer.report import StepReport
 from tests.conftest import (
     DaemonHandle,
     check_alive,

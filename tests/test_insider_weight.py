@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from gossipd.node.protocols.sinks import SinkWatch
-from gossipd.node.tls import Credentials
+from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
     check_alive,

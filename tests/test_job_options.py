@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.node.cli import main
+from gossipd.node.cli.main import main
 from gossipd.node.errors import ConfigError
-from gossipd.node.joboptions import parse_job_option, parse_job_options
+from gossipd.node.launch.joboptions import parse_job_option, parse_job_options
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node import checkpoint
 from gossipd.node.errors import GossipdError
-from gossipd.node.mesh import LocalMesh, MeshSpec
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
+from gossipd.node.trainer import checkpoint
 from tests.conftest import left_running
 
 

@@ -34,9 +34,9 @@ def _submodules(package: ModuleType) -> list[str]:
 
 PURE = [
     "gossipd.node.errors",
-    "gossipd.node.membership",
-    "gossipd.node.certs",
-    "gossipd.node.scheduler",
+    "gossipd.node.net.membership",
+    "gossipd.node.shared.certs",
+    "gossipd.node.protocols.scheduler",
     *_submodules(gossipd.node.protocols),
     *_submodules(gossipd.node.sim),
 ]
@@ -77,7 +77,7 @@ def test_importing_a_pure_module_loads_no_grpc_protobuf_or_torch(module: str) ->
 def test_the_certs_command_loads_no_grpc_protobuf_or_torch(tmp_path: Path) -> None:
     ca = tmp_path / "ca"
     code = (
-        "from gossipd.node.cli import main\n"
+        "from gossipd.node.cli.main import main\n"
         f"assert main(['certs', 'init', '--dir', {str(ca)!r}, '--mesh-id', 'm']) == 0\n"
         f"assert main(['certs', 'issue', 'site-a', '--dir', {str(ca)!r}]) == 0\n"
         f"assert main(['certs', 'show', {str(ca / 'site-a.pem')!r}]) == 0"
@@ -89,11 +89,11 @@ def test_the_certs_command_loads_no_grpc_protobuf_or_torch(tmp_path: Path) -> No
 
 def test_the_probe_sees_grpc_protobuf_and_torch_when_a_module_does_load_them() -> None:
     # Without this, a probe that never saw anything would pass every test above.
-    assert _loaded_after("import gossipd.node.servicer") == list(HEAVY)
+    assert _loaded_after("import gossipd.node.net.servicer") == list(HEAVY)
 
 
 def test_every_error_class_has_its_status_code_in_the_servicer_table() -> None:
-    from gossipd.node.servicer import STATUS_CODES
+    from gossipd.node.net.servicer import STATUS_CODES
 
     hierarchy = [
         cls

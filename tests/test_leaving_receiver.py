@@ -14,12 +14,12 @@ import random
 
 import torch
 
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.messages import InboundPush, ViewChange
+from gossipd.node.net.wire import ReceivedSegment
 from gossipd.node.protocols.base import PushSettled
 from gossipd.node.protocols.sumweight import SumWeightGossip
-from gossipd.node.replica import Replica
-from gossipd.node.wire import ReceivedSegment
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.messages import InboundPush, ViewChange
+from gossipd.node.trainer.replica import Replica
 
 
 def _replica() -> Replica:

@@ -21,17 +21,17 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node import certs
-from gossipd.node.api import GossipNode
-from gossipd.node.cli import build_parser
-from gossipd.node.config import LinkConfig, parse_config
+from gossipd.node.cli.main import build_parser
 from gossipd.node.errors import ConfigError
-from gossipd.node.mesh import MeshSpec, free_ports, node_toml
+from gossipd.node.launch.localmesh import MeshSpec, free_ports, node_toml
+from gossipd.node.net.shaping import CHUNK_TIME_S, LinkShaper, link_tables
+from gossipd.node.net.status import query_status
 from gossipd.node.protocols import PROTOCOLS
-from gossipd.node.report import StepReport
-from gossipd.node.shaping import CHUNK_TIME_S, LinkShaper, link_tables
-from gossipd.node.status import query_status
-from gossipd.node.tls import Credentials
+from gossipd.node.shared import certs
+from gossipd.node.shared.config import LinkConfig, parse_config
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.site.api import GossipNode
+from gossipd.node.trainer.report import StepReport
 from tests.pullcore import NAME, PullEveryRound
 
 MESH = "shaped-mesh"

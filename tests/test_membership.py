@@ -1,4 +1,4 @@
-"""Tests for gossipd.node.membership: verified peers, bounded candidates, liveness, departures.
+"""Tests for gossipd.node.net.membership: verified peers, bounded candidates, liveness, departures.
 
 The rule under test (DESIGN.md §6): a node is a peer only after this node's own
 Handshake to an address was answered by it; everything anyone says about another
@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.membership import Change, Membership, NodeInfo, PeerState, Verdict
-from gossipd.node.peering import from_wire, to_wire
+from gossipd.node.net.membership import Change, Membership, NodeInfo, PeerState, Verdict
+from gossipd.node.net.peering import from_wire, to_wire
 from gossipd.proto import gossip_pb2 as pb
 
 SELF = "me"

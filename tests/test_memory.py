@@ -1,4 +1,4 @@
-"""Freed segment buffers come back from the heap, not as fresh pages (node/memory.py).
+"""Freed segment buffers come back from the heap, not as fresh pages (node/trainer/memory.py).
 
 Each case runs in a child process, since the setting is the whole process's: rounds of
 sixteen 16 MiB buffers (a 256 MiB model's push) are allocated, written and freed, and
@@ -16,7 +16,7 @@ import pytest
 
 ROUNDS = """
 import resource, sys, torch
-from gossipd.node.memory import keep_freed_buffers
+from gossipd.node.trainer.memory import keep_freed_buffers
 kept = keep_freed_buffers() if sys.argv[1] == "keep" else None
 def rounds(n):
     for _ in range(n):

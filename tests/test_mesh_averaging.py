@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node.mesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
 
 

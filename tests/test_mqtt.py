@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from gossipd.node import certs
-from gossipd.node.mesh import free_ports
-from gossipd.node.tls import Credentials
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.shared import certs
+from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
     check_alive,

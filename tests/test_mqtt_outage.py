@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.node.mesh import free_ports
+from gossipd.node.launch.localmesh import free_ports
 from tests.conftest import (
     check_alive,
     kill_hard,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node.mesh import free_ports, stop_process
+from gossipd.node.launch.localmesh import free_ports, stop_process
 from tests.conftest import (
     DaemonHandle,
     answering,
@@ -140,7 +140,9 @@ def test_status_prints_a_table_and_json_on_request(site: DaemonHandle, pki: Pki)
     assert re.search(r"^sum-weight\s+1 \(all \d+ segments\)$", table.stdout, re.M)
     assert "{" not in table.stdout and "[" not in table.stdout, table.stdout  # no reprs
     as_json = subprocess.run(
-        [sys.executable, "-m", "gossipd.node.cli", *argv, "--json"], capture_output=True, text=True
+        [sys.executable, "-m", "gossipd.node.cli", *argv, "--json"],
+        capture_output=True,
+        text=True,
     )
     assert as_json.returncode == 0, (as_json.stdout, as_json.stderr)
     assert as_json.stdout.lstrip().startswith("{"), (as_json.stdout, as_json.stderr)
@@ -152,7 +154,16 @@ def _start_failure(tmp_path: Path, data_dir: Path | None = None, **config: objec
     (port,) = free_ports(1)
     path = write_node_config(tmp_path, "bad", port, data_dir or tmp_path / "bad", **config)
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "gossipd.node.cli", "node", "--config", path],
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "gossipd.node.cli",
+            "node",
+            "--config",
+            path,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -163,7 +174,7 @@ def _start_failure(tmp_path: Path, data_dir: Path | None = None, **config: objec
         stop_process(proc)
     assert proc.returncode == 2, err[-3000:]
     imported = [ln.rsplit("|", 1)[-1].strip() for ln in err.splitlines() if "import time:" in ln]
-    assert "gossipd.node.config" in imported  # -X importtime did report
+    assert "gossipd.node.shared.config" in imported  # -X importtime did report
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
     return "\n".join(ln for ln in err.splitlines() if "import time:" not in ln)
 

@@ -26,15 +26,15 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node import certs
-from gossipd.node.api import GossipNode
-from gossipd.node.mesh import free_ports
-from gossipd.node.messages import OutboundPull
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.status import query_status
 from gossipd.node.protocols.base import Pull
 from gossipd.node.protocols.overlap import OverlapGossip
-from gossipd.node.report import StepReport
-from gossipd.node.status import query_status
-from gossipd.node.tls import Credentials
+from gossipd.node.shared import certs
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.site.api import GossipNode
+from gossipd.node.trainer.messages import OutboundPull
+from gossipd.node.trainer.report import StepReport
 from tests.conftest import wait_until
 
 MESH = "overlap-mesh"

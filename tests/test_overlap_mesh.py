@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gossipd.node.mesh import LocalMesh, MeshSpec
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from tests.conftest import wait_until
 
 NODES = 3

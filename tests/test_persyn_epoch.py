@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from gossipd.node.config import parse_config
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import CoreSettings, build
 from gossipd.node.protocols.persyn import PerSyn, burst_position
-from gossipd.node.replica import Replica
+from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SCENARIOS, SimSpec, run_sim
+from gossipd.node.trainer.replica import Replica
 from tests.test_protocol_cores import Harness
 
 EXACT_BOUND = 1e-12

@@ -23,9 +23,8 @@ import pytest
 import torch
 from pydantic import Field
 
-from gossipd.node.config import DEPRECATED_FLAT_KEYS, load_config, parse_config
 from gossipd.node.errors import ConfigError
-from gossipd.node.mesh import MeshSpec, node_toml
+from gossipd.node.launch.localmesh import MeshSpec, node_toml
 from gossipd.node.protocols import (
     PROTOCOLS,
     CoreSettings,
@@ -36,10 +35,11 @@ from gossipd.node.protocols import (
 )
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.replica import Replica
+from gossipd.node.shared.config import DEPRECATED_FLAT_KEYS, load_config, parse_config
 from gossipd.node.sim import SimSpec, run_sim
 from gossipd.node.sim.command import add_arguments, spec_from_args
 from gossipd.node.sim.spec import core_settings
+from gossipd.node.trainer.replica import Replica
 
 MINIMAL = {"mesh_id": "test-mesh", "node_id": "site-a", "tls": {"insecure": True}}
 EXACT = 1e-9
@@ -258,7 +258,7 @@ def test_errors_in_tables_and_in_the_section_are_reported_together() -> None:
 def test_a_deprecated_flat_key_still_reaches_the_selected_protocol_and_says_so(
     protocol: str, key: str, value: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="gossipd.node.config"):
+    with caplog.at_level(logging.WARNING, logger="gossipd.node.shared.config"):
         config = parse_config(_gossip(protocol=protocol, **{key: value}))
     assert getattr(config.gossip.options, key) == value
     assert getattr(Replica.from_config(config, _model()).core, key) == value
@@ -269,7 +269,7 @@ def test_a_deprecated_flat_key_still_reaches_the_selected_protocol_and_says_so(
 def test_a_flat_key_the_selected_protocol_lacks_is_ignored_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="gossipd.node.config"):
+    with caplog.at_level(logging.WARNING, logger="gossipd.node.shared.config"):
         config = parse_config(
             _gossip(protocol="crossover", push_probability=0.1, average_every_steps=5)
         )
@@ -296,7 +296,7 @@ def test_flat_keys_stay_known_to_did_you_mean() -> None:
 
 
 def test_no_warning_without_flat_keys(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="gossipd.node.config"):
+    with caplog.at_level(logging.WARNING, logger="gossipd.node.shared.config"):
         parse_config(_gossip(protocol="crossover", crossover={"round_steps": 2}))
     assert caplog.text == ""
 
@@ -379,7 +379,7 @@ def test_a_local_mesh_writes_the_protocols_own_table(
     assert f"[gossip.{protocol}]" in text
     path = tmp_path / "node.toml"
     path.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="gossipd.node.config"):
+    with caplog.at_level(logging.WARNING, logger="gossipd.node.shared.config"):
         config = load_config(path)
     assert config.gossip.options.model_dump() == expected
     assert caplog.text == ""  # nothing deprecated
@@ -420,4 +420,4 @@ def test_the_registry_and_every_core_load_neither_grpc_nor_protobuf_nor_torch() 
 def test_the_config_adds_neither_grpc_nor_protobuf_nor_torch_to_what_errors_load() -> None:
     # errors.py imports grpc for status codes (its own layering issue); the config, the
     # protocol registry it validates tables with and pydantic add nothing heavy to it.
-    assert _loaded_after("gossipd.node.errors", "gossipd.node.config") == []
+    assert _loaded_after("gossipd.node.errors", "gossipd.node.shared.config") == []

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from gossipd.node.bulk import MAGIC
-from gossipd.node.mesh import free_ports
-from gossipd.node.tls import Credentials
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.bulk import MAGIC
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, scrape_metrics, start_daemon, wait_until
 from tests.fakepeer import MESH, FakePeer, handshake_tls, synthetic_plan

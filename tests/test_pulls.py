@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node.api import GossipNode
 from gossipd.node.errors import GossipdError
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.mesh import free_ports
-from gossipd.node.messages import InboundPush
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.wire import ReceivedSegment
 from gossipd.node.protocols import PROTOCOLS
-from gossipd.node.replica import Replica
-from gossipd.node.wire import ReceivedSegment
+from gossipd.node.site.api import GossipNode
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.messages import InboundPush
+from gossipd.node.trainer.replica import Replica
 from tests.pullcore import NAME, PullEveryRound
 
 DEADLINE_S = 60.0
@@ -194,8 +194,8 @@ def test_a_core_without_sum_weights_has_status_metrics_and_checkpoints(
     """Status, metrics and checkpoints read sum-weights only where a core keeps them."""
     import asyncio
 
-    from gossipd.node import checkpoint
-    from gossipd.node.status import query_status
+    from gossipd.node.net.status import query_status
+    from gossipd.node.trainer import checkpoint
 
     a, b = _pair()
     with a, b:

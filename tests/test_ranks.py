@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from gossipd.node.config import parse_config
 from gossipd.node.errors import ConfigError, GossipdError
-from gossipd.node.jobs import JobSpec, build_job
-from gossipd.node.launcher import run_mesh_in
-from gossipd.node.mesh import LocalMesh, MeshSpec
+from gossipd.node.launch.launcher import run_mesh_in
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.protocols.persyn import burst_position
-from gossipd.node.rank_launcher import launch
-from gossipd.node.ranks import RankEnv, backend_for, read_records
+from gossipd.node.shared.config import parse_config
+from gossipd.node.site.rank_launcher import launch
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.ranks import RankEnv, backend_for, read_records
 from tests.conftest import wait_until
 
 
@@ -211,7 +211,7 @@ def test_nccl_without_a_gpu_model_and_bad_rank_counts_are_refused(tmp_path: Path
 
 
 def test_mesh_up_rejects_ranks_with_the_allreduce_baseline() -> None:
-    from gossipd.node.launcher import check_spec
+    from gossipd.node.launch.launcher import check_spec
 
     with pytest.raises(GossipdError, match="one process per site"):
         check_spec(MeshSpec(nodes=2, protocol="allreduce", ranks=2))

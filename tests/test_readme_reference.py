@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from gossipd.node.config import NodeConfig
-from gossipd.node.metrics import NodeMetrics
+from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.shared.config import NodeConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

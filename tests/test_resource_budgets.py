@@ -24,16 +24,16 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.admission import ByteBudget, Slots
-from gossipd.node.codec import Codec
-from gossipd.node.config import NodeConfig
 from gossipd.node.errors import Busy, ConfigError, InvalidFrame
-from gossipd.node.mesh import free_ports
-from gossipd.node.segments import model_checksum
-from gossipd.node.servicer import GossipServicer
-from gossipd.node.status import query_status
-from gossipd.node.wire import Limits, SegmentAssembler
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net.admission import ByteBudget, Slots
+from gossipd.node.net.servicer import GossipServicer
+from gossipd.node.net.status import query_status
+from gossipd.node.net.wire import Limits, SegmentAssembler
+from gossipd.node.shared.config import NodeConfig
+from gossipd.node.trainer import codec as wirecodec
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.segments import model_checksum
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, start_daemon, wait_until
 from tests.fakepeer import MESH, FakePeer, synthetic_plan

@@ -1,4 +1,4 @@
-"""The scheduled-overlap scheduler (node/scheduler.py): pairs, fairness, waits, learning.
+"""The scheduled-overlap scheduler (node/protocols/scheduler.py): pairs, fairness, waits, learning.
 
 Property tests drive it with arbitrary schedules of requests, reports, leaves and
 joins (hypothesis) and check the promises the coordinator and decentralized nodes
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.scheduler import (
+from gossipd.node.protocols.scheduler import (
     MAX_TIME_S,
     Scheduler,
     SchedulerError,

@@ -1,4 +1,4 @@
-"""Segments, codecs and wire framing (node/segments.py, node/codec.py, node/wire.py).
+"""Segments, codecs and wire framing (node/trainer/segments.py, codec.py, node/net/wire.py).
 
 Protects DESIGN.md §4 and §8: segment plans and fingerprints, flat storage that the
 module and optimizer really use, exact raw codec, and an assembler that hands on
@@ -14,8 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from gossipd.node import codec as wirecodec
-from gossipd.node.codec import Codec
 from gossipd.node.errors import (
     GossipdError,
     InvalidFrame,
@@ -23,14 +21,7 @@ from gossipd.node.errors import (
     NonFinitePayload,
     PayloadTooLarge,
 )
-from gossipd.node.segments import (
-    FlatModel,
-    SegmentPlan,
-    check_fingerprint,
-    plan_segments,
-    shareable_tensors,
-)
-from gossipd.node.wire import (
+from gossipd.node.net.wire import (
     PULL_CHUNK_TAG,
     PUSH_CHUNK_TAG,
     Limits,
@@ -39,6 +30,15 @@ from gossipd.node.wire import (
     chunk_view,
     pull_frame,
     segment_frames,
+)
+from gossipd.node.trainer import codec as wirecodec
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.segments import (
+    FlatModel,
+    SegmentPlan,
+    check_fingerprint,
+    plan_segments,
+    shareable_tensors,
 )
 from gossipd.proto import gossip_pb2 as pb
 

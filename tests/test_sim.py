@@ -174,7 +174,16 @@ def test_cli_prints_a_table_and_one_parsable_json_line(tmp_path: Path) -> None:
 
 def test_cli_refuses_a_bad_scenario_with_a_one_line_error() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "gossipd.node.cli", "sim", "--scenario", "mars", "--nodes", "4"],
+        [
+            sys.executable,
+            "-m",
+            "gossipd.node.cli",
+            "sim",
+            "--scenario",
+            "mars",
+            "--nodes",
+            "4",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

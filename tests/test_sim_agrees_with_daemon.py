@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node.mesh import LocalMesh, MeshSpec
+from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.sim import SimSpec, run_sim
 
 NODES = 5

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node import checkpoint
 from gossipd.node.errors import CheckpointError, GossipdError
-from gossipd.node.mesh import free_ports, stop_process
-from gossipd.node.status import query_status
+from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.net.status import query_status
+from gossipd.node.trainer import checkpoint
 from tests.conftest import scrape_metrics, wait_until, write_node_config
 
 ROOT = os.geteuid() == 0
@@ -216,8 +216,8 @@ def _error_lines(output: str) -> list[str]:
 
 @functools.cache
 def _fingerprint() -> str:
-    from gossipd.node.jobs import JobSpec, build_job
-    from gossipd.node.replica import Replica
+    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.trainer.replica import Replica
 
     job = build_job(JobSpec("synthetic", seed=0, learning_rate=0.01))
     return Replica("x", job.model, segment_bytes=4 << 20).fingerprint

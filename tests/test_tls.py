@@ -7,7 +7,7 @@ push probability 1; ``c`` runs with ``tls.allow`` set. The two rotation tests ru
 their own meshes (their certificate files change; one ends by stopping every node
 to add up the final weights).
 
-What the tests rely on (node/tls.py, node/servicer.py): a site's identity is the
+What the tests rely on (node/shared/tls.py, node/net/servicer.py): a site's identity is the
 node id its certificate names; every claim of identity in a request must equal
 it (PERMISSION_DENIED, counted as ``IdentityMismatch``); a certificate that TLS
 refuses never reaches a handler.
@@ -37,10 +37,10 @@ import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from gossipd.node import certs
-from gossipd.node.certs import MESH_DNS_NAME
-from gossipd.node.mesh import free_ports
-from gossipd.node.tls import Credentials
+from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.shared import certs
+from gossipd.node.shared.certs import MESH_DNS_NAME
+from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
     check_alive,

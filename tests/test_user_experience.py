@@ -20,9 +20,9 @@ from gossipd.bench import overlap as bench_overlap
 from gossipd.bench import protocols as bench_protocols
 from gossipd.bench import shaping as bench_shaping
 from gossipd.bench import transport as bench_transport
-from gossipd.node.cli import build_parser
-from gossipd.node.plot import LOCAL_ONLY_LABEL, STOP_LABEL, mesh_figure, plot_mesh
-from gossipd.node.progress import MeshProgress
+from gossipd.node.cli.main import build_parser
+from gossipd.node.launch.plot import LOCAL_ONLY_LABEL, STOP_LABEL, mesh_figure, plot_mesh
+from gossipd.node.launch.progress import MeshProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 SPHINX = re.compile(r"``|:(func|class|meth|mod|attr|exc|data|obj):`")
@@ -259,7 +259,7 @@ def test_a_workdir_holding_an_earlier_runs_nodes_is_refused_before_anything_star
 ) -> None:
     """Its nodes would resume from their checkpoints: a run of the same command again
     trained nothing (they had reached --max-steps) and printed that run's table as its own."""
-    from gossipd.node.cli import main
+    from gossipd.node.cli.main import main
 
     workdir = tmp_path / "runs"
     (workdir / earlier).parent.mkdir(parents=True)

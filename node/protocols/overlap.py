@@ -4,7 +4,7 @@ From "scheduled overlap of computation and communication in gossip SGD"
 (``papers/scheduled-overlap-gossip-ja.txt``, §3–4). Every ``period_steps`` (T)
 local steps node i averages with a peer's model that it *pulled*:
 x_i ← (x_i + x_j)/2. It predicts when its T steps end from a moving average of
-its step time, asks a scheduler (:mod:`gossipd.node.scheduler`) for a peer j and
+its step time, asks a scheduler (:mod:`gossipd.node.protocols.scheduler`) for a peer j and
 a start time ``max(now, end − c_ij)``, and the driver starts the pull then, so
 the transfer hides behind the last steps of the period. The pull merges at the
 period's last step boundary (``Pull.merge_at_step``); if it has not landed by
@@ -68,8 +68,13 @@ from gossipd.node.protocols.base import (
     ViewChanged,
     ranked,
 )
+from gossipd.node.protocols.scheduler import (
+    DEFAULT_LEASE_S,
+    DEFAULT_THRESHOLD,
+    Scheduler,
+    SchedulerError,
+)
 from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
-from gossipd.node.scheduler import DEFAULT_LEASE_S, DEFAULT_THRESHOLD, Scheduler, SchedulerError
 
 NAME = "overlap"
 Mode = Literal["scheduled", "none", "naive"]

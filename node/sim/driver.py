@@ -62,7 +62,7 @@ from gossipd.node.protocols.base import (
     TimerFired,
     ViewChanged,
 )
-from gossipd.node.scheduler import Scheduler
+from gossipd.node.protocols.scheduler import Scheduler
 from gossipd.node.sim.accounting import MassBook
 from gossipd.node.sim.payloads import Payload, VectorPayload, make_payload
 from gossipd.node.sim.pulls import PullSide

@@ -10,7 +10,7 @@ has not come yet: the steps ended sooner than predicted). A core that
 
 :class:`~gossipd.node.protocols.base.AskPeer` and
 :class:`~gossipd.node.protocols.base.ReportTransfer` go to the mesh's coordinator, a
-:class:`~gossipd.node.scheduler.Scheduler` in this process that answers at once.
+:class:`~gossipd.node.protocols.scheduler.Scheduler` in this process that answers at once.
 
 :class:`PullSide` is a part of :class:`~gossipd.node.sim.driver.Simulation`, kept in
 its own file because pulls and pushes change for different reasons; it owns no state
@@ -35,7 +35,7 @@ from gossipd.node.protocols.base import (
     Refused,
     ReportTransfer,
 )
-from gossipd.node.scheduler import Scheduler, SchedulerError
+from gossipd.node.protocols.scheduler import Scheduler, SchedulerError
 from gossipd.node.sim.payloads import Payload
 from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.sim.spec import SimNode

@@ -1,0 +1,364 @@
+"""gossipd mesh up and gossipd demo: local meshes of real daemons, their flags and runners.
+
+Both commands start N daemons on loopback with the same flags (:func:`_add_mesh_args`)
+and differ in what they run: ``mesh up`` one mesh with optional link shaping, ``demo``
+each site alone and then with gossip. They live apart from :mod:`gossipd.node.cli.main` so
+that the top-level parser reads as a list of commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+from pathlib import Path
+
+from gossipd.node.errors import GossipdError
+from gossipd.node.launch.joboptions import parse_job_options
+from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
+from gossipd.node.shared.config_ranks import ALLREDUCE
+
+
+def cpu_share(text: str) -> float:
+    """``--cpu-share``: a share of the cores' time, as ``gossip.cpu_share`` takes it."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise argparse.ArgumentTypeError(
+            f"--cpu-share {text!r}: give a share of the cores' time over 0 and at most 1 "
+            "(0.03 is gossip.cpu_share's default; 1 never holds a push)"
+        )
+    return share
+
+
+def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
+    from gossipd.node.launch.localmesh import MeshSpec
+
+    fields = {
+        "nodes": args.nodes,
+        "job": args.job,
+        "protocol": args.protocol,
+        "round_steps": args.round_steps,
+        "insecure": args.insecure,
+        "duration_s": args.duration_s,
+        "max_steps": args.max_steps,
+        "push_probability": args.push_probability,
+        "cpu_share": args.cpu_share,
+        "codec": args.codec,
+        "learning_rate": args.learning_rate,
+        "workdir": _fresh_workdir(args.workdir),
+        "plot_path": Path(args.plot) if args.plot else None,
+        "seed": args.seed,
+        "ranks": args.ranks,
+        "device": args.device,
+        "quiet": args.json,
+        "job_options": parse_job_options(args.job_option),
+        "coordinator": args.coordinator == "local",
+        "protocol_options": _overlap_options(args),
+    }
+    if args.node_based is not None:
+        fields.update(_node_based(args))
+    fields.update(overrides)
+    return MeshSpec(**fields)  # type: ignore[arg-type]
+
+
+def _fresh_workdir(text: str | None) -> Path | None:
+    """``--workdir``, refused while it holds an earlier run's node state: its nodes would
+    resume from their checkpoints instead of training anew (and stop at once where they
+    had reached ``--max-steps``), and this run's summary would describe that one."""
+    if not text:
+        return None
+    workdir = Path(text)
+    earlier = sorted(workdir.glob("node-*/checkpoint.pt")) or sorted(
+        workdir.glob("*/node-*/checkpoint.pt")  # demo: local-only/ and gossip/
+    )
+    if earlier:
+        raise GossipdError(
+            f"--workdir {workdir} holds an earlier run's node state ({earlier[0]}): its "
+            "nodes would resume from those checkpoints, not train anew; give a new or empty "
+            "--workdir, or remove that one"
+        )
+    return workdir
+
+
+def _node_based(args: argparse.Namespace) -> dict[str, object]:
+    """eDNNcomm's node-based mode: persyn between site leaders every K′ steps and at the end
+    of each epoch of a rank's data (the same epoch length on every site)."""
+    if args.protocol not in (DEFAULT_PROTOCOL, "persyn"):
+        raise GossipdError(f"--node-based runs persyn between sites, not {args.protocol}")
+    if args.node_based < 1:
+        raise GossipdError(f"--node-based {args.node_based}: give K′ >= 1 steps between averages")
+    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.trainer.ranks import RankEnv
+
+    site = JobSpec(
+        args.job,
+        shard_index=0,
+        num_shards=args.nodes,
+        learning_rate=args.learning_rate,
+        options=parse_job_options(args.job_option),
+    )
+    job = build_job(RankEnv(0, args.ranks, 0).job_spec(site) if args.ranks > 1 else site)
+    epoch = getattr(job, "steps_per_epoch", None)
+    if not isinstance(epoch, int) or epoch < 1:
+        raise GossipdError(
+            f"--node-based: job {args.job!r} does not say how many steps an epoch has "
+            "(a steps_per_epoch attribute); set [gossip.persyn] epoch_steps in its configs"
+        )
+    options = {"average_every_steps": args.node_based, "epoch_steps": epoch}
+    return {"protocol": "persyn", "protocol_options": options}
+
+
+def _overlap_options(args: argparse.Namespace) -> dict[str, object]:
+    options = {"mode": args.overlap_mode, "period_steps": args.period_steps}
+    given = {k: v for k, v in options.items() if v is not None}
+    if given and args.protocol != "overlap":
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise GossipdError(f"{flags}: only for --protocol overlap, not {args.protocol}")
+    return given
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    # Said before the heavy imports (torch takes seconds to load on a busy machine).
+    print(
+        f"gossipd: loading PyTorch to start {args.nodes} nodes twice: each site alone "
+        "(no gossip), then the same sites with gossip...",
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
+    from gossipd.node.launch.demo import DEMO_CPU_SHARE, demo_job_options, print_demo, run_demo
+
+    options = demo_job_options(args.job, parse_job_options(args.job_option))
+    with contextlib.ExitStack() as stack:
+        broker = None
+        if args.discovery == "mqtt":
+            from gossipd.node.launch.broker import EmbeddedBroker
+
+            broker = stack.enter_context(EmbeddedBroker()).address
+            print(
+                f"gossipd: the sites have no seeds; they find each other through an MQTT "
+                f"broker (amqtt) started in this process on {broker}",
+                file=sys.stderr if args.json else sys.stdout,
+                flush=True,
+            )
+        share = DEMO_CPU_SHARE if args.cpu_share is None else args.cpu_share
+        spec = _mesh_spec(args, job_options=options, mqtt_broker=broker, cpu_share=share)
+        result = run_demo(spec)  # type: ignore[arg-type]
+    print_demo(result, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def _run_mesh(args: argparse.Namespace) -> int:
+    # Said before the heavy imports (torch takes seconds to load on a busy machine).
+    print(
+        f"gossipd: loading PyTorch to start {args.nodes} nodes...",
+        file=sys.stderr if args.json else sys.stdout,
+        flush=True,
+    )
+    from gossipd.node.launch.launcher import print_table, run_mesh
+    from gossipd.node.net.shaping import link_tables
+
+    link = link_tables(args.nodes, latency_ms=args.link_latency_ms, rate_mbit=args.link_rate_mbit)
+    result = run_mesh(_mesh_spec(args, link=link))  # type: ignore[arg-type]
+    print_table(result, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+def _add_mesh_args(
+    p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str, baseline: bool = False
+) -> None:
+    """``baseline``: --protocol also offers allreduce, the synchronous DDP baseline."""
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=nodes,
+        help="daemons to start, at least 2 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="processes per site: rank 0 gossips, all ranks all-reduce gradients (gloo) every "
+        "step; the --json summary lists every rank's test accuracy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="job.device of every site: cpu, cuda (one GPU per rank) or cuda:N "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--node-based",
+        type=int,
+        default=None,
+        metavar="K",
+        help="node-based mode (with --ranks): persyn between sites every K steps and at each "
+        "epoch end of a rank's data (default: off)",
+    )
+    p.add_argument(
+        "--job",
+        default=job,
+        help="training job of every node: digits, synthetic or module:factory "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        default=DEFAULT_PROTOCOL,
+        choices=sorted(PROTOCOLS) + ([ALLREDUCE] if baseline else []),
+        help="gossip protocol of every node"
+        + ("; allreduce: the synchronous DDP baseline, no gossip" if baseline else "")
+        + " (default: %(default)s)",
+    )
+    p.add_argument(
+        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
+    )
+    p.add_argument(
+        "--coordinator",
+        choices=("none", "local"),
+        default="none",
+        help="local: start a gossipd coordinator beside the nodes (it schedules the overlap "
+        "protocol's pulls; a node that loses it schedules alone); none: decentralized "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--overlap-mode",
+        choices=("scheduled", "naive", "none"),
+        default=None,
+        help="overlap protocol: when a pull starts (scheduled: to land as the period ends; "
+        "naive: at its start; none: after it) (default: the protocol's, scheduled)",
+    )
+    p.add_argument(
+        "--period-steps",
+        type=int,
+        default=None,
+        help="overlap protocol: local steps between averages, T (default: the protocol's, 16)",
+    )
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=duration_s,
+        help="seconds each node trains once all are in touch; 0: until --max-steps "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop each node after this many steps; 0: no limit (default: %(default)s)",
+    )
+    p.add_argument(
+        "--push-probability",
+        type=float,
+        default=None,
+        help="sumweight: chance of a push per step (default: the config's, 0.5)",
+    )
+    p.add_argument(
+        "--cpu-share",
+        type=cpu_share,
+        default=None,
+        help="gossip.cpu_share of every node: most of its cores' time gossip may take "
+        "while it trains, over 0 and at most 1 (default: the config's, 0.03; for demo 0.1)",
+    )
+    p.add_argument(
+        "--codec",
+        default="raw",
+        choices=["raw", "fp16", "bf16"],
+        help="how segments travel: raw float32, or halved to fp16 or bf16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="SGD learning rate of every node (default: the job's own)",
+    )
+    p.add_argument(
+        "--job-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the job, as in a node's [job.options] table, repeatable, e.g. "
+        "--job-option model=cnn; the value is a TOML scalar, a bare word a string "
+        "(default: none for mesh up, partition=by_label for demo with job digits)",
+    )
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="keep configs, node state, logs and certificates here; one that holds an "
+        "earlier run's nodes is refused (default: a temporary directory, removed at the end)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="write a PNG of loss, test accuracy and consensus distance over time "
+        "(default: none for mesh up, gossipd-demo.png for demo)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of node 0's job; node i uses seed + i (default: %(default)s)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext gRPC (default: a throwaway CA in the work dir and mutual TLS)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last stdout line; progress and table go to stderr "
+        "(default: progress and table on stdout)",
+    )
+
+
+def add_mesh_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``mesh`` (with ``up``) and ``demo`` subcommands, in that order in ``--help``."""
+    mesh = sub.add_parser("mesh", help="local multi-process meshes")
+    mesh_sub = mesh.add_subparsers(dest="mesh_command", required=True)
+    p = mesh_sub.add_parser(
+        "up",
+        help="spawn N daemons on loopback, train, report, stop",
+        description="Spawn N gossipd daemons on loopback, train, print progress and a "
+        "per-node table, stop them.",
+    )
+    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits", baseline=True)
+    p.add_argument(
+        "--link-latency-ms",
+        metavar="MS[,MS...]",
+        help="test/benchmark knob: [link] latency_ms of every node, or one value per node "
+        "separated by commas (default: none)",
+    )
+    p.add_argument(
+        "--link-rate-mbit",
+        metavar="MBIT[,MBIT...]",
+        help="test/benchmark knob: [link] rate_mbit (send-rate cap) of every node, or one "
+        "value per node separated by commas (default: no cap)",
+    )
+    p.set_defaults(func=_run_mesh)
+
+    p = sub.add_parser(
+        "demo",
+        help="4 digits sites with skewed data, alone then with gossip, about two minutes, plot",
+        description="Four daemons on loopback train an MLP on scikit-learn's bundled digits "
+        "(nothing is downloaded), each on about three of the ten classes (partition "
+        "by_label): first each site alone (sumweight with push_probability 0), then the same "
+        "sites with gossip, 30 s each; prints progress, each site's final accuracy alone and "
+        "with gossip, and writes gossipd-demo.png with both runs.",
+    )
+    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    p.add_argument(
+        "--discovery",
+        choices=("seeds", "mqtt"),
+        default="seeds",
+        help="how the sites find each other: seeds (each is given the others' addresses) or "
+        "mqtt (no seeds; an MQTT broker started in this process) (default: %(default)s)",
+    )
+    p.set_defaults(func=_run_demo, plot_default="gossipd-demo.png")

@@ -1,0 +1,154 @@
+"""Inbound model traffic: a push merged by the trainer and acknowledged, a pull served.
+
+The servicer validates and assembles the frames; this part hands a whole push to the
+replica's bounded inbox, waits (bounded) for the trainer's step boundary to merge it,
+and turns the replica's acknowledgements into the reply; and it streams a snapshot
+of the requested segments to a puller. It writes no parameter: the trainer merges,
+and snapshots are taken under the replica's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from gossipd.node.errors import Busy, InvalidFrame
+from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.net.shaping import LinkShaper
+from gossipd.node.net.wire import segment_frames
+from gossipd.node.shared.config import NodeConfig
+from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
+from gossipd.node.trainer.replica import Replica
+from gossipd.proto import gossip_pb2 as pb
+
+
+class Inbound:
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        replica: Replica,
+        metrics: NodeMetrics,
+        codec: Codec,
+        check_sender: Callable[[str, int], None],
+        succeeded: Callable[[str], None],
+        leaving: Callable[[], bool],
+        shaper: LinkShaper | None = None,
+    ) -> None:
+        """``check_sender`` raises unless the sender is a verified peer; ``succeeded`` tells
+        membership it answered; ``leaving`` says whether this node is leaving the mesh;
+        ``shaper`` is the node's ``[link]`` shaping of what it sends (None: off)."""
+        self.config = config
+        self.replica = replica
+        self.metrics = metrics
+        self.codec = codec
+        self.check_sender = check_sender
+        self.succeeded = succeeded
+        self.leaving = leaving
+        self.shaper = shaper
+
+    async def on_push(
+        self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
+    ) -> pb.PushReply:
+        self.check_sender(open_.sender, open_.incarnation)
+        # A leaving node merges nothing new (its weight is being handed off), but it
+        # still answers DUPLICATE for what it merged: that answer is what lets a
+        # sender whose acknowledgement was lost commit exactly instead of folding
+        # back weight this node already passed on. The rest it leaves unacknowledged,
+        # and since it will never merge them, the sender folds them back exactly.
+        item = InboundPush(
+            open_.sender,
+            open_.incarnation,
+            open_.sequence,
+            segments,
+            open_.round,
+            merge_new=not self.leaving(),
+            sequence_base=open_.sequence_base,
+        )
+        nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
+        self.replica.inbox.put(item)
+        # Answer Busy well before the sender's own deadline: a refusal is a known
+        # outcome it can settle at once, a timeout an unknown one it must retry.
+        wait_s = self.config.limits.merge_wait_s
+        if deadline_s is not None:
+            wait_s = min(wait_s, deadline_s * 0.8)
+        future = asyncio.wrap_future(item.reply)
+        try:
+            acks = await asyncio.wait_for(asyncio.shield(future), max(0.1, wait_s))
+        except asyncio.CancelledError:
+            # The sender is gone (deadline, cancel): don't merge what nobody will hear
+            # of unless the trainer already started; a retry merges it then.
+            item.reply.cancel()
+            raise
+        except TimeoutError:
+            if item.reply.cancel():
+                raise Busy(
+                    f"trainer did not reach a step boundary within {wait_s:.1f} s "
+                    "(limits.merge_wait_s); the push was not merged, retry later"
+                ) from None
+            acks = await future
+        result = "ok" if item.merge_new else "leaving"  # leaving: acknowledged, not merged
+        self.metrics.messages.labels("received", "push", result).inc()
+        self.metrics.bytes.labels("received", "push", result).inc(nbytes)
+        self.succeeded(open_.sender)
+        return pb.PushReply(
+            acks=[
+                pb.SegmentAck(
+                    segment=a.segment,
+                    result=pb.SEGMENT_RESULT_DUPLICATE if a.duplicate else pb.SEGMENT_RESULT_MERGED,
+                    receiver_weight=a.receiver_weight,
+                )
+                for a in acks
+            ]
+        )
+
+    async def on_pull(
+        self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        """Headers and chunk views of a snapshot of the requested segments (all when none
+        are named); closing the generator drops the snapshot. ``whole``: each payload in
+        one view, for the bulk lane (unless shaping paces it chunk by chunk); ``sealed``:
+        in sealed records, which the reader does not checksum, so none is computed.
+
+        With ``[link]`` shaping the reply waits its latency once, after the snapshot
+        (the replica's lock is released by then), and each chunk waits for its turn at
+        the rate this node's pushes share.
+        """
+        count = len(self.replica.flat.plan)
+        wanted = list(request.segments) or list(range(count))
+        if len(set(wanted)) != len(wanted) or not all(0 <= s < count for s in wanted):
+            raise InvalidFrame(
+                f"pull asks for segments {wanted[:16]}: each must be in 0..{count - 1}, once"
+            )
+        snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
+        codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
+        shaper = self.shaper
+        chunk_bytes: int | None = self.config.gossip.chunk_bytes
+        if shaper:
+            chunk_bytes = shaper.chunk_bytes(self.config.gossip.chunk_bytes)
+            await shaper.delay()
+        elif whole:
+            chunk_bytes = None
+        for index, flat in snapshot.items():
+            for frame in segment_frames(
+                sender=self.config.node_id,
+                sequence=0,
+                segment=index,
+                sum_weight=weights[index] if weights else 0.0,  # a core without weights
+                flat=flat,
+                codec=codec,
+                chunk_bytes=chunk_bytes,
+                copy=False,
+                checksum=not sealed,
+            ):
+                if shaper and isinstance(frame, memoryview):
+                    await shaper.pace(frame.nbytes)
+                yield frame
+        self.metrics.messages.labels("sent", "pull", "ok").inc()
+        nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]
+        self.metrics.bytes.labels("sent", "pull", "ok").inc(nbytes)
+
+    def _snapshot(self, segments: list[int]) -> tuple[dict[int, object], list[float]]:
+        with self.replica.lock:
+            return self.replica.flat.snapshot(segments), list(self.replica.summary.weights)

@@ -1,0 +1,330 @@
+"""Prometheus metrics of one node, on a registry of its own so several nodes fit in a process.
+
+Label values come from small fixed sets (direction, kind, result, reason, metric,
+segment index), never from peers: a mesh of any size, or an outsider making up
+node ids, cannot grow the number of series. ``gossipd_sum_weight`` has one series
+per model segment, which the model fixes.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from gossipd.node.errors import ConfigError
+from gossipd.node.trainer.report import StepReport, Summary
+
+SHUTDOWN_POLL_S = 0.05  # how soon the metrics server's thread sees a shutdown
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged (one line per scrape to stderr otherwise)."""
+
+
+def serve_registry(registry: CollectorRegistry, host: str, port: int) -> Any:
+    """Serve ``registry`` as Prometheus text on ``host:port`` (a daemon thread); returns the
+    HTTP server (``server_port``, ``shutdown()``). A taken port is a :class:`ConfigError`
+    naming ``metrics.listen``, the key of both the node's and the coordinator's config.
+
+    prometheus_client's own ``start_http_server`` serves the same app, but its thread
+    looks for a shutdown every 0.5 s, so every stop of a node or coordinator waited a
+    quarter of a second on average for it; this one looks every 50 ms.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        server = make_server(
+            str(sockaddr[0]), port, make_wsgi_app(registry), Server, handler_class=_QuietHandler
+        )
+    except OSError as err:
+        raise ConfigError(
+            f"metrics.listen {host}:{port}: {err.strerror or err}; pick another port, "
+            "stop the other process, or leave metrics.listen empty to turn metrics off"
+        ) from None
+    thread = threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": SHUTDOWN_POLL_S},
+        name="metrics-http",
+        daemon=True,
+    )
+    thread.start()
+    return server
+
+
+class NodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.info = Gauge(
+            "gossipd_node_info",
+            "Constant 1, labelled with identity and protocol",
+            ["node_id", "mesh_id", "fingerprint", "protocol"],
+            registry=r,
+        )
+        self.steps = Counter(
+            "gossipd_steps_total",
+            "Local optimizer steps taken by this process (use rate(); see gossipd_step)",
+            registry=r,
+        )
+        self.step = Gauge(
+            "gossipd_step",
+            "The node's step over its whole life: a restart continues from the checkpoint's",
+            registry=r,
+        )
+        self.samples = Counter(
+            "gossipd_samples_total", "Training samples processed (steps x batch size)", registry=r
+        )
+        self.loss = Gauge("gossipd_loss", "Training loss of the last step", registry=r)
+        self.step_seconds = Histogram(
+            "gossipd_step_seconds",
+            "Wall time of one local step including the gossip bookkeeping",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.bytes = Counter(
+            "gossipd_gossip_bytes_total",
+            "Payload bytes by direction (sent, received), kind (push, pull, handoff) and result",
+            ["direction", "kind", "result"],
+            registry=r,
+        )
+        self.bulk_bytes = Counter(
+            "gossipd_bulk_bytes_total",
+            "Payload bytes this node's bulk lane received (pushes to it) and sent (pulls from "
+            "it); the rest of gossipd_gossip_bytes_total went in gRPC frames",
+            ["direction"],
+            registry=r,
+        )
+        self.bulk_connections = Gauge(
+            "gossipd_bulk_connections",
+            "Bulk-lane connections peers hold open to this node",
+            registry=r,
+        )
+        self.messages = Counter(
+            "gossipd_gossip_messages_total",
+            "Messages by direction, kind (push, pull, handoff; request: a refused inbound "
+            "request of any RPC) and result (ok, failed, retry, rejected, leaving: answered by "
+            "a leaving node without merging)",
+            ["direction", "kind", "result"],
+            registry=r,
+        )
+        self.push_seconds = Histogram(
+            "gossipd_push_seconds",
+            "One outbound push from its first attempt until it settled (acknowledged or folded "
+            "back), retries included",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self.pushes_in_flight = Gauge(
+            "gossipd_pushes_in_flight", "Outbound pushes not yet settled", registry=r
+        )
+        self.gossip_cpu_share = Gauge(
+            "gossipd_gossip_cpu_share",
+            "CPU this process spent on gossip (not training) over the last 2 s, as a share of "
+            "its cores' time; pushes wait while it is over gossipd_gossip_cpu_budget and the "
+            "trainer steps",
+            registry=r,
+        )
+        self.gossip_cpu_budget = Gauge(
+            "gossipd_gossip_cpu_budget",
+            "Most of the node's CPU gossip may take while the trainer steps (gossip.cpu_share)",
+            registry=r,
+        )
+        self.pushes_held = Counter(
+            "gossipd_pushes_held_total",
+            "Outbound pushes that waited for gossip's CPU budget before going (throttled)",
+            registry=r,
+        )
+        self.push_held_seconds = Counter(
+            "gossipd_push_held_seconds_total",
+            "Seconds outbound pushes waited for gossip's CPU budget",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "gossipd_rejected_payloads_total",
+            "Inbound payloads refused, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.merges = Counter(
+            "gossipd_merges_total", "Segments merged into the local model", registry=r
+        )
+        self.merges_clipped = Counter(
+            "gossipd_merges_clipped_total",
+            "Merged segments the robust merge pulled toward this node's own first "
+            "(limits.merge_clip); honest traffic should keep it at 0",
+            registry=r,
+        )
+        self.inbound_push_streams = Gauge(
+            "gossipd_inbound_push_streams",
+            "Inbound push streams open now (limits.max_inbound_pushes; one peer may hold "
+            "limits.max_inbound_pushes_per_peer of them)",
+            registry=r,
+        )
+        self.inbound_pull_streams = Gauge(
+            "gossipd_inbound_pull_streams",
+            "Pulls this node serves now (limits.max_inbound_pulls; one peer may hold "
+            "limits.max_inbound_pulls_per_peer of them)",
+            registry=r,
+        )
+        self.mass_inconsistencies = Counter(
+            "gossipd_mass_inconsistencies_total",
+            "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"
+            " a DUPLICATE for a segment never sent before); the weight is kept, not committed",
+            ["kind"],
+            registry=r,
+        )
+        self.sum_weight = Gauge(
+            "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
+        )
+        self.weight_sinks = Gauge(
+            "gossipd_weight_sinks",
+            "Peers suspected of sinking weight (took this node's weight, gave none back; "
+            "limits.sink_score_bound): this node pushes nothing to them",
+            registry=r,
+        )
+        self.sum_weight_cap = Gauge(
+            "gossipd_sum_weight_cap",
+            "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
+            "the number of founding members); a merge over it is refused as WeightOverCap",
+            registry=r,
+        )
+        self.sum_weight_reserved = Gauge(
+            "gossipd_sum_weight_reserved",
+            "Sum-weight per segment promised to pushes not yet acknowledged; still counted in "
+            "gossipd_sum_weight until the ack, and at the receiver once merged: the mesh's "
+            "true total lies between sum(gossipd_sum_weight - this) and sum(gossipd_sum_weight)",
+            ["segment"],
+            registry=r,
+        )
+        self.live_peers = Gauge("gossipd_live_peers", "Peers currently considered live", registry=r)
+        self.suspected_peers = Gauge(
+            "gossipd_suspected_peers",
+            "Verified peers that failed recently (not pushed to; declared dead after "
+            "membership.drop_after_s)",
+            registry=r,
+        )
+        self.membership_epoch = Gauge(
+            "gossipd_membership_epoch",
+            "Digest of this node's view of the live members: equal on nodes whose views agree",
+            registry=r,
+        )
+        self.round = Gauge("gossipd_round", "The protocol core's current round", registry=r)
+        self.wait_seconds = Gauge(
+            "gossipd_trainer_wait_seconds",
+            "Seconds the trainer waited at step boundaries for pulls due there, since start "
+            "(a gauge that only grows: rate() it for the waiting share)",
+            registry=r,
+        )
+        self.wait_fraction = Gauge(
+            "gossipd_trainer_wait_fraction",
+            "Share of wall time since the first step that the trainer spent waiting for pulls",
+            registry=r,
+        )
+        self.site_ranks = Gauge(
+            "gossipd_site_ranks",
+            "Processes training in this site (rank 0 gossips; 1 for a one-process site)",
+            registry=r,
+        )
+        self.site_ranks.set(1)
+        self.rank_broadcasts = Counter(
+            "gossipd_rank_broadcasts_total",
+            "Times rank 0 sent its parameters to the site's other ranks (after a merge moved them)",
+            registry=r,
+        )
+        self.dial_failures = Counter(
+            "gossipd_dial_failures_total",
+            "Handshakes this node made that failed, by reason (tls: certificate refused or "
+            "wrong CA; unreachable; mismatch: other mesh, model or protocol; other)",
+            ["reason"],
+            registry=r,
+        )
+        self.eval_metric = Gauge(
+            "gossipd_eval", "Latest evaluation metrics of the job", ["metric"], registry=r
+        )
+        self.checkpoint_failures = Counter(
+            "gossipd_checkpoint_failures_total",
+            "Checkpoint writes that failed (disk full, read-only, I/O error); the previous "
+            "checkpoint stays and training goes on",
+            registry=r,
+        )
+        self.checkpoint_last_success = Gauge(
+            "gossipd_checkpoint_last_success_timestamp_seconds",
+            "Unix time of the newest checkpoint.pt on disk (0: none yet); alert on its age",
+            registry=r,
+        )
+        self.checkpoint_seconds = Histogram(
+            "gossipd_checkpoint_write_seconds",
+            "Wall time of one successful checkpoint write (capture, serialize, fsync, rename)",
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.mqtt_connected = Gauge(
+            "gossipd_mqtt_connected",
+            "1 while connected to the MQTT broker of [mqtt], else 0 (training never waits on it)",
+            registry=r,
+        )
+        self.mqtt_rejected = Counter(
+            "gossipd_mqtt_rejected_total",
+            "MQTT messages ignored, by reason (oversize, bad_json, bad_field, wrong_mesh, "
+            "unknown_command, topic_mismatch)",
+            ["reason"],
+            registry=r,
+        )
+        self.port: int | None = None
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        server = serve_registry(self.registry, host, port)
+        self._server = server
+        self.port = server.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def record_step(
+        self, report: StepReport, step_time_s: float, loss: float | None, samples: int = 0
+    ) -> None:
+        self.steps.inc()
+        self.samples.inc(samples)
+        self.step_seconds.observe(step_time_s)
+        if loss is not None:
+            self.loss.set(loss)
+        for m in report.merged:
+            self.merges.inc(len(m.merged_segments))
+            self.merges_clipped.inc(len(m.clipped_segments))
+
+    def record_checkpoint(self, write_s: float, unix_s: float) -> None:
+        self.checkpoint_seconds.observe(write_s)
+        self.checkpoint_last_success.set(unix_s)
+
+    def follow(self, summary: Callable[[], Summary]) -> None:
+        """Read the replica's published summary at each scrape, not at step boundaries:
+        a node that stopped training still merges, settles and hands off weight."""
+        self.step.set_function(lambda: summary().steps)
+        self.round.set_function(lambda: summary().round)
+        self.wait_seconds.set_function(lambda: summary().wait_s)
+        self.wait_fraction.set_function(lambda: summary().wait_fraction)
+        self.membership_epoch.set_function(lambda: summary().epoch)
+        self.pushes_in_flight.set_function(lambda: summary().in_flight)
+        self.weight_sinks.set_function(lambda: len(summary().sinks))
+        self.sum_weight_cap.set_function(lambda: summary().weight_cap)
+        for i in range(len(summary().weights)):
+            self.sum_weight.labels(str(i)).set_function(lambda i=i: summary().weights[i])
+        for i in range(len(summary().reserved)):
+            self.sum_weight_reserved.labels(str(i)).set_function(lambda i=i: summary().reserved[i])

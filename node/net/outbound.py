@@ -1,0 +1,327 @@
+"""Outbound pushes: deliver each one until it is answered, settle it exactly once.
+
+A push's outcome is known when the receiver answers (acknowledged, or refused
+before merging anything) and unknown when the connection breaks, a deadline
+passes or nothing moves for ``gossip.progress_timeout_s``. Unknown outcomes are
+retried with the same sequence, so the receiver's de-duplication turns a lost
+acknowledgement into a DUPLICATE that commits. Only a refusal, or a receiver
+declared dead, folds the weight back. A receiver that restarted is retried too:
+the windows it restored from its checkpoint say whether its model holds the push.
+
+A DUPLICATE answer for a segment this node had never sent before cannot be true:
+the receiver's record of our pushes disagrees with ours. It is counted
+(``gossipd_mass_inconsistencies_total``), logged at INFO, and treated as not
+acknowledged, so the weight folds back instead of vanishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable
+from gossipd.node.net.cpubudget import HOLD_POLL_S, CpuBudget
+from gossipd.node.net.peering import RPC_TIMEOUT_S
+from gossipd.node.net.transport import OutcomeUnknown, PartialPush
+from gossipd.node.shared.rejections import Throttle
+from gossipd.node.shared.tls import NotAllowed
+from gossipd.node.trainer.messages import Ack, OutboundPush, PushOutcome
+
+if TYPE_CHECKING:
+    from gossipd.node.net.membership import Membership
+    from gossipd.node.net.metrics import NodeMetrics
+    from gossipd.node.net.transport import PeerClient
+    from gossipd.node.shared.config import NodeConfig
+    from gossipd.node.trainer.replica import Replica
+
+log = logging.getLogger(__name__)
+INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
+MAX_HOLD_S = 5.0  # the longest a push waits for gossip's CPU budget
+
+
+class Delivery(NamedTuple):
+    """How a push ended: what the receiver acknowledged, and why the rest did not go.
+
+    ``exact``: the acknowledgements are all the receiver can ever have merged (every
+    failed attempt is known to have merged nothing), so the rest may go elsewhere.
+    """
+
+    acks: list[Ack]
+    error: str | None
+    exact: bool = True
+
+
+class Outbound:
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        replica: Replica,
+        budget: CpuBudget,
+        membership: Membership,
+        client: Callable[[str, str], PeerClient],
+        metrics: NodeMetrics,
+        succeeded: Callable[[str], None],
+        failed: Callable[[str, GossipdError], None],
+        spawn: Callable[[Any, str], asyncio.Future[Any]],
+        stopping: asyncio.Event,
+        rng: random.Random,
+    ) -> None:
+        """``succeeded`` and ``failed`` tell membership how a peer answered; ``spawn``
+        runs a task the node keeps until it closes; ``stopping`` is set when it closes."""
+        self.config = config
+        self.replica = replica
+        self.budget = budget
+        self.membership = membership
+        self.client = client
+        self.metrics = metrics
+        self.succeeded = succeeded
+        self.failed = failed
+        self.spawn = spawn
+        self.stopping = stopping
+        self.rng = rng
+        self.leaving = False  # set by leave_mesh: only the hand-off leaves from then on
+        self._retry_now = asyncio.Event()  # replaced each time it fires
+        self.mass_inconsistencies = 0
+        self._inconsistency_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
+        self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
+
+    def start(self, out: OutboundPush) -> None:
+        """Deliver ``out`` in a task of its own, kept under its peer until it settles."""
+        peer = out.push.peer
+        task = self.spawn(self.push(out), f"push:{peer}")
+        self._pushes.setdefault(peer, set()).add(task)
+        task.add_done_callback(lambda t: self._forget(peer, t))
+
+    def _forget(self, peer: str, task: asyncio.Future[Any]) -> None:
+        tasks = self._pushes.get(peer)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._pushes[peer]
+
+    async def push(self, out: OutboundPush) -> None:
+        """Deliver one push; whatever ends it (outcome, error, cancellation) settles it once."""
+        acks: list[Ack] = []
+        error: str | None = "the node stopped before the push was acknowledged"
+        started = time.monotonic()
+        try:
+            await self._within_budget()
+            acks, error, _ = await self.deliver(out)
+        finally:
+            self.replica.post(PushOutcome(out, tuple(acks), error))
+            self.metrics.push_seconds.observe(time.monotonic() - started)
+
+    async def _within_budget(self) -> None:
+        """Wait while gossip is in debt to its CPU share (``gossip.cpu_share``, see
+        :meth:`CpuBudget.wait_s`), at most ``MAX_HOLD_S``. A leaving or stopping node
+        never waits."""
+        budget = self.budget
+        started = time.monotonic()
+        held_until = started + MAX_HOLD_S
+        waited = False
+        while not (self.leaving or self.stopping.is_set()):
+            wait_s = min(budget.wait_s(), held_until - time.monotonic())
+            if wait_s <= 0:
+                break
+            waited = True
+            await asyncio.sleep(min(wait_s, HOLD_POLL_S))
+        budget.released()
+        if waited:
+            budget.held()
+            self.metrics.pushes_held.inc()
+            self.metrics.push_held_seconds.inc(time.monotonic() - started)
+
+    async def deliver(self, out: OutboundPush, kind: str = "push") -> Delivery:
+        """Retry with the same sequence until the receiver answers or is declared dead.
+
+        The receiver de-duplicates, so a retry after a lost acknowledgement is
+        answered DUPLICATE and committed: folding the weight back while the
+        receiver might have merged it would create mass. For the same reason a
+        refusal (busy, leaving) settles the push only while every earlier attempt
+        is known not to have merged; after an attempt with an unknown outcome,
+        only an acknowledgement, a validation refusal, or the receiver's death
+        does.
+        """
+        peer, gossip = out.push.peer, self.config.gossip
+        if peer not in self.membership.peers:
+            return Delivery([], f"peer {peer} left the view")
+        nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
+        delay_s = min(0.5, gossip.retry_max_s)
+        last_error = "no attempt made"
+        uncertain = False  # some earlier attempt may yet be merged
+        acked: list[Ack] = []  # acknowledgements are final: never sent again
+        sent: set[int] = set()  # segments some attempt carried
+        while True:
+            state = self.membership.peers.get(peer)
+            if state is None:
+                return Delivery(
+                    acked,
+                    f"{peer} was declared dead before acknowledging push "
+                    f"#{out.push.sequence}; last attempt: {last_error}",
+                    exact=not uncertain,
+                )
+            remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
+            never_sent = set(remaining) - sent
+            sent |= never_sent
+            try:
+                acks = await self.client(state.address, peer).push(
+                    out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
+                )
+                self.metrics.messages.labels("sent", kind, "ok").inc()
+                self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
+                self.succeeded(peer)
+                return Delivery(acked + self._credible(out, acks, never_sent), None)
+            except OutcomeUnknown as err:
+                last_error, uncertain = str(err), True
+                self.failed(peer, err)
+            except PartialPush as err:
+                acked += self._credible(out, err.acks, never_sent)
+                last_error = str(err)
+                if any(isinstance(e, OutcomeUnknown) for e in err.errors):
+                    uncertain = True
+                elif not uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
+                    return self._refused(acked, nbytes, err, kind, uncertain)  # commit merged
+            except InvalidFrame as err:  # refused by validation, as any attempt would be
+                return self._refused(acked, nbytes, err, kind, uncertain)
+            except GossipdError as err:
+                if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
+                    self.failed(peer, err)
+                # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged
+                # nothing.
+                # That settles the push only if no earlier attempt is still unaccounted
+                # for: one may sit in the receiver's inbox and be merged after all.
+                if not uncertain:
+                    return self._refused(acked, nbytes, err, kind, uncertain)
+                last_error = str(err)
+            self.metrics.messages.labels("sent", kind, "retry").inc()
+            # While leaving, retry at once: a receiver that just came back answers
+            # DUPLICATE for what it merged, and only an answer settles exactly.
+            wake = self._retry_now
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
+            if self.stopping.is_set():
+                return Delivery(acked, last_error, exact=not uncertain)
+            delay_s = min(delay_s * 2, gossip.retry_max_s)
+
+    def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:
+        """``acks`` less DUPLICATE answers for segments no earlier attempt carried."""
+        false = sorted(a.segment for a in acks if a.duplicate and a.segment in never_sent)
+        if not false:
+            return acks
+        self.mass_inconsistencies += 1
+        self.metrics.mass_inconsistencies.labels("duplicate_never_sent").inc()
+        peer = out.push.peer
+        count = self._inconsistency_log.admit(peer)
+        if count is not None:
+            log.info(
+                "%s answered DUPLICATE for segments %s of push #%d, which this node had never "
+                "sent it (%d more such answers since the last line): its record of our pushes "
+                "disagrees with ours, after a restore from a checkpoint or from a lying peer. "
+                "Kept as not acknowledged, so the weight folds back here instead of vanishing; "
+                "if it repeats, check that every site runs the same gossipd release",
+                peer,
+                false,
+                out.push.sequence,
+                count,
+            )
+        return [a for a in acks if a.segment not in false]
+
+    def _refused(
+        self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str, uncertain: bool
+    ) -> Delivery:
+        self.metrics.messages.labels("sent", kind, "failed").inc()
+        self.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
+        return Delivery(acked, str(err), exact=not uncertain)
+
+    async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
+        """Retry the pushes to ``peer`` at once and wait (bounded) for them to settle."""
+        pending = set(self._pushes.get(peer, ()))
+        if pending:
+            self.retry_now()
+            await asyncio.wait(pending, timeout=timeout_s)
+
+    def retry_now(self) -> None:
+        """Cut short the waits between retries (a peer came back, or this node leaves)."""
+        self._retry_now.set()
+        self._retry_now = asyncio.Event()
+
+    async def leave_mesh(self) -> None:
+        """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
+
+        Call once the replica's thread stopped stepping but still drives it
+        (:meth:`Replica.idle_until`): parameters are only written there. Unacknowledged
+        pushes are retried at once, so a receiver that came back settles them
+        exactly. After ``settle_s``, pushes whose receiver is not live (hung or
+        gone) are cancelled and folded back, so their weight leaves with the
+        hand-off; pushes to a live but slow receiver (one that just resumed, say)
+        get up to half the shutdown budget. If a receiver had merged a push
+        cancelled here, that push's weight is counted twice (the bound in the
+        sum-weight core's docstring).
+        """
+        # Whatever the core still wants to send (a timer, a last round) is folded back
+        # at once (port.NetworkPort): only the hand-off below leaves this node now.
+        self.leaving = True
+        replica = self.replica
+        self.retry_now()
+        gossip, budget_s = self.config.gossip, self.config.shutdown_timeout_s
+        settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
+        peer_of = {task: peer for peer, tasks in self._pushes.items() for task in tasks}
+        pending = set(peer_of)
+        slow_peers: set[str] = set()
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=settle_s)
+            live = {p.node_id for p in self.membership.live()}
+            stalled = {t for t in pending if peer_of[t] not in live}
+            if pending - stalled:
+                _, slow = await asyncio.wait(pending - stalled, timeout=budget_s / 2 - settle_s)
+                stalled |= slow
+            for task in stalled:
+                task.cancel()
+                slow_peers.add(peer_of[task])
+            await asyncio.gather(*stalled, return_exceptions=True)
+        # Every parameter write stays on the replica's own thread: these requests run
+        # there, after the outcomes the cancelled pushes just posted.
+        await asyncio.wrap_future(replica.barrier())
+        # The hand-off goes to a peer that answers: one that did not just stall a push
+        # and has no failure on record, then the others by fewest failures on record.
+        # A hand-off cut off by the shutdown deadline has an unknown outcome, and folding
+        # it back while the receiver merged it makes mass, so a slow receiver is the last
+        # choice. Ties are shuffled (seeded), so leavers do not all pick the same heir.
+        live = sorted(
+            (s for s in self.membership.live() if s.node_id in replica.summary.peers),
+            key=lambda s: s.node_id,
+        )
+        self.rng.shuffle(live)
+        live.sort(key=lambda s: (s.node_id in slow_peers, s.failures))  # stable: ties shuffled
+        candidates = [s.node_id for s in live]
+        # A hand-off that surely merged nothing (the peer died since it was last heard
+        # from, say) goes to the next candidate; one that may have merged ends the tries.
+        for peer in candidates:
+            out = await asyncio.wrap_future(replica.request_hand_off(peer))
+            if out is None:
+                break
+            delivery = Delivery([], "leaving took too long", exact=False)
+            try:
+                delivery = await self.deliver(out, "handoff")
+            finally:
+                replica.post(PushOutcome(out, tuple(delivery.acks), delivery.error))
+            await asyncio.wrap_future(replica.barrier())
+            if delivery.error is None:
+                log.info("handed weight to %s", out.push.peer)
+                break
+            log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
+            if not delivery.exact:
+                break
+        clients = [self.client(s.address, s.node_id) for s in self.membership.live()]
+        results = await asyncio.gather(
+            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
+        )
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("Leave to %s failed: %s", client.address, result)

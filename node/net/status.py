@@ -1,0 +1,169 @@
+"""`gossipd status`: one Status RPC, returned as plain data for humans and scripts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gossipd.node.errors import GossipdError
+from gossipd.node.net.transport import CHANNEL_OPTIONS
+from gossipd.node.shared.tls import Credentials
+from gossipd.proto import gossip_pb2 as pb
+from gossipd.proto import gossip_pb2_grpc as pb_grpc
+
+
+def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    return {
+        "node_id": reply.node_id,
+        "mesh_id": reply.mesh_id,
+        "protocol": reply.protocol,
+        "step": reply.step,
+        "loss": reply.loss,
+        "sum_weights": list(reply.sum_weights),
+        "live_peers": list(reply.live_peers),
+        "fingerprint": reply.fingerprint,
+        "params_checksum": reply.params_checksum,
+        "pushes_in_flight": reply.pushes_in_flight,
+        "training_done": reply.training_done,
+        "pushes_acked": reply.pushes_acked,
+        "pushes_failed": reply.pushes_failed,
+        "pushes_merged": reply.pushes_merged,
+        "peers": [
+            {"node_id": p.node_id, "address": p.address, "incarnation": p.incarnation}
+            for p in reply.peers
+        ],
+        "suspected_peers": list(reply.suspected_peers),
+        "rejected": dict(reply.rejected),
+        "reserved_weights": list(reply.reserved_weights),
+        "round": reply.round,
+        "membership_epoch": reply.membership_epoch,
+        "transport_security": reply.transport_security,
+        "exchanged": {
+            m.node_id: {
+                "sent": m.sent,
+                "received": m.received,
+                "sent_before": m.sent_before,
+                "received_before": m.received_before,
+            }
+            for m in reply.exchanged
+        },
+        "mass_inconsistencies": reply.mass_inconsistencies,
+        "wait_s": reply.wait_s,
+        "wait_fraction": reply.wait_fraction,
+        "scheduling": reply.scheduling,
+    }
+
+
+async def check_health(
+    address: str, timeout_s: float = 5.0, *, tls: Credentials | None = None
+) -> str:
+    """The node's answer to the standard gRPC health check (``SERVING`` when it serves).
+
+    Cheap enough for a container's HEALTHCHECK every few seconds: unlike Status
+    with a checksum, it copies nothing.
+    """
+    tls = tls or Credentials(insecure=True)
+    async with tls.channel(address, CHANNEL_OPTIONS) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise GossipdError(
+                f"no health answer from {address}: {err.code().name}: {err.details()}"
+            ) from None
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+async def query_status(
+    address: str,
+    timeout_s: float = 5.0,
+    *,
+    checksum: bool = False,
+    tls: Credentials | None = None,
+) -> dict[str, Any]:
+    """One node's status; ``checksum`` also hashes its model (costs a model copy).
+
+    ``tls``: a certificate of the node's mesh (any site's will do); None: plaintext.
+    """
+    tls = tls or Credentials(insecure=True)
+    async with tls.channel(address, CHANNEL_OPTIONS) as channel:
+        try:
+            reply = await pb_grpc.GossipStub(channel).Status(
+                pb.StatusRequest(checksum=checksum), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            hint = (
+                "is a gossipd node listening there? With TLS, pass --config SITE.toml (or "
+                "--ca/--cert/--key) of a site of that mesh"
+            )
+            raise GossipdError(
+                f"no status from {address}: {err.code().name}: {err.details()}; {hint}"
+            ) from None
+    return status_dict(reply)
+
+
+def _number(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def _weights(values: list[float]) -> str:
+    """Per-segment values: one number when all are equal, else each of them."""
+    if not values:
+        return "–"
+    if max(values) - min(values) < 1e-12:
+        return f"{_number(values[0])} (all {len(values)} segments)"
+    return " ".join(_number(v) for v in values)
+
+
+def render_status(status: dict[str, Any]) -> str:
+    """`gossipd status` for a person: the node's state, then one row per known peer."""
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(status["rejected"].items())) or "none"
+    rows = [
+        ("node", f"{status['node_id']} (mesh {status['mesh_id']}, {status['protocol']})"),
+        ("security", status["transport_security"] or "–"),
+        ("step", f"{status['step']}" + (" (training done)" if status["training_done"] else "")),
+        ("loss", "– (no step yet)" if math.isnan(status["loss"]) else _number(status["loss"])),
+        ("round", str(status["round"])),
+        ("sum-weight", _weights(status["sum_weights"])),
+        ("reserved", _weights(status["reserved_weights"])),
+        (
+            "pushes",
+            f"{status['pushes_acked']} acknowledged, {status['pushes_failed']} failed, "
+            f"{status['pushes_merged']} merged here, {status['pushes_in_flight']} in flight",
+        ),
+        ("refused", rejected),
+        ("mass issues", str(status["mass_inconsistencies"])),
+        ("fingerprint", status["fingerprint"]),
+        ("checksum", status["params_checksum"] or "–"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    live, suspected = set(status["live_peers"]), set(status["suspected_peers"])
+    header = ("peer", "address", "incarnation", "state", "weight sent", "weight received")
+    table = [header]
+    for peer in sorted(status["peers"], key=lambda p: p["node_id"]):
+        node_id = peer["node_id"]
+        state = "suspected" if node_id in suspected else "live" if node_id in live else "known"
+        mass = status["exchanged"].get(node_id, {})
+        table.append(
+            (
+                node_id,
+                peer["address"],
+                str(peer["incarnation"]),
+                state,
+                _number(mass.get("sent", 0.0)),
+                _number(mass.get("received", 0.0)),
+            )
+        )
+    lines.append("")
+    if len(table) == 1:
+        lines.append("peers: none yet")
+        return "\n".join(lines)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)

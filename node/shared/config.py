@@ -1,0 +1,427 @@
+"""Site configuration: one TOML file per daemon, validated before anything starts.
+
+Every error names the key, the value it got and what would fix it, because the
+person reading it is an operator at another site with no access to our logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from gossipd.node.errors import ConfigError
+from gossipd.node.protocols import (
+    DEFAULT_PROTOCOL,
+    PROTOCOLS,
+    ProtocolSettings,
+    protocol_settings,
+    settings_class,
+)
+from gossipd.node.protocols.settings import did_you_mean
+from gossipd.node.shared.config_ranks import ALLREDUCE, AllreduceConfig, RanksConfig
+from gossipd.node.shared.config_sections import (
+    CheckpointConfig,
+    LimitsConfig,
+    LinkConfig,
+    MembershipConfig,
+    MetricsConfig,
+    MqttConfig,
+    TlsConfig,
+    _Section,
+    check_address,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CheckpointConfig",
+    "GossipConfig",
+    "JobConfig",
+    "LimitsConfig",
+    "LinkConfig",
+    "MembershipConfig",
+    "MetricsConfig",
+    "MqttConfig",
+    "NodeConfig",
+    "TlsConfig",
+    "check_address",
+    "explain",
+    "load_config",
+    "parse_config",
+    "read_toml",
+]
+
+# Protocol settings that sat flat in [gossip] before each protocol had its own table.
+# Deprecated: still read for one release, into the selected protocol's table.
+DEPRECATED_FLAT_KEYS = ("push_probability", "round_steps", "average_every_steps")
+
+
+class JobConfig(_Section):
+    name: str = Field("digits", description="digits, synthetic, or a plugin module:factory")
+    seed: int = 0
+    shard_index: int = Field(0, ge=0)
+    num_shards: int = Field(1, ge=1)
+    learning_rate: float | None = Field(None, ge=0.0)
+    batch_size: int | None = Field(None, ge=1)
+    max_steps: int = Field(0, ge=0, description="stop training after this many steps; 0: never")
+    duration_s: float = Field(0.0, ge=0.0, description="stop training after this long; 0: never")
+    max_steps_per_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="pace the trainer to at most this many steps a second, merging gossip "
+        "while it waits; 0: as fast as it goes",
+    )
+    eval_every_steps: int = Field(100, ge=0)
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:[0-9]+)?)$",
+        description="where a built-in job trains: cpu, cuda (cuda:LOCAL_RANK in a multi-rank "
+        "site, else cuda:0) or cuda:N",
+    )
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> JobConfig:
+        if self.shard_index >= self.num_shards:
+            raise ValueError(
+                f"job.shard_index {self.shard_index} must be below job.num_shards "
+                f"{self.num_shards}; shards are numbered 0..num_shards-1"
+            )
+        return self
+
+
+class GossipConfig(_Section):
+    """``[gossip]``: what every protocol shares. Each protocol's own settings are in its
+    ``[gossip.<protocol>]`` table, validated by its class (:attr:`options`); a table for a
+    protocol other than the selected one is allowed, and checked all the same."""
+
+    protocol: str = Field(
+        DEFAULT_PROTOCOL, description="the gossip protocol; every node of a mesh must use the same"
+    )
+    codec: Literal["raw", "fp16", "bf16"] = "raw"
+    segment_bytes: int = Field(4 << 20, ge=1024)
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    push_timeout_s: float = Field(
+        30.0, gt=0, description="deadline of one push attempt, from open to acknowledgement"
+    )
+    progress_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a push with no chunk taken and no reply for this long is abandoned and "
+        "retried later with the same sequence; the peer counts one failure",
+    )
+    retry_max_s: float = Field(
+        10.0, gt=0, description="longest wait between retries of an unacknowledged push"
+    )
+    max_pushes_in_flight: int = Field(
+        4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
+    )
+    seed: int = Field(0, description="seed of this node's peer choices")
+    cpu_share: float = Field(
+        0.03,
+        gt=0,
+        le=1,
+        description="most of the node's cores' time gossip may take while the trainer steps; "
+        "pushes wait (and so come less often) while it is in debt; 1: never wait",
+    )
+    _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)
+
+    @property
+    def options(self) -> ProtocolSettings:
+        """The selected protocol's own settings: its table, defaults filled in."""
+        return self.options_for(self.protocol)
+
+    def options_for(self, protocol: str) -> ProtocolSettings:
+        """``protocol``'s settings: its ``[gossip.<protocol>]`` table as validated, or defaults."""
+        if protocol == ALLREDUCE:
+            return ProtocolSettings()
+        table = self._tables.get(protocol)
+        return table if table is not None else protocol_settings(protocol)
+
+    @field_validator("protocol")
+    @classmethod
+    def _known_protocol(cls, value: str) -> str:
+        if value not in PROTOCOLS and value != ALLREDUCE:
+            raise ValueError(
+                f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))} "
+                f"(or {ALLREDUCE}, the synchronous baseline)"
+            )
+        return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _protocol_tables(
+        cls, data: Any, handler: ModelWrapValidatorHandler[GossipConfig]
+    ) -> GossipConfig:
+        """Each ``[gossip.<protocol>]`` table through its protocol's class, the deprecated flat
+        keys into the selected protocol's table; every error of the section at once."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        tables = {k: v for k, v in data.items() if k in PROTOCOLS}
+        flat = {k: v for k, v in data.items() if k in DEPRECATED_FLAT_KEYS}
+        rest = {k: v for k, v in data.items() if k not in tables and k not in flat}
+        errors: list[InitErrorDetails] = []
+        try:
+            gossip: GossipConfig | None = handler(rest)
+        except ValidationError as err:
+            gossip = None
+            errors += [_again(e, e["loc"]) for e in err.errors()]
+        selected = rest.get("protocol", DEFAULT_PROTOCOL)
+        moved: set[str] = set()
+        if flat and selected in PROTOCOLS:
+            moved = _move_flat_keys(flat, selected, tables, errors)
+        validated: dict[str, ProtocolSettings] = {}
+        for name, table in tables.items():
+            try:
+                validated[name] = protocol_settings(name, table)
+            except ValidationError as err:
+                for e in err.errors():
+                    flat_key = name == selected and bool(e["loc"]) and e["loc"][0] in moved
+                    errors.append(_again(e, e["loc"] if flat_key else (name, *e["loc"])))
+        if errors or gossip is None:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        gossip._tables = validated
+        for key in flat:
+            if key in moved:
+                log.warning("gossip.%s is deprecated: write it in [gossip.%s]", key, selected)
+            else:
+                log.warning(
+                    "gossip.%s is ignored: protocol %r has no such setting (and protocol "
+                    "settings in [gossip] are deprecated: use [gossip.<protocol>] tables)",
+                    key,
+                    selected,
+                )
+        return gossip
+
+
+def _move_flat_keys(
+    flat: Mapping[str, Any],
+    protocol: str,
+    tables: dict[str, Any],
+    errors: list[InitErrorDetails],
+) -> set[str]:
+    """Moves the deprecated flat keys that ``protocol`` has into its table and returns them;
+    one also set in the table is refused (which was meant?) with an error in ``errors``."""
+    table = tables.get(protocol, {})
+    if not isinstance(table, Mapping):
+        return set()  # not a table: its own error says so
+    table = dict(table)
+    takes = settings_class(protocol).model_fields
+    moved: set[str] = set()
+    for key, value in flat.items():
+        if key not in takes:
+            continue
+        if key in table:
+            message = (
+                f"set here and in [gossip.{protocol}]; keep only the one in [gossip.{protocol}] "
+                "(the flat key is deprecated)"
+            )
+            error = PydanticCustomError("flat_and_table", message)
+            errors.append({"type": error, "loc": (key,), "input": value})
+            continue
+        table[key] = value
+        moved.add(key)
+    if moved:
+        tables[protocol] = table
+    return moved
+
+
+def _again(error: Any, loc: tuple[Any, ...]) -> InitErrorDetails:
+    """A pydantic error, as it was, at ``loc``: to raise it again with others."""
+    return {
+        "type": PydanticCustomError(error["type"], error["msg"]),
+        "loc": loc,
+        "input": error["input"],
+    }
+
+
+class NodeConfig(_Section):
+    mesh_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    node_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = Field(None, description="address peers dial; default: listen")
+    bulk: bool = Field(
+        True,
+        description="serve and use the bulk lane: payloads of large pushes and pulls as raw "
+        "bytes on a second TCP port (TLS as the gRPC port), not in gRPC frames",
+    )
+    bulk_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="the bulk lane's port on listen's host (0: any free port); peers dial it "
+        "on the host of this node's advertised address, so map it unchanged",
+    )
+    seeds: list[str] = Field(default_factory=list)
+    coordinator: str | None = Field(
+        None,
+        description="HOST:PORT of the mesh's coordinator (gossipd coordinator); it schedules "
+        "the overlap protocol's pulls and hands out the view; none: decentralized",
+    )
+    data_dir: Path = Path("gossipd-state")
+    join: bool = Field(
+        False, description="start at weight 0 and copy a live peer's model before training"
+    )
+    join_timeout_s: float = Field(60.0, gt=0)
+    shutdown_timeout_s: float = Field(10.0, gt=0)
+    progress_interval_s: float = Field(
+        60.0, ge=0, description="one INFO progress line per interval; 0: none"
+    )
+    job: JobConfig = JobConfig()
+    gossip: GossipConfig = GossipConfig()
+    membership: MembershipConfig = MembershipConfig()
+    limits: LimitsConfig = LimitsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    link: LinkConfig = LinkConfig()
+    ranks: RanksConfig = RanksConfig()
+    allreduce: AllreduceConfig | None = Field(
+        None, description="the DDP baseline's rendezvous; required with gossip.protocol = allreduce"
+    )
+    # No silent default: a site states how it is secured (certificates, or insecure).
+    tls: TlsConfig = Field(default=TlsConfig.model_construct(), validate_default=True)
+    mqtt: MqttConfig | None = Field(
+        None, description="discovery and control through an MQTT broker; unset: off"
+    )
+
+    @field_validator("listen", "advertise", "coordinator")
+    @classmethod
+    def _addresses(cls, v: str | None) -> str | None:
+        return None if v is None else check_address(v)
+
+    @field_validator("seeds")
+    @classmethod
+    def _seed_addresses(cls, v: list[str]) -> list[str]:
+        return [check_address(s) for s in v]
+
+    @model_validator(mode="after")
+    def _allreduce_needs_master(self) -> NodeConfig:
+        if (self.gossip.protocol == ALLREDUCE) != (self.allreduce is not None):
+            raise ValueError(
+                "gossip.protocol = allreduce needs an [allreduce] section with master = "
+                '"HOST:PORT" (the rendezvous, the same on every site), and [allreduce] '
+                "is only for that protocol"
+            )
+        check_address(self.ranks.master)
+        master = self.allreduce.master if self.allreduce is not None else None
+        try:
+            port_0 = master is not None and int(check_address(master).rpartition(":")[2]) == 0
+        except ValueError as err:
+            raise ValueError(f"allreduce.master: {err}") from None
+        if port_0:
+            raise ValueError(
+                f"allreduce.master = {master!r}: port 0 cannot work here, every "
+                "site must dial the same rendezvous; give a fixed free port, the same on every "
+                'site (for example "10.0.0.1:29500")'
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _coordinator_needs_tls(self) -> NodeConfig:
+        if self.coordinator is not None and self.tls.insecure:
+            raise ValueError(
+                f"coordinator = {self.coordinator!r} with tls.insecure = true: the coordinator "
+                "speaks mutual TLS only (its certificate and the nodes' come from the mesh's "
+                "CA); give [tls] ca, cert and key, or drop coordinator"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _link_fits_timeouts(self) -> NodeConfig:
+        """A shaped link that every push or pull would time out on is refused up front."""
+        link, gossip, limits = self.link, self.gossip, self.limits
+        bound_s = min(gossip.progress_timeout_s, limits.stream_idle_timeout_s)
+        if (link.latency_ms + link.jitter_ms) / 1000 >= bound_s:
+            raise ValueError(
+                f"link.latency_ms + link.jitter_ms = {link.latency_ms + link.jitter_ms:g} ms "
+                f"is not below min(gossip.progress_timeout_s, limits.stream_idle_timeout_s) = "
+                f"{bound_s:g} s, so every shaped push would time out; lower the latency or "
+                "raise those timeouts"
+            )
+        rate_bytes_s = link.rate_mbit * 1e6 / 8
+        for key, outcome in (
+            ("min_push_rate_bytes_s", "peers would end this node's pushes as too slow"),
+            ("min_pull_rate_bytes_s", "this node would cut off the pulls it serves"),
+        ):
+            floor = getattr(limits, key)
+            if link.rate_mbit and rate_bytes_s < floor:
+                raise ValueError(
+                    f"link.rate_mbit = {link.rate_mbit:g} ({rate_bytes_s:g} bytes/s) is below "
+                    f"limits.{key} = {floor:g}, so {outcome}; raise the rate or lower "
+                    f"{key} on every site"
+                )
+        return self
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc[:-1]:
+        if model is GossipConfig and part in PROTOCOLS:
+            model = settings_class(str(part))
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        # An optional section (``X | None``): its keys are X's.
+        annotation = next((a for a in get_args(annotation) if a is not type(None)), annotation)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    if model is GossipConfig:
+        return [*model.model_fields, *sorted(PROTOCOLS), *DEPRECATED_FLAT_KEYS]
+    return list(model.model_fields)
+
+
+def explain(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> ConfigError:
+    """One line per mistake of ``err`` (key, value, fix); ``root`` is the model validated
+    (default ``NodeConfig``), whose keys a misspelt one is compared with."""
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            hint = did_you_mean(str(e["loc"][-1]), _known_keys(root or NodeConfig, e["loc"]))
+            lines.append(f"  {key}: unknown key; {hint}")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            value = e.get("input")
+            shown = "" if isinstance(value, BaseModel | dict) else f" = {value!r}"
+            lines.append(f"  {key}{shown}: {msg}")
+    return ConfigError("\n".join(lines))
+
+
+def parse_config(data: dict[str, Any], source: str = "<dict>") -> NodeConfig:
+    try:
+        return NodeConfig.model_validate(data)
+    except ValidationError as err:
+        raise explain(err, source) from None
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    return parse_config(read_toml(path), str(path))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's TOML, or a :class:`ConfigError` naming the file and what is wrong."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config {path} is not valid TOML: {err}") from None

@@ -1,0 +1,419 @@
+"""One site's daemon put together: job, trainer thread, network node, checkpoints, shutdown.
+
+Files under ``data_dir`` (all written atomically):
+``checkpoint.pt`` (every N steps and at shutdown), ``initial.pt`` (the model
+before the first step, for consensus studies), ``node.json`` (address, ports,
+pid, for tools), ``history.jsonl`` (one line per evaluation) and
+``summary.json`` (written when training ends and again at exit).
+
+A data_dir that cannot be written stops the daemon only at start-up (one line,
+exit code 2). Later, a failed write (disk full, read-only remount, I/O error)
+is logged once per streak of failures and retried: training and gossip go on,
+and the last good checkpoint stays in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
+from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.net.mqtt import MqttAgent, start_mqtt
+from gossipd.node.net.network import Network
+from gossipd.node.shared.config import NodeConfig
+from gossipd.node.shared.statefiles import FailureStreak, write_json
+from gossipd.node.site.progress_log import ProgressLog
+from gossipd.node.trainer import checkpoint
+from gossipd.node.trainer.jobs import Job, build_job
+from gossipd.node.trainer.ranks import (
+    Leader,
+    RankEnv,
+    join_group,
+    model_device,
+    rank_record,
+    site_spec,
+    sync_gradients,
+    write_record,
+)
+from gossipd.node.trainer.replica import Replica
+from gossipd.node.trainer.report import StepReport
+from gossipd.node.trainer.trainer_loop import TrainingLoop
+
+log = logging.getLogger(__name__)
+
+# How far past shutdown_timeout_s a shutdown may run before its threads' stacks are dumped.
+STUCK_SHUTDOWN_AFTER_S = 30.0
+
+
+class Site:
+    def __init__(
+        self, config: NodeConfig, job: Job | None = None, rank_env: RankEnv | None = None
+    ) -> None:
+        """``rank_env``: this process is rank 0 of a multi-rank site (torchrun or
+        ``--ranks``): it joins the site's process group and drives the other ranks."""
+        self.config = config
+        self.job = job or build_job(site_spec(config, rank_env))
+        self.replica = Replica.from_config(config, self.job.model)
+        self.ranks: Leader | None = None
+        self.rank_env = rank_env
+        self._broadcasts_counted = 0
+        if rank_env is not None:
+            device = model_device(self.job.model)
+            join_group(config, rank_env, device)
+            sync_gradients(self.job.optimizer, rank_env.world)
+            self.ranks = Leader(
+                self.replica.flat,
+                self.job.optimizer,
+                device,
+                heartbeat_s=min(1.0, config.ranks.collective_timeout_s / 4),
+            )
+        self.metrics = NodeMetrics()
+        self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
+        self.network = Network(config, self.replica, self.metrics)
+        self.data_dir = Path(config.data_dir)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(
+                f"data_dir = {self.data_dir}: cannot create the directory: {err.strerror}; "
+                "point data_dir at a directory this user can write"
+            ) from None
+        self.loop_thread = TrainingLoop(self)
+        self.resumed_from: int | None = None
+        self.restored_weights: list[float] = []
+        self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
+        self.final_checkpoint_error: CheckpointError | None = None
+        self.mqtt: MqttAgent | None = None
+        self.last_eval: dict[str, float] = {}
+        once = "free space (or fix the disk) under data_dir; logged once until a write succeeds"
+        self.checkpoint_streak = FailureStreak(
+            "periodic checkpoint",
+            "training and gossip go on, the previous checkpoint is kept and the write is retried "
+            f"every {config.checkpoint.every_steps} steps: {once}",
+        )
+        self.history_streak = FailureStreak(
+            "appending to history.jsonl", f"training goes on without these lines: {once}"
+        )
+        self.summary_streak = FailureStreak(
+            "writing summary.json", "the daemon goes on; it is written again at exit"
+        )
+
+    # -- trainer-thread helpers -------------------------------------------------------
+    def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
+        world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
+        samples = getattr(self.job, "batch_size", 0) * world
+        self.metrics.record_step(report, step_time_s, loss, samples)
+        if self.ranks is not None:
+            self.metrics.rank_broadcasts.inc(self.ranks.broadcasts - self._broadcasts_counted)
+            self._broadcasts_counted = self.ranks.broadcasts
+        for failure in report.failed:
+            log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
+
+    def evaluate(self) -> None:
+        """Test metrics of this site's model (on the trainer thread); every rank of a
+        multi-rank site evaluates the same parameters and records its own result."""
+        with self.replica.lock:
+            if self.ranks is not None:
+                self.ranks.evaluate(self.replica.steps)
+            result = {k: float(v) for k, v in self.job.evaluate().items()}
+            step, loss = self.replica.steps, self.replica.last_loss
+            if self.ranks is not None:
+                write_record(self.data_dir, 0, rank_record(0, step, self.replica.flat, result))
+        self.last_eval = result
+        for key, value in result.items():
+            self.metrics.eval_metric.labels(key).set(value)
+        line = {"unix_s": time.time(), "step": step, "loss": loss, **result}
+        path = self.data_dir / "history.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as err:
+            self.history_streak.failed(err)
+        else:
+            self.history_streak.succeeded(path)
+
+    def save_checkpoint(self, name: str = checkpoint.FILENAME) -> Path:
+        """Write one checkpoint and count it; raises CheckpointWriteError, the old file intact."""
+        started = time.perf_counter()
+        ckpt = checkpoint.capture(self.replica, self.config.node_id, self.job.optimizer)
+        try:
+            path = checkpoint.save(self.data_dir, ckpt, name)
+        except checkpoint.CheckpointWriteError:
+            self.metrics.checkpoint_failures.inc()
+            raise
+        if name == checkpoint.FILENAME:
+            self.saved_step = ckpt.step
+            self.metrics.record_checkpoint(time.perf_counter() - started, time.time())
+        return path
+
+    def periodic_checkpoint(self) -> None:
+        """A failed periodic write must not stop training: warn once per streak, retry later."""
+        try:
+            path = self.save_checkpoint()
+        except checkpoint.CheckpointWriteError as err:
+            self.checkpoint_streak.failed(err)
+        else:
+            self.checkpoint_streak.succeeded(path)
+
+    def write_summary(self, *, training_done: bool) -> None:
+        s = self.replica.summary
+        path = self.data_dir / "summary.json"
+        try:
+            write_json(
+                path,
+                {
+                    "node_id": self.config.node_id,
+                    "steps": s.steps,
+                    "loss": s.loss,
+                    "sum_weights": s.weights,
+                    "wait_s": s.wait_s,
+                    "wait_fraction": s.wait_fraction,
+                    "gossip_cpu_share": round(self.network.budget.share_while_training, 4),
+                    "gossip_cpu_share_mean": round(
+                        self.network.budget.mean_share_while_training(), 4
+                    ),
+                    "pushes_held": self.network.budget.held_pushes,
+                    "training_done": training_done,
+                    "resumed_from_step": self.resumed_from,
+                    **self.last_eval,
+                },
+            )
+        except OSError as err:
+            self.summary_streak.failed(err)
+        else:
+            self.summary_streak.succeeded(path)
+
+    def write_node_json(self) -> None:
+        write_json(
+            self.data_dir / "node.json",
+            {
+                "node_id": self.config.node_id,
+                "address": self.network.address,
+                "metrics_port": self.metrics.port,
+                "pid": os.getpid(),
+                "fingerprint": self.replica.fingerprint,
+            },
+        )
+
+    # -- lifecycle ------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume from checkpoint.pt, or write initial.pt; fails if data_dir is not writable."""
+        self.check_writable()
+        path = self.data_dir / checkpoint.FILENAME
+        if not path.exists():
+            try:
+                self.save_checkpoint("initial.pt")
+            except checkpoint.CheckpointWriteError as err:
+                raise self._unwritable(f"cannot write {err.path.name}: {err.reason}") from None
+            self.restored_weights = list(self.replica.summary.weights)
+            return
+        ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
+        self.replica.restore(ckpt.segments, ckpt.core, ckpt.step)
+        if ckpt.optimizer is not None:
+            self.job.optimizer.load_state_dict(ckpt.optimizer)
+        self.resumed_from = self.saved_step = ckpt.step
+        self.restored_weights = list(ckpt.weights)
+        self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
+        log.info(
+            "resumed %s from step %d, weights %s", self.config.node_id, ckpt.step, ckpt.weights
+        )
+
+    def check_writable(self) -> None:
+        """Probe data_dir with a small write, so a resumed node fails at start, not later."""
+        probe = self.data_dir / f".write-probe-{os.getpid()}"  # ranks share data_dir
+        try:
+            probe.write_bytes(b"gossipd")
+            probe.unlink()
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            raise self._unwritable(f"cannot write there: {err.strerror}") from None
+
+    def _unwritable(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"data_dir = {self.data_dir}: {what} ({checkpoint.describe_free(self.data_dir)}); "
+            "free space or fix permissions there, or point data_dir elsewhere"
+        )
+
+    async def bootstrap(self) -> None:
+        """A joining node copies a live peer's model before its first step (its weight is 0)."""
+        if not await self.network.wait_for_peers(1, self.config.join_timeout_s):
+            raise GossipdError(
+                f"join: no peer answered within {self.config.join_timeout_s} s; check seeds"
+            )
+        peer = self.network.membership.live()[0]
+        await self.network.bootstrap_from(peer.node_id)
+        log.info("bootstrapped the model from %s", peer.node_id)
+
+    async def _start_coordinator_client(self) -> None:
+        """With ``coordinator`` set: register there and follow its view (its addresses are
+        dialled like seeds); the overlap protocol asks it for pulls. It never holds the
+        node up: unreachable, the node schedules alone until it answers."""
+        if self.config.coordinator is None:
+            return
+        from gossipd.coordinator.client import CoordinatorClient
+
+        peering = self.network.peering
+
+        def on_view(members: dict[str, str], epoch: int) -> None:
+            for node_id, address in sorted(members.items()):
+                if node_id != self.config.node_id:
+                    peering.hint(address)
+
+        client = CoordinatorClient(
+            self.config.coordinator,
+            mesh_id=self.config.mesh_id,
+            advertise=self.network.address,
+            tls=self.network.tls,
+            on_view=on_view,
+        )
+        await client.start()
+        self.network.coordinator = client
+        log.info(
+            "coordinator %s: registering (until it answers, this node schedules its pulls alone)",
+            self.config.coordinator,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start, train until ``stop`` is set (or training dies), then shut down.
+
+        Start-up failures before the server runs leave nothing to clean up; after
+        it runs, every way out goes through :meth:`shutdown`.
+        """
+        self.restore()
+        await self.network.start()
+        progress = self._progress()
+        try:
+            try:
+                self.write_node_json()
+            except OSError as err:
+                log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
+            self.mqtt = start_mqtt(self, stop)
+            await self._start_coordinator_client()
+            loop = asyncio.get_running_loop()
+            self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
+            self.loop_thread.start()
+            if not await _unless_stopped(self._before_training(), stop):
+                log.info("stopped before training started")
+                return
+            self.loop_thread.go.set()
+            await stop.wait()
+        finally:
+            if progress is not None:
+                progress.cancel()
+            await self.shutdown()
+
+    def _progress(self) -> asyncio.Task[None] | None:
+        """The periodic INFO line an operator tails (none when progress_interval_s = 0)."""
+        if not self.config.progress_interval_s:
+            return None
+        lines = ProgressLog(
+            self.config.progress_interval_s,
+            lambda: self.replica.summary,
+            lambda: len(self.network.membership.live()),
+        )
+        return asyncio.create_task(lines.run(), name="progress-log")
+
+    async def _before_training(self) -> None:
+        if self.config.join and self.resumed_from is None:
+            await self.bootstrap()
+        wanted = self.config.membership.start_after_peers
+        if wanted and not await self.network.wait_for_peers(
+            wanted, self.config.membership.start_timeout_s
+        ):
+            raise GossipdError(
+                f"membership.start_after_peers = {wanted}: only "
+                f"{len(self.network.membership.live())} peers became live within "
+                f"{self.config.membership.start_timeout_s} s; check seeds and firewalls"
+            )
+
+    async def shutdown(self) -> None:
+        """Stop training, settle pushes, hand weight off, say goodbye, checkpoint: bounded.
+
+        The network is closed whatever happens before, so no server or task
+        outlives the loop. A final checkpoint that fails is kept in
+        ``final_checkpoint_error`` for the caller to report, not raised.
+        """
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        log.info(
+            "shutting down: settling pushes and handing weight off within "
+            "shutdown_timeout_s = %g s",
+            self.config.shutdown_timeout_s,
+        )
+        # A shutdown is bounded; one stuck far past its bound prints every thread's stack
+        # to stderr (the daemon's log), which says where, instead of a silent hang.
+        faulthandler.dump_traceback_later(
+            self.config.shutdown_timeout_s + STUCK_SHUTDOWN_AFTER_S, exit=False
+        )
+        try:
+            if self.mqtt is not None:  # first: nobody should be pointed here any more
+                await self.mqtt.close()
+            if self.network.coordinator is not None:
+                await self.network.coordinator.close()
+            self.loop_thread.halt.set()
+            driver = self.loop_thread
+            # Never started, or died (it may not have returned yet): something must drive.
+            if not driver.is_alive() or driver.error is not None:
+                driver = threading.Thread(
+                    target=self.replica.idle_until, args=(driver.release,), daemon=True
+                )
+                driver.start()
+            try:
+                await asyncio.wait_for(
+                    self.network.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
+                )
+            except (TimeoutError, GossipdError) as err:
+                log.warning("leaving the mesh did not complete: %r", err)
+            finally:
+                self.loop_thread.release.set()
+                await asyncio.to_thread(driver.join, max(0.1, deadline - time.monotonic()))
+            self.final_checkpoint()
+            self.write_summary(training_done=self.loop_thread.finished.is_set())
+        finally:
+            await self.network.close(grace_s=0.5)
+            faulthandler.cancel_dump_traceback_later()
+
+    def final_checkpoint(self) -> None:
+        # A node that never trained and whose weights did not move (no hand-off, no
+        # merge) has nothing new to save; skipping keeps a joiner that failed to
+        # bootstrap from resuming, on restart, as if it had.
+        trained = self.loop_thread.stepped
+        if not trained and list(self.replica.summary.weights) == self.restored_weights:
+            return
+        try:
+            self.save_checkpoint()
+        except checkpoint.CheckpointWriteError as err:
+            self.final_checkpoint_error = err
+            return
+        log.info(
+            "wrote the final checkpoint (step %d, weights %s) to %s",
+            self.replica.steps,
+            [round(w, 6) for w in self.replica.summary.weights],
+            self.data_dir / checkpoint.FILENAME,
+        )
+
+
+async def _unless_stopped(work: Any, stop: asyncio.Event) -> bool:
+    """Run ``work`` unless ``stop`` is set first (then cancel it): SIGTERM during a long
+    start-up wait (bootstrap, start_after_peers) must not wait for it to time out."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, stopped):
+            t.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # re-raises a start-up failure
+    return True

@@ -1,0 +1,246 @@
+"""Merging a payload into the model whole or not at all.
+
+Whatever arrives (a peer's push, a pulled model, our own snapshot folded back after
+a failed push, a joiner's bootstrap model) reaches the parameters here. For a push
+or a pull the core plans first (``Merge`` and ``Duplicate`` actions, or a refusal);
+then every blend it asks for is checked against the payload bound and for finiteness
+*before* any segment is written, so a refused payload leaves the model untouched
+(DESIGN §2, README "limits"). The check needs no blend computed: the bound's norms
+prove it finite (all but models near their dtype's limit), and the commit then adds
+the payload's difference in place, one pass per segment. A large payload's segments
+are checked and written side by side on the cores the process may use
+(:class:`~gossipd.node.trainer.segments.SegmentWork`).
+
+The :class:`Merger` writes segments and tells the core what merged (or which pull
+failed); it never touches threads, queues or replies. The replica
+(``node/trainer/replica.py``) calls it on the trainer thread under its locks, answers the
+sender and carries out whatever the core asks next.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gossipd.node.errors import (
+    GossipdError,
+    InvalidFrame,
+    NonFinitePayload,
+    PayloadOutOfBounds,
+    WeightOverCap,
+)
+from gossipd.node.protocols.base import (
+    Action,
+    Duplicate,
+    FoldBack,
+    GossipProtocol,
+    Merge,
+    PayloadArrived,
+    PayloadMerged,
+    Pull,
+    PullArrived,
+    PullFailed,
+    PullMerged,
+    Refused,
+    WeightCapExceeded,
+)
+from gossipd.node.trainer.messages import Ack, InboundPush, OutboundPush, Pulled
+from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
+from gossipd.node.trainer.report import MergeRecord, PullRecord
+from gossipd.node.trainer.segments import FlatModel
+
+
+@dataclass(frozen=True)
+class SegmentWrite:
+    """What a commit writes into one segment: ``x += alpha * values`` (``values`` is a
+    delta), ``x.lerp_(values, alpha)`` when ``lerp`` (``values`` is a gauged payload), or
+    ``x = values`` when ``alpha`` is None (a blend computed and checked whole, near the
+    dtype's limit)."""
+
+    values: torch.Tensor
+    alpha: float | None
+    lerp: bool = False
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """The core's answer to an arrival, with every blend it asks for checked, none applied."""
+
+    actions: list[Action]
+    blends: dict[int, SegmentWrite]
+    clipped: tuple[int, ...]  # segments the robust merge clipped before blending
+
+
+class Merger:
+    """Plans, checks and commits merges into ``flat`` on behalf of ``core``."""
+
+    def __init__(self, core: GossipProtocol, flat: FlatModel, bound: PayloadBound) -> None:
+        self.core = core
+        self.flat = flat
+        self.bound = bound
+
+    def merge_push(self, item: InboundPush) -> tuple[list[Ack], MergeRecord]:
+        """Merge a whole push (or raise, having written nothing); returns its acks.
+
+        Raises :class:`InvalidFrame` (or :class:`WeightOverCap`) when the core refuses
+        it, :class:`NonFinitePayload` or ``PayloadOutOfBounds`` when a blend would.
+        """
+        arrival = PayloadArrived(
+            item.sender,
+            item.incarnation,
+            item.sequence,
+            item.round,
+            {seg.segment: seg.sum_weight for seg in item.segments},
+            item.sequence_base,
+        )
+        values = {seg.segment: seg.values for seg in item.segments}
+        gauges = {seg.segment: seg.gauge for seg in item.segments if seg.gauge is not None}
+        what = f"push {item.sender}#{item.sequence}"
+        plan = self.plan(arrival, values, what, merge_new=item.merge_new, gauges=gauges)
+        if item.merge_new:
+            self.core.handle(PayloadMerged(arrival))
+        self.commit(plan.blends)
+        weights = self.core.status().weights
+        acks = [
+            Ack(a.segment, isinstance(a, Duplicate), weights[a.segment] if weights else 0.0)
+            for a in plan.actions
+            if isinstance(a, Merge | Duplicate)
+        ]
+        record = MergeRecord(
+            item.sender,
+            item.sequence,
+            tuple(plan.blends),
+            tuple(a.segment for a in plan.actions if isinstance(a, Duplicate)),
+            plan.clipped,
+        )
+        return acks, record
+
+    def merge_pull(
+        self, pull: Pull, pulled: Pulled | None, error: str | None
+    ) -> tuple[list[Action], PullRecord]:
+        """Merge a pulled model whole or not at all, like a push, and tell the core either
+        way (a refused model fails the pull); returns what the core asks next and the
+        record of the pull."""
+        if pulled is not None and error is None:
+            arrival = PullArrived(
+                pull.peer, pull.round, dict(pulled.weights), pulled.nbytes, pulled.transfer_s
+            )
+            try:
+                plan = self.plan(
+                    arrival, pulled.values, f"pull from {pull.peer}", gauges=pulled.gauges
+                )
+            except (InvalidFrame, NonFinitePayload, PayloadOutOfBounds) as err:
+                error = str(err)
+            else:
+                actions = self.core.handle(PullMerged(arrival))
+                self.commit(plan.blends)
+                record = PullRecord(
+                    pull.peer, pull.round, tuple(plan.blends), pulled.nbytes, arrival.transfer_s
+                )
+                return actions, record
+        record = PullRecord(pull.peer, pull.round, (), error=error)
+        return self.core.handle(PullFailed(pull.peer, pull.round, str(error))), record
+
+    def fold_back(self, out: OutboundPush, actions: Sequence[Action]) -> None:
+        """Blend the unacknowledged segments of our own push back in, as the core asks."""
+        for action in actions:
+            if isinstance(action, FoldBack):
+                # Our own snapshot coming home: finite, and the blend cannot overflow.
+                snapshot = out.snapshot[action.segment]
+                blended = self.flat.blend(action.segment, snapshot, action.alpha)
+                if blended is not None:
+                    self.flat.load_segment(action.segment, blended)
+
+    def adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
+        """Load a joiner's bootstrap model whole (its weight is 0: the merge with α = 1)."""
+        if pulled is None or error is not None:
+            raise GossipdError(f"join: pulling the model from {peer} failed: {error}")
+        if sorted(pulled.values) != list(range(len(self.flat.plan))):
+            raise GossipdError(f"join: {peer} sent segments {sorted(pulled.values)}, not all")
+        for index, values in pulled.values.items():
+            self.flat.load_segment(index, values)
+
+    def commit(self, blends: Mapping[int, SegmentWrite]) -> None:
+        """Write blends that :meth:`plan` checked."""
+        calls = [functools.partial(self._write, segment, w) for segment, w in blends.items()]
+        self.flat.work.run(calls, sum(w.values.nbytes for w in blends.values()))
+
+    def _write(self, segment: int, write: SegmentWrite) -> None:
+        if write.alpha is None:
+            self.flat.load_segment(segment, write.values)
+        elif write.lerp:
+            self.flat.lerp(segment, write.values, write.alpha)
+        else:
+            self.flat.add_delta(segment, write.values, write.alpha)
+
+    def plan(
+        self,
+        arrival: PayloadArrived | PullArrived,
+        values: Mapping[int, torch.Tensor],
+        what: str,
+        *,
+        merge_new: bool = True,
+        gauges: Mapping[int, Gauge] | None = None,
+    ) -> MergePlan:
+        """The core's answer to ``arrival``, every blend it asks for (checked against the
+        payload bound and for finiteness, none applied) and the segments the robust merge
+        clipped.
+
+        A segment with a gauge that the bound admits is blended as it came (one pass at
+        commit); the others take the exact path, where the payload bound writes each
+        difference over ``values``: a payload is consumed by its plan, merged or refused.
+        ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges
+        nothing).
+        """
+        try:
+            actions = self.core.handle(arrival)
+        except Refused as err:
+            refusal = WeightOverCap if isinstance(err, WeightCapExceeded) else InvalidFrame
+            raise refusal(f"{what}: {err}") from None
+        if not merge_new:
+            actions = [a for a in actions if isinstance(a, Duplicate)]
+        merges = [a for a in actions if isinstance(a, Merge)]
+        for action in merges:
+            if action.segment not in values:
+                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
+        blends: dict[int, SegmentWrite] = {}
+        gauges = gauges or {}
+        for action in merges:
+            gauge = gauges.get(action.segment)
+            if gauge is not None and self.bound.admits(gauge, action.alpha, what, action.segment):
+                blends[action.segment] = SegmentWrite(
+                    values[action.segment], action.alpha, lerp=True
+                )
+        exact = [a for a in merges if a.segment not in blends]
+        deltas = self.flat.work.run(
+            [
+                functools.partial(
+                    self.bound.delta,
+                    self.flat.buffers[a.segment],
+                    values[a.segment],
+                    what,
+                    a.segment,
+                )
+                for a in exact
+            ],
+            sum(values[a.segment].nbytes for a in exact),
+        )
+        clipped: list[int] = []
+        for action, delta in zip(exact, deltas, strict=True):
+            if delta.clipped:
+                clipped.append(action.segment)
+            if delta.blend_is_finite(action.alpha):
+                blends[action.segment] = SegmentWrite(delta.values, action.alpha)
+                continue
+            blended = self.flat.blend_delta(action.segment, delta.values, action.alpha)
+            if blended is None:
+                raise NonFinitePayload(
+                    f"merging segment {action.segment} of {what} would make the model "
+                    "non-finite; refused, nothing merged"
+                )
+            blends[action.segment] = SegmentWrite(blended, None)
+        ordered = {a.segment: blends[a.segment] for a in merges}  # in the core's order
+        return MergePlan(actions, ordered, tuple(clipped))

@@ -1,0 +1,136 @@
+"""What a replica tells its caller and its readers: a report per step, a summary always.
+
+:class:`StepReport` is what gossip did since the previous step, returned by every
+``Replica.step`` so a caller sees merges, pushes, pulls and refusals in its own loop.
+:class:`Summary` is one consistent copy of the replica's state, replaced whole at each
+step boundary: status, metrics and health read it on other threads without ever
+taking the trainer's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gossipd.node.protocols.base import PeerMass
+
+if TYPE_CHECKING:
+    from gossipd.node.trainer.replica import Replica
+
+log = logging.getLogger("gossipd.node.trainer.report")
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    sender: str
+    sequence: int
+    merged_segments: tuple[int, ...]
+    duplicate_segments: tuple[int, ...]
+    clipped_segments: tuple[int, ...] = ()  # pulled in by limits.merge_clip, then merged
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    peer: str
+    sequence: int
+    acked_segments: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PullRecord:
+    peer: str
+    round: int
+    merged_segments: tuple[int, ...]
+    nbytes: int = 0
+    transfer_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    peer: str
+    reason: str
+    detail: str
+
+
+@dataclass
+class StepReport:
+    """What gossip did since the previous step; ``ok`` is False if anything failed."""
+
+    step: int
+    merged: list[MergeRecord] = field(default_factory=list)
+    pushed: list[PushRecord] = field(default_factory=list)
+    failed: list[PushRecord] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    pulled: list[PullRecord] = field(default_factory=list)
+    started_push_to: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.rejected and all(p.error is None for p in self.pulled)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A consistent copy of replica state, replaced whole at each step boundary."""
+
+    steps: int
+    loss: float
+    protocol: str
+    round: int
+    epoch: int
+    weights: tuple[float, ...]
+    reserved: tuple[float, ...]
+    in_flight: int
+    pushes_acked: int
+    pushes_failed: int
+    pushes_merged: int
+    peers: frozenset[str]
+    exchanged: Mapping[str, PeerMass]
+    sinks: frozenset[str] = frozenset()  # peers suspected of sinking weight (no pushes to them)
+    weight_cap: float = math.inf  # the most sum-weight a segment may hold after a merge
+    wait_s: float = 0.0  # the trainer's waits at step boundaries for due pulls
+    wait_fraction: float = 0.0  # wait_s over the wall time since the first step ended
+    scheduling: str = ""  # who picks this node's pulls: coordinator, decentralized, or ""
+
+    @classmethod
+    def of(cls, replica: Replica) -> Summary:
+        core = replica.core.status()
+        return cls(
+            steps=replica.steps,
+            loss=replica.last_loss,
+            protocol=core.protocol,
+            round=core.round,
+            epoch=core.epoch,
+            weights=core.weights,
+            reserved=core.reserved,
+            in_flight=core.in_flight,
+            pushes_acked=replica.pushes_acked,
+            pushes_failed=replica.pushes_failed,
+            pushes_merged=replica.pushes_merged,
+            peers=core.peers,
+            exchanged=core.exchanged,
+            sinks=frozenset(core.extra.get("sinks", ())),
+            weight_cap=float(core.extra.get("weight_cap", math.inf)),
+            wait_s=replica.wait_s,
+            wait_fraction=replica.wait_fraction(),
+            scheduling=str(core.extra.get("scheduling", "")),
+        )
+
+
+def log_sinks(before: Summary, after: Summary) -> None:
+    """Tell the operator when a peer starts or stops being suspected of sinking weight."""
+    for peer in sorted(after.sinks - before.sinks):
+        log.warning(
+            "peer %s took this node's weight and gave none back (sink score over "
+            "limits.sink_score_bound): no more pushes to it until it pushes weight back; "
+            "if it is a member you trust, check its logs: it acknowledges pushes but never "
+            "pushes",
+            peer,
+        )
+    for peer in sorted(before.sinks - after.sinks):
+        log.info("peer %s pushed weight back: no longer suspected of sinking weight", peer)
