@@ -1,7 +1,7 @@
 """Layering: the pure parts of gossipd load no wire and no tensor library.
 
 The error hierarchy, membership, the certificate tool, every protocol core and
-the simulator are plain Python (DESIGN.md §2): importing any of them must load
+the simulator are plain Python (docs/design.md §2): importing any of them must load
 neither grpc, nor protobuf, nor torch. The simulator's real-model payload
 (``DigitsPayload``) imports torch inside its constructor, so only a simulation
 of real models loads it. Each module is imported in a fresh interpreter, since

@@ -1,6 +1,6 @@
 """Tests for gossipd.node.net.membership: verified peers, bounded candidates, liveness, departures.
 
-The rule under test (DESIGN.md §6): a node is a peer only after this node's own
+The rule under test (docs/design.md §6): a node is a peer only after this node's own
 Handshake to an address was answered by it; everything anyone says about another
 node is a claim, kept as a bounded candidate, that never changes a verified entry.
 """
@@ -459,7 +459,7 @@ def test_a_relayed_peer_list_only_gives_candidates_to_the_receiver() -> None:
 
 
 # ---------------------------------------------------------------------------
-# attacks (DESIGN.md §6, "Faults and adversaries")
+# attacks (docs/design.md §6, "Faults and adversaries")
 
 
 def test_identity_takeover_claim_with_max_incarnation_and_a_dead_address_changes_nothing() -> None:

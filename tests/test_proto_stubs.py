@@ -1,5 +1,5 @@
 """The committed gRPC stubs are exactly what ``gossip.proto`` and ``coordinator.proto``
-generate (DESIGN.md §1)."""
+generate (docs/design.md §1)."""
 
 from __future__ import annotations
 

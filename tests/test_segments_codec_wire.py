@@ -1,6 +1,6 @@
 """Segments, codecs and wire framing (node/trainer/segments.py, codec.py, node/net/wire.py).
 
-Protects DESIGN.md §4 and §8: segment plans and fingerprints, flat storage that the
+Protects docs/design.md §4 and §8: segment plans and fingerprints, flat storage that the
 module and optimizer really use, exact raw codec, and an assembler that hands on
 a segment whole and verified, or refuses it with a message naming the bad value.
 """

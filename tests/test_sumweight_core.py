@@ -3,7 +3,7 @@
 The property tests drive N pure cores through a tiny in-test network: a message
 queue whose order, duplicates, drops and sender time-outs are chosen by a seeded
 ``random.Random``. The driver knows the ground truth (which segment of which
-push the receiver really merged), so it checks the invariants of DESIGN.md §5
+push the receiver really merged), so it checks the invariants of docs/design.md §5
 and §8 after every event, not only at the end.
 """
 
@@ -744,7 +744,7 @@ def test_max_in_flight_below_one_is_refused(max_in_flight):
 # -- reservations never strand weight ---------------------------------------------------
 @pytest.mark.parametrize("newest_first", [False, True])
 def test_rounding_remainders_of_reservations_are_reset_so_tiny_weights_still_push(newest_first):
-    """Weight is never stranded in a reservation (DESIGN.md §6), not even by float rounding.
+    """Weight is never stranded in a reservation (docs/design.md §6), not even by float rounding.
 
     Two overlapping pushes reserve fl(w/2 + w/4); for w = 0.1 releasing w/2 and w/4
     leaves an ulp-sized remainder. Kept, it would outlive the weight as the weight

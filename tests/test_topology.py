@@ -1,6 +1,6 @@
 """Round topologies (node/protocols/topology.py): valid, shared, uniform, cheap to share.
 
-DESIGN §8: "each round's per-segment map is a derangement; all nodes compute the
+docs/design.md §8: "each round's per-segment map is a derangement; all nodes compute the
 same one from the seed". Uniformity is tested by a chi-square test over every
 derangement of 4 and 5 ranks; sharing, by recomputing in fresh processes with
 different hash seeds; cheapness, by counting what the cache computes when many

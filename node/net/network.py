@@ -458,7 +458,7 @@ class Network:
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
         when several nodes scheduling alone pick this one, it serves one and the others
-        hear at once that it is busy and pick another peer (DESIGN §5)."""
+        hear at once that it is busy and pick another peer (docs/design.md §5)."""
         if self._serving_pull is not None:
             raise Busy(
                 f"serving a pull to {self._serving_pull} already; this protocol serves one "

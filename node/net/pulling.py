@@ -1,6 +1,6 @@
 """Outbound pulls: start each at the time its core asked for, deliver the result once.
 
-A protocol that averages with a pulled model (scheduled overlap, DESIGN §5) asks
+A protocol that averages with a pulled model (scheduled overlap, docs/design.md §5) asks
 for a pull to *start* at ``Pull.at_s`` so that it lands as its local steps end.
 The trainer thread may be in the middle of a long step then; the pull does not
 wait for it: the loop starts it on the replica's own clock, and what it brings is

@@ -1,7 +1,7 @@
 """Link shaping for tests and benchmarks: added latency and a send-rate cap, off by default.
 
 Real processes on one machine talk over loopback, where every link is fast and
-immediate; a benchmark of slow or distant sites (DESIGN §5's scheduled overlap,
+immediate; a benchmark of slow or distant sites (docs/design.md §5's scheduled overlap,
 the wide-area runs) needs links that are not. ``[link]`` in a node's config makes
 this node's own sends look like a slow, distant link. It is a test and benchmark
 knob, never for production: it only ever slows a node down.

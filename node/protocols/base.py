@@ -1,6 +1,6 @@
 """The interface every gossip protocol core implements: events in, actions out.
 
-A core is a sans-IO state machine (DESIGN §2). It never touches sockets,
+A core is a sans-IO state machine (docs/design.md §2). It never touches sockets,
 threads, clocks or torch: the driver (the daemon's replica, or the simulator)
 tells it what happened with one :meth:`GossipProtocol.handle` call per event
 and carries out the actions it returns. Events and actions are plain frozen

@@ -1,6 +1,6 @@
 """Sum-weight mass accounting shared by every push-based protocol core.
 
-Every protocol here mixes models with the sum-weight rule (GoSGD; DESIGN §5):
+Every protocol here mixes models with the sum-weight rule (GoSGD; docs/design.md §5):
 a node keeps a float64 weight w per segment, sends (x, share of w), and a
 receiver merges x_r ← (w_r·x_r + w_s·x_s)/(w_r + w_s), w_r ← w_r + w_s. The
 protocols differ only in *whom* they send *which* share, and when; this module

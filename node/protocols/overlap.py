@@ -111,7 +111,7 @@ class _Period:
 class OverlapGossip(GossipProtocol):
     name = NAME
     Settings = Settings
-    # A peer pulled by several nodes at once serves one; the others re-pick (DESIGN §5).
+    # A peer pulled by several nodes at once serves one; the others re-pick (docs/design.md §5).
     serves_one_pull: ClassVar[bool] = True
     keeps_weights: ClassVar[bool] = False
 

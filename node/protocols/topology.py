@@ -2,7 +2,7 @@
 
 A topology here is a pure function of (N, seed parts): no node ever draws from a
 shared stateful RNG, so a node that skipped a round, restarted, or joined late
-computes exactly what every other node with the same view computes (DESIGN §5,
+computes exactly what every other node with the same view computes (docs/design.md §5,
 "rules learned from the reference implementations"). The seed parts are the
 mesh seed, the view's epoch, the round and, where it matters, the segment.
 

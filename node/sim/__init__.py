@@ -1,6 +1,6 @@
 """`gossipd sim`: a discrete-event simulator that drives the daemon's own protocol cores.
 
-One protocol implementation, two drivers (DESIGN §2): the cores built here by
+One protocol implementation, two drivers (docs/design.md §2): the cores built here by
 :func:`gossipd.node.protocols.build` are the objects the daemon runs; only the
 clock, the network and the model are simulated. See :mod:`.driver` for what is
 modelled, :mod:`.scenarios` for the named networks, :mod:`.spectral` for the

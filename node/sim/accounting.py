@@ -1,7 +1,7 @@
 """Where the sum-weight mass of a simulated mesh is, so a test can demand it all be there.
 
 Σw and Σw·x (per segment) over a mesh are constant while nothing fails
-(DESIGN §5). A simulation can also destroy some (a crash takes the node's
+(docs/design.md §5). A simulation can also destroy some (a crash takes the node's
 available weight and its payloads still on the wire) or, in the ledger's one
 known error, create some (a push folded back after its receiver merged it). The
 book counts both, so live totals + lost − duplicated must equal the start to

@@ -1,4 +1,4 @@
-"""The simulator's driver: the very cores the daemon runs, on a virtual clock (DESIGN §2).
+"""The simulator's driver: the very cores the daemon runs, on a virtual clock (docs/design.md §2).
 
 Each node is a core built by :func:`gossipd.node.protocols.build`, a slot in a
 :mod:`payload <gossipd.node.sim.payloads>` and a little bookkeeping. The driver

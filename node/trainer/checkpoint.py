@@ -5,7 +5,7 @@ round, de-duplication windows, what was in flight), the step, and the optimizer
 state. Weights reserved by pushes still in flight are
 saved as held (not yet given away): on a crash between a push's merge at the
 receiver and its acknowledgement here, that mass is counted twice, which is the
-bounded error DESIGN §5 accepts for faults.
+bounded error docs/design.md §5 accepts for faults.
 """
 
 from __future__ import annotations

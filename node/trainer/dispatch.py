@@ -1,6 +1,6 @@
 """Carrying out the core's outgoing actions, and knowing what is still in flight.
 
-Of the actions a core returns (DESIGN §2), all but the merges leave the replica:
+Of the actions a core returns (docs/design.md §2), all but the merges leave the replica:
 ``Push`` (a snapshot of the segments it names, sent now or, when a timer made it
 mid-step, at the next step boundary), ``Pull`` (started at its own ``at_s`` by the
 network), ``StartTimer`` (a heap here, plus a wake-up asked of the network),

@@ -1,7 +1,7 @@
 """The parameter side of a node: the daemon's driver of its protocol core.
 
 The replica owns the model's flat segments and the core, and carries out every
-action the core returns (DESIGN §2): ``Push`` and ``Pull`` go to the network
+action the core returns (docs/design.md §2): ``Push`` and ``Pull`` go to the network
 through its :class:`~gossipd.node.trainer.messages.LoopPort`; ``Merge``, ``Duplicate`` and
 ``FoldBack`` are applied to the parameters here, whole or not at all; ``StartTimer``
 fires at the first step boundary (or idle moment) at or after its time. A pull
