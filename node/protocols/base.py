@@ -29,6 +29,7 @@ What a driver promises:
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -288,6 +289,30 @@ class CoreStatus:
     # Weight exchanged with each peer (summed over segments), for operators and audits.
     exchanged: Mapping[str, PeerMass] = field(default_factory=dict)
 
+    # What a driver may read from ``extra``, each with its default for a core that does not
+    # set it; the other keys of ``extra`` are shown to operators as they are.
+    @property
+    def sinks(self) -> frozenset[str]:
+        """Peers suspected of sinking weight (``extra["sinks"]``): no pushes to them."""
+        return frozenset(self.extra.get(EXTRA_SINKS, ()))
+
+    @property
+    def weight_cap(self) -> float:
+        """The most sum-weight a segment may hold after a merge (``extra["weight_cap"]``)."""
+        return float(self.extra.get(EXTRA_WEIGHT_CAP, math.inf))
+
+    @property
+    def scheduling(self) -> str:
+        """Who picks this node's pulls: ``coordinator``, ``decentralized``, or "" for a core
+        that does not pull (``extra["scheduling"]``)."""
+        return str(self.extra.get(EXTRA_SCHEDULING, ""))
+
+
+# The keys of CoreStatus.extra that drivers read (through the properties above).
+EXTRA_SINKS = "sinks"
+EXTRA_WEIGHT_CAP = "weight_cap"
+EXTRA_SCHEDULING = "scheduling"
+
 
 @dataclass(frozen=True)
 class PeerMass:
@@ -302,12 +327,24 @@ class PeerMass:
 
 
 class GossipProtocol(ABC):
-    """One node's protocol state. Subclasses live one per file, each naming its paper."""
+    """One node's protocol state. Subclasses live one per file, each naming its paper.
 
+    A driver reads a core through this class only: :meth:`handle`, :meth:`status`,
+    :meth:`state_dict`, :meth:`load_state_dict` and the class attributes below, each
+    with its default here. A new protocol that needs a driver to treat it differently
+    declares the attribute here first, so every driver and test double sees it.
+    """
+
+    # The protocol's name in configs and the registry (``gossip.protocol``).
     name: ClassVar[str]
     # Sum-weights whose total the mesh conserves (the push protocols); False for a core
     # that only averages with pulled models: its status has no weights to check.
     keeps_weights: ClassVar[bool] = True
+    # True: a node serves one protocol pull (``round`` > 0) at a time and answers a second
+    # concurrent one with a failure, so that nodes scheduling alone that pick the same peer
+    # hear at once that it is busy and pick another (docs/design.md §5). A join's bootstrap
+    # pull (round 0) is always served. False: pulls are served concurrently.
+    serves_one_pull: ClassVar[bool] = False
 
     @abstractmethod
     def handle(self, event: Event) -> list[Action]:

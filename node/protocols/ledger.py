@@ -60,6 +60,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from gossipd.node.protocols.base import (
+    EXTRA_SINKS,
+    EXTRA_WEIGHT_CAP,
     Action,
     CoreStatus,
     Duplicate,
@@ -262,7 +264,7 @@ class SumWeightLedger(GossipProtocol):
             in_flight=len(self.in_flight),
             peers=self.peers,
             exchanged=dict(self._exchanged),
-            extra={"sinks": self.sinks.sinks(), "weight_cap": self.weight_cap},
+            extra={EXTRA_SINKS: self.sinks.sinks(), EXTRA_WEIGHT_CAP: self.weight_cap},
         )
 
     def state_dict(self) -> dict[str, Any]:

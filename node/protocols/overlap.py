@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from gossipd.node.protocols.base import (
+    EXTRA_SCHEDULING,
     Action,
     AskPeer,
     CoreStatus,
@@ -306,7 +307,7 @@ class OverlapGossip(GossipProtocol):
                 "step_time_s": self.step_s,
                 "pulls": dict(self.counts),
                 "pulling_from": self.period.peer if self.period else None,
-                "scheduling": self.scheduling,
+                EXTRA_SCHEDULING: self.scheduling,
             },
         )
 

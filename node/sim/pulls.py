@@ -5,8 +5,9 @@ request travels the latency there, the model comes back at the link's bandwidth,
 the core merges it whole. A pull with ``merge_at_step`` is due at that step's boundary,
 as in the replica: one that arrives early is held until the trainer gets there, and a
 trainer that gets there first waits for it (and starts it at once if its start time
-has not come yet: the steps ended sooner than predicted). A core that
-``serves_one_pull`` answers a second concurrent pull with a failure.
+has not come yet: the steps ended sooner than predicted). A core whose class sets
+:attr:`~gossipd.node.protocols.base.GossipProtocol.serves_one_pull` answers a second
+concurrent pull with a failure.
 
 :class:`~gossipd.node.protocols.base.AskPeer` and
 :class:`~gossipd.node.protocols.base.ReportTransfer` go to the mesh's coordinator, a
@@ -135,7 +136,7 @@ class PullSide:
             self._at(self.now + self.scenario.timeout_s, self._pull_failed, node, failed)
             return
         latency, bandwidth = self._link(peer, node)
-        one_at_a_time = pull.round > 0 and getattr(peer.core, "serves_one_pull", False)
+        one_at_a_time = pull.round > 0 and peer.core.serves_one_pull
         if one_at_a_time and peer.serving:
             busy = PullFailed(peer.id, pull.round, f"{peer.id} is serving a pull already")
             self._at(self.now + latency, self._pull_failed, node, busy)
