@@ -1,0 +1,178 @@
+"""Making certificates: the mesh CA (:func:`init_ca`) and, signed by it, a site's or the
+coordinator's key and certificate (:func:`issue`). What each certificate names is set out
+in :mod:`.certs`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from gossipd.node.shared.cert_files import (
+    CA_CERT_FILE,
+    CA_DAYS,
+    CA_KEY_FILE,
+    CLOCK_SKEW,
+    COORDINATOR_DNS_NAME,
+    MESH_DNS_NAME,
+    SITE_DAYS,
+    CertificateError,
+    check_id,
+    load_cert,
+    load_key,
+    now_utc,
+    refuse_existing,
+    write_pair,
+)
+
+
+def _validity(not_before: dt.datetime | None, days: float) -> tuple[dt.datetime, dt.datetime]:
+    if days <= 0:
+        raise CertificateError(f"days={days} is not valid: a certificate must last > 0 days")
+    start = now_utc() - CLOCK_SKEW if not_before is None else not_before
+    if start.tzinfo is None:
+        raise CertificateError("not_before must be timezone-aware (e.g. datetime.UTC)")
+    return start, start + dt.timedelta(days=days)
+
+
+def _key_usage(*, signs_certificates: bool) -> x509.KeyUsage:
+    """A CA signs certificates and CRLs; a site signs handshakes and enciphers keys."""
+    return x509.KeyUsage(
+        digital_signature=not signs_certificates,
+        content_commitment=False,
+        key_encipherment=not signs_certificates,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=signs_certificates,
+        crl_sign=signs_certificates,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def init_ca(directory: str | Path, *, mesh_id: str, days: float = CA_DAYS) -> tuple[Path, Path]:
+    """Create the mesh CA in ``directory``: ``ca.pem`` to share, ``ca.key`` to keep."""
+    check_id("mesh id", mesh_id)
+    directory = Path(directory)
+    cert_path, key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
+    refuse_existing(
+        cert_path,
+        key_path,
+        fix="a mesh CA is never overwritten (every site certificate it issued would stop "
+        "being trusted); pick another --dir, or delete ca.pem and ca.key there yourself",
+    )
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start, end = _validity(None, days)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"gossipd mesh CA {mesh_id}")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(signs_certificates=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return write_pair(cert_path, key_path, cert, key)
+
+
+def _issuable_paths(node_id: str, directory: Path) -> tuple[Path, Path, Path, Path]:
+    """The CA's certificate and key and the new pair's paths, once ``node_id`` may be issued
+    in ``directory``: a valid, unreserved name, a CA there, no pair of that name yet."""
+    check_id("node id", node_id)
+    if node_id == Path(CA_CERT_FILE).stem:
+        raise CertificateError(
+            f"node id {node_id!r} is reserved: its files would be the CA's {CA_CERT_FILE} and "
+            f"{CA_KEY_FILE}; pick another node id"
+        )
+    if node_id in (MESH_DNS_NAME, COORDINATOR_DNS_NAME):
+        raise CertificateError(
+            f"name {node_id!r} is reserved: every certificate of its kind carries it, so it "
+            "names no one; pick another name"
+        )
+    ca_cert_path, ca_key_path = directory / CA_CERT_FILE, directory / CA_KEY_FILE
+    if not ca_cert_path.exists() or not ca_key_path.exists():
+        raise CertificateError(
+            f"no mesh CA in {directory} (need {CA_CERT_FILE} and {CA_KEY_FILE}); "
+            f"create one with: gossipd certs init --dir {directory} --mesh-id MESH_ID"
+        )
+    cert_path, key_path = directory / f"{node_id}.pem", directory / f"{node_id}.key"
+    refuse_existing(
+        cert_path,
+        key_path,
+        fix=f"node {node_id!r} already has a certificate; delete {cert_path.name} and "
+        f"{key_path.name} to issue a new one",
+    )
+    return ca_cert_path, ca_key_path, cert_path, key_path
+
+
+def _signed_leaf(
+    node_id: str,
+    key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    validity: tuple[dt.datetime, dt.datetime],
+    *,
+    coordinator: bool,
+) -> x509.Certificate:
+    """``key``'s certificate, signed by the CA: a site's names ``node_id`` and the mesh name,
+    the coordinator's only the coordinator name; both serve and dial TLS."""
+    names = (
+        [x509.DNSName(COORDINATOR_DNS_NAME)]
+        if coordinator
+        else [x509.DNSName(node_id), x509.DNSName(MESH_DNS_NAME)]
+    )
+    uses = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(validity[0])
+        .not_valid_after(validity[1])
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(signs_certificates=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(uses), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def issue(
+    node_id: str,
+    directory: str | Path,
+    *,
+    days: float = SITE_DAYS,
+    not_before: dt.datetime | None = None,
+    coordinator: bool = False,
+) -> tuple[Path, Path]:
+    """Write ``<node_id>.pem`` and ``<node_id>.key``, signed by the CA in ``directory``:
+    a site's certificate, or with ``coordinator`` the mesh coordinator's (named ``node_id``).
+
+    The certificate is valid from ``not_before`` (default: now, less a few minutes of clock
+    skew) for ``days``. Tests pass a ``not_before`` in the past with a short ``days`` for an
+    expired certificate, or one in the future for a not-yet-valid one.
+    """
+    ca_cert_path, ca_key_path, cert_path, key_path = _issuable_paths(node_id, Path(directory))
+    ca_cert, ca_key = load_cert(ca_cert_path), load_key(ca_key_path)
+    if ca_cert.public_key() != ca_key.public_key():
+        raise CertificateError(f"{ca_key_path} is not the key of {ca_cert_path}")
+    validity = _validity(not_before, days)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _signed_leaf(node_id, key, ca_cert, ca_key, validity, coordinator=coordinator)
+    return write_pair(cert_path, key_path, cert, key)
