@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
+from gossipd.node.protocols.base import PeerMass
 from gossipd.node.trainer import checkpoint
 from tests.conftest import (
     kill_hard,
@@ -46,12 +47,11 @@ def crash_bound(crashed: str, saved: checkpoint.Checkpoint, peers: list[dict[str
     """What the crashed site exchanged with its peers after its checkpoint (summed over
     segments): the peers' totals for its previous incarnation less the checkpoint's."""
     bound = 0.0
-    at_checkpoint = saved.core.get("exchanged", {})
     for status in peers:
         theirs = status["exchanged"][crashed]
-        ours = at_checkpoint.get(status["node_id"], {"sent": 0.0, "received": 0.0})
-        bound += abs(theirs["sent_before"] - ours["received"])
-        bound += abs(theirs["received_before"] - ours["sent"])
+        ours = saved.exchanged.get(status["node_id"], PeerMass())
+        bound += abs(theirs["sent_before"] - ours.received)
+        bound += abs(theirs["received_before"] - ours.sent)
     return bound
 
 

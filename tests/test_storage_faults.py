@@ -230,14 +230,14 @@ def _temp_files(directory: Path) -> list[str]:
 def test_checkpoint_save_on_a_full_disk_raises_keeps_the_old_file_and_leaves_no_temp(
     small_disk: SmallDisk,
 ) -> None:
-    ckpt = checkpoint.Checkpoint("n", "fp", 1, {"weights": [1.0]}, [torch.zeros(1000)])
+    ckpt = checkpoint.Checkpoint("n", "fp", 1, {}, [torch.zeros(1000)], weights=[1.0])
     checkpoint.save(small_disk.path, ckpt)
     small_disk.fill(os.getpid())
     try:
         with pytest.raises(CheckpointError) as caught:
             checkpoint.save(
                 small_disk.path,
-                checkpoint.Checkpoint("n", "fp", 2, {"weights": [0.5]}, [torch.ones(1000)]),
+                checkpoint.Checkpoint("n", "fp", 2, {}, [torch.ones(1000)], weights=[0.5]),
             )
     finally:
         small_disk.free()
@@ -248,6 +248,7 @@ def test_checkpoint_save_on_a_full_disk_raises_keeps_the_old_file_and_leaves_no_
     assert _temp_files(small_disk.path) == []
     kept = checkpoint.load(small_disk.path / checkpoint.FILENAME, fingerprint="fp")
     assert kept.step == 1 and torch.equal(kept.segments[0], torch.zeros(1000))
+    assert kept.weights == [1.0]
 
 
 def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_recovers(

@@ -1,11 +1,13 @@
 """Atomic checkpoints: a crash at any instant leaves either the old file or the new one.
 
-A checkpoint holds the flat segments, the protocol core's whole state (sum-weights,
-round, de-duplication windows, what was in flight), the step, and the optimizer
-state. Weights reserved by pushes still in flight are
-saved as held (not yet given away): on a crash between a push's merge at the
-receiver and its acknowledgement here, that mass is counted twice, which is the
-bounded error docs/design.md §5 accepts for faults.
+A checkpoint holds the flat segments, the protocol core's whole state as its
+``state_dict`` gave it (opaque here: only a core of the same protocol reads it back),
+what the core's ``status`` said of it at that moment (the sum-weights and the weight
+exchanged with each peer, for the launcher, logs and audits), the step, and the
+optimizer state. Weights reserved by pushes still in flight are saved as held (not
+yet given away): on a crash between a push's merge at the receiver and its
+acknowledgement here, that mass is counted twice, which is the bounded error
+docs/design.md §5 accepts for faults.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import contextlib
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from gossipd.node.errors import CheckpointError
+from gossipd.node.protocols.base import PeerMass
 from gossipd.node.trainer.replica import Replica
 
-FORMAT = 2  # 1: sum-weights only, no core state (still read)
+# 3: the core's state and what its status said (weights, exchanged); 2: the core's state
+# only; 1: sum-weights only. 1 and 2 are still read (see _status_of_older_format).
+FORMAT = 3
 FILENAME = "checkpoint.pt"
 
 
@@ -32,19 +37,20 @@ class Checkpoint:
     node_id: str
     fingerprint: str
     step: int
-    core: dict[str, Any]
+    core: dict[str, Any]  # the core's state_dict(), for its load_state_dict() only
     segments: list[torch.Tensor]
     optimizer: dict[str, Any] | None = None
-
-    @property
-    def weights(self) -> list[float]:
-        """Per segment; empty for a core that keeps no sum-weights."""
-        return list(self.core.get("weights", ()))
+    # The core's status() when the state was taken: sum-weights per segment (empty for a
+    # core that keeps none), and the weight exchanged with each peer.
+    weights: list[float] = field(default_factory=list)
+    exchanged: dict[str, PeerMass] = field(default_factory=dict)
 
 
 def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | None) -> Checkpoint:
-    """A consistent copy of the trainer's state, taken under its lock."""
-    with replica.lock:
+    """A consistent copy of the trainer's state, taken under its lock; the core's state and
+    its status are taken together, under the core's lock."""
+    with replica.lock, replica.core_lock:
+        status = replica.core.status()
         return Checkpoint(
             node_id=node_id,
             fingerprint=replica.fingerprint,
@@ -52,6 +58,8 @@ def capture(replica: Replica, node_id: str, optimizer: torch.optim.Optimizer | N
             core=replica.state_dict(),
             segments=[b.detach().cpu().clone() for b in replica.flat.buffers],
             optimizer=optimizer.state_dict() if optimizer is not None else None,
+            weights=[float(w) for w in status.weights],
+            exchanged=dict(status.exchanged),
         )
 
 
@@ -124,6 +132,8 @@ def save(directory: Path, ckpt: Checkpoint, filename: str = FILENAME) -> Path:
         "core": ckpt.core,
         "segments": [s.detach().cpu() for s in ckpt.segments],
         "optimizer": ckpt.optimizer,
+        "weights": [float(w) for w in ckpt.weights],
+        "exchanged": {peer: asdict(mass) for peer, mass in ckpt.exchanged.items()},
     }
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -164,20 +174,40 @@ def load(path: Path, *, fingerprint: str) -> Checkpoint:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err}") from None
-    if not isinstance(payload, dict) or payload.get("format") not in (1, FORMAT):
-        raise CheckpointError(f"{path} is not a gossipd checkpoint of format 1 or {FORMAT}")
+    if not isinstance(payload, dict) or payload.get("format") not in (1, 2, FORMAT):
+        raise CheckpointError(f"{path} is not a gossipd checkpoint of format 1 to {FORMAT}")
     if payload["fingerprint"] != fingerprint:
         raise CheckpointError(
             f"checkpoint {path} is for model {payload['fingerprint']}, this job builds "
             f"{fingerprint}; point data_dir elsewhere or delete the checkpoint"
         )
+    if payload["format"] == FORMAT:
+        core, weights = payload["core"], [float(w) for w in payload["weights"]]
+        exchanged = {peer: PeerMass(**mass) for peer, mass in payload["exchanged"].items()}
+    else:
+        core, weights, exchanged = _status_of_older_format(payload)
     return Checkpoint(
         node_id=payload["node_id"],
         fingerprint=payload["fingerprint"],
         step=int(payload["step"]),
-        core=payload["core"]
-        if payload["format"] == FORMAT
-        else {"weights": [float(w) for w in payload["weights"]]},
+        core=core,
         segments=list(payload["segments"]),
         optimizer=payload["optimizer"],
+        weights=weights,
+        exchanged=exchanged,
     )
+
+
+def _status_of_older_format(
+    payload: dict[str, Any],
+) -> tuple[dict[str, Any], list[float], dict[str, PeerMass]]:
+    """The core's state and its sum-weights from a file of format 1 or 2, which recorded no
+    status. Both layouts are frozen: format 1 saved the weights alone (resumed as a core
+    state that holds only them), format 2 the state of the sum-weight ledger of its
+    release, whose held weights were its ``weights`` entry (none for a core without
+    sum-weights). Neither recorded the weight exchanged with each peer."""
+    if payload["format"] == 1:
+        weights = [float(w) for w in payload["weights"]]
+        return {"weights": weights}, weights, {}
+    core = payload["core"]
+    return core, [float(w) for w in core.get("weights", ())], {}
