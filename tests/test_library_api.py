@@ -187,4 +187,4 @@ def test_a_hand_off_to_a_peer_that_just_died_goes_to_the_next_live_peer(
 
 
 async def _fail_once(node: GossipNode, peer: str) -> None:
-    node.network.peering.failed(peer, "a test's failure")
+    node.network.health.failed(peer, "a test's failure")

@@ -190,7 +190,7 @@ def test_the_knob_is_off_by_default_and_then_no_shaper_exists(pki: Path) -> None
 
 
 async def _client(a: GossipNode, b: GossipNode) -> Any:
-    return a.network.client(b.address, b.config.node_id)
+    return a.network.channels.client(b.address, b.config.node_id)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_two_pulls_served_at_once_share_the_rate(pki: Path) -> None:
     with _both(a, b):
 
         async def timed_pull() -> float:
-            client = a.network.client(b.address, "n1")
+            client = a.network.channels.client(b.address, "n1")
             started = time.monotonic()
             pulled = await client.pull(a.replica.flat.plan, a.network.limits, 30.0)
             assert pulled.nbytes == BIG_NUMEL * 4

@@ -172,7 +172,7 @@ def test_the_server_refuses_a_pull_of_segments_it_does_not_have(
 
 
 async def _client(a: GossipNode, b: GossipNode) -> Any:
-    return a.network.client(b.address, "n1")
+    return a.network.channels.client(b.address, "n1")
 
 
 def test_the_simulator_carries_out_the_same_core_s_pulls(pull_protocol: dict[str, float]) -> None:

@@ -10,48 +10,58 @@ and snapshots are taken under the replica's lock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from gossipd.node.errors import Busy, InvalidFrame
+from gossipd.node.net.health import PeerHealth
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.wire import segment_frames
-from gossipd.node.shared.config import NodeConfig
 from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
 from gossipd.node.trainer.replica import Replica
 from gossipd.proto import gossip_pb2 as pb
 
 
+class Departure(Protocol):
+    """Whether this node is leaving the mesh (its outbound side knows)."""
+
+    @property
+    def leaving(self) -> bool: ...
+
+
 class Inbound:
     def __init__(
         self,
         *,
-        config: NodeConfig,
+        node_id: str,
+        chunk_bytes: int,
+        merge_wait_s: float,
         replica: Replica,
         metrics: NodeMetrics,
         codec: Codec,
-        check_sender: Callable[[str, int], None],
-        succeeded: Callable[[str], None],
-        leaving: Callable[[], bool],
+        health: PeerHealth,
+        departure: Departure,
         shaper: LinkShaper | None = None,
     ) -> None:
-        """``check_sender`` raises unless the sender is a verified peer; ``succeeded`` tells
-        membership it answered; ``leaving`` says whether this node is leaving the mesh;
-        ``shaper`` is the node's ``[link]`` shaping of what it sends (None: off)."""
-        self.config = config
+        """``health`` checks that a sender is a verified peer and hears that it answered;
+        ``departure`` says whether this node is leaving the mesh; ``shaper`` is the node's
+        ``[link]`` shaping of what it sends (None: off)."""
+        self.node_id = node_id
+        self.chunk_bytes = chunk_bytes
+        self.merge_wait_s = merge_wait_s
         self.replica = replica
         self.metrics = metrics
         self.codec = codec
-        self.check_sender = check_sender
-        self.succeeded = succeeded
-        self.leaving = leaving
+        self.health = health
+        self.departure = departure
         self.shaper = shaper
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
-        self.check_sender(open_.sender, open_.incarnation)
+        self.health.check_sender(open_.sender, open_.incarnation)
         # A leaving node merges nothing new (its weight is being handed off), but it
         # still answers DUPLICATE for what it merged: that answer is what lets a
         # sender whose acknowledgement was lost commit exactly instead of folding
@@ -63,14 +73,14 @@ class Inbound:
             open_.sequence,
             segments,
             open_.round,
-            merge_new=not self.leaving(),
+            merge_new=not self.departure.leaving,
             sequence_base=open_.sequence_base,
         )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)
         # Answer Busy well before the sender's own deadline: a refusal is a known
         # outcome it can settle at once, a timeout an unknown one it must retry.
-        wait_s = self.config.limits.merge_wait_s
+        wait_s = self.merge_wait_s
         if deadline_s is not None:
             wait_s = min(wait_s, deadline_s * 0.8)
         future = asyncio.wrap_future(item.reply)
@@ -91,7 +101,7 @@ class Inbound:
         result = "ok" if item.merge_new else "leaving"  # leaving: acknowledged, not merged
         self.metrics.messages.labels("received", "push", result).inc()
         self.metrics.bytes.labels("received", "push", result).inc(nbytes)
-        self.succeeded(open_.sender)
+        self.health.succeeded(open_.sender)
         return pb.PushReply(
             acks=[
                 pb.SegmentAck(
@@ -124,15 +134,15 @@ class Inbound:
         snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
         codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
         shaper = self.shaper
-        chunk_bytes: int | None = self.config.gossip.chunk_bytes
+        chunk_bytes: int | None = self.chunk_bytes
         if shaper:
-            chunk_bytes = shaper.chunk_bytes(self.config.gossip.chunk_bytes)
+            chunk_bytes = shaper.chunk_bytes(self.chunk_bytes)
             await shaper.delay()
         elif whole:
             chunk_bytes = None
         for index, flat in snapshot.items():
             for frame in segment_frames(
-                sender=self.config.node_id,
+                sender=self.node_id,
                 sequence=0,
                 segment=index,
                 sum_weight=weights[index] if weights else 0.0,  # a core without weights

@@ -22,10 +22,9 @@ import asyncio
 import logging
 import random
 import ssl
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Protocol
 
 import aiomqtt
 
@@ -51,14 +50,20 @@ CLOSE_TIMEOUT_S = 2.0
 QUEUED_MESSAGES = 1024  # beyond this, messages arriving faster than handled are dropped
 
 
-@dataclass(frozen=True)
-class Controls:
-    """What the control commands do; each returns the reply's detail or raises GossipdError."""
+class Controls(Protocol):
+    """What the control commands do on a running site; each returns the reply's detail or
+    raises GossipdError."""
 
-    pause: Callable[[], str]
-    resume: Callable[[], str]
-    checkpoint: Callable[[], Awaitable[str]]
-    leave: Callable[[], str]
+    def pause(self) -> str: ...
+    def resume(self) -> str: ...
+    async def checkpoint(self) -> str: ...
+    def leave(self) -> str: ...
+
+
+class Presences(Protocol):
+    """Where another node's presence goes: peering, which takes it as a candidate."""
+
+    def heard_presence(self, node_id: str, address: str, incarnation: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -115,12 +120,12 @@ class MqttAgent:
         *,
         address: str,
         incarnation: int,
-        hear: Callable[[Presence], None],
+        peers: Presences,
         controls: Controls,
         metrics: NodeMetrics,
     ) -> None:
-        """``hear`` hands another node's presence to peering as a candidate; ``address``
-        and ``incarnation`` are this node's, as its handshake gives them."""
+        """``peers`` takes another node's presence as a candidate; ``address`` and
+        ``incarnation`` are this node's, as its handshake gives them."""
         assert config.mqtt is not None
         self.config = config.mqtt
         self.login = BrokerLogin.from_config(config.mqtt)
@@ -129,7 +134,7 @@ class MqttAgent:
         self.presence = Presence(
             config.node_id, address, incarnation, fingerprint, config.mesh_id, _version()
         ).payload()
-        self.hear = hear
+        self.peers = peers
         self.controls = controls
         self.metrics = metrics
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
@@ -249,19 +254,25 @@ class MqttAgent:
                 await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
             return
         if presence is not None:
-            self.hear(presence)
+            self.peers.heard_presence(presence.node_id, presence.address, presence.incarnation)
 
     async def _on_command(self, client: aiomqtt.Client, command: Command) -> None:
         log.info("MQTT control: %s (request %r)", command.command, command.request_id)
         try:
-            if command.command == "checkpoint":
-                detail = await self.controls.checkpoint()
-            else:
-                detail = getattr(self.controls, command.command)()
+            detail = await self._run(command.command)
         except GossipdError as err:
             await self._reply(client, command, ok=False, detail=str(err))
             return
         await self._reply(client, command, ok=True, detail=detail)
+
+    async def _run(self, command: str) -> str:
+        if command == "checkpoint":
+            return await self.controls.checkpoint()
+        if command == "pause":
+            return self.controls.pause()
+        if command == "resume":
+            return self.controls.resume()
+        return self.controls.leave()
 
     async def _reply(
         self, client: aiomqtt.Client, command: Command, *, ok: bool, detail: str
@@ -291,61 +302,3 @@ def _version() -> str:
         return metadata.version("gossipd")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-def start_mqtt(site: Any, stop: asyncio.Event) -> MqttAgent | None:
-    """The agent of ``site`` (a :class:`~gossipd.node.site.site.Site` that serves), started;
-    None when ``[mqtt]`` is not set."""
-    if site.config.mqtt is None:
-        return None
-    from gossipd.proto import gossip_pb2 as pb
-
-    peering = site.network.peering
-
-    def hear(presence: Presence) -> None:
-        peering.hear(
-            pb.NodeInfo(
-                node_id=presence.node_id,
-                address=presence.address,
-                incarnation=presence.incarnation,
-            )
-        )
-        peering.kick()
-
-    agent = MqttAgent(
-        site.config,
-        address=site.network.address,
-        incarnation=site.network.incarnation,
-        hear=hear,
-        controls=site_controls(site, stop),
-        metrics=site.metrics,
-    )
-    agent.start()
-    return agent
-
-
-def site_controls(site: Any, stop: asyncio.Event) -> Controls:
-    """The control commands on a running site: the trainer thread's pause event, a
-    checkpoint off the event loop, and ``stop`` (the same path as SIGTERM)."""
-    trainer = site.loop_thread
-
-    def pause() -> str:
-        trainer.resumed.clear()
-        return (
-            f"training pauses at the next step boundary (step {site.replica.steps}); gossip goes on"
-        )
-
-    def resume() -> str:
-        was_paused = not trainer.resumed.is_set()
-        trainer.resumed.set()
-        return "training resumes" if was_paused else "training was not paused"
-
-    async def checkpoint() -> str:
-        path = await asyncio.to_thread(site.save_checkpoint)  # CheckpointWriteError: a reply
-        return f"wrote {path} at step {site.saved_step}"
-
-    def leave() -> str:
-        stop.set()
-        return "leaving: handing this node's weight to a peer, then exiting"
-
-    return Controls(pause, resume, checkpoint, leave)

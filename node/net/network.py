@@ -14,11 +14,10 @@ import dataclasses
 import errno
 import logging
 import math
-import random
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,35 +28,38 @@ from gossipd.node.errors import (
     ConfigError,
     GossipdError,
     Leaving,
-    UnknownPeer,
 )
 from gossipd.node.net import exchange
 from gossipd.node.net.admission import server_options
 from gossipd.node.net.bulk import BulkServer
+from gossipd.node.net.channels import PeerChannels
 from gossipd.node.net.cpubudget import SAMPLE_S, CpuBudget
+from gossipd.node.net.health import PeerHealth, Retries
 from gossipd.node.net.inbound import Inbound
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.outbound import Outbound
-from gossipd.node.net.peering import Peering
-from gossipd.node.net.port import NetworkPort, PeerScheduler
+from gossipd.node.net.peering import Peering, PeeringSettings
+from gossipd.node.net.port import NetworkPort
 from gossipd.node.net.pulling import Puller
+from gossipd.node.net.refusals import Refusals
 from gossipd.node.net.servicer import SERVICE, GossipServicer, add_to_server
 from gossipd.node.net.shaping import LinkShaper
-from gossipd.node.net.transport import CHANNEL_OPTIONS, Identity, PeerClient
+from gossipd.node.net.tasks import LoopTasks
+from gossipd.node.net.transport import CHANNEL_OPTIONS, Identity
 from gossipd.node.net.wire import Limits, ReceivedSegment, SegmentAssembler
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
-from gossipd.node.shared.rejections import RejectionLog, peer_host
+from gossipd.node.shared.rejections import RejectionLog
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.messages import (
-    OutboundPull,
-    Rejected,
-)
+from gossipd.node.trainer.messages import OutboundPull
 from gossipd.node.trainer.replica import Replica
 from gossipd.node.trainer.segments import model_checksum
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
+
+if TYPE_CHECKING:
+    from gossipd.coordinator.client import CoordinatorClient
 
 log = logging.getLogger(__name__)
 CHECKSUM_INTERVAL_S = 0.2
@@ -128,19 +130,16 @@ class Network:
             config.limits.max_sum_weight or math.inf,  # the core caps the merged result
         )
         self.metrics = metrics or NodeMetrics()
-        self.metrics.follow(lambda: self.replica.summary)
-        self.rng = random.Random(config.gossip.seed ^ 0x5EED)
+        self.metrics.follow(replica.published)
         self.address = config.advertise or config.listen
         self.identity: Identity | None = None
         self.server: grpc.aio.Server | None = None
         self.bulk: BulkServer | None = None
-        self.clients: dict[str, PeerClient] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.stopping = asyncio.Event()
-        # The coordinator client, once the site starts one (None: decentralized).
-        self.coordinator: PeerScheduler | None = None
+        self.tasks = LoopTasks()
+        self.stopping = self.tasks.stopping
         self._serving_pull: str | None = None  # whom a one-pull-at-a-time protocol serves
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
+        self.refusals = Refusals(self.rejections, self.metrics, replica)
         self.tls = Credentials.from_config(config.tls)
         self.shaper = LinkShaper.from_config(config.link, config.node_id, config.gossip.seed)
         if self.tls.node_id not in (None, self.node_id):
@@ -148,63 +147,70 @@ class Network:
                 f"tls.cert {config.tls.cert} is for node {self.tls.node_id!r}, but node_id is "
                 f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
             )
-        self.peering = Peering(
-            config=config,
-            replica=replica,
-            fingerprint=self.fingerprint,
+        self._build_parts(config, replica)
+        self._checksum_lock = asyncio.Lock()
+        self._checksum_at = -math.inf
+
+    def _build_parts(self, config: NodeConfig, replica: Replica) -> None:
+        """The parts, each given the few collaborators it calls, in dependency order:
+        nothing below calls back into a part built after it."""
+        self.channels = PeerChannels(
             tls=self.tls,
-            identity=lambda: self.identity,
-            client=self.client,
-            forget_client=self.forget_client,
-            rejections=self.rejections,
-            on_rejected=self.on_rejected,
-            settle_pushes_to=lambda peer, timeout_s: self.outbound.settle_pushes_to(
-                peer, timeout_s
-            ),
-            retry_now=lambda: self.outbound.retry_now(),
-            metrics=self.metrics,
-            spawn=self.spawn,
-            stopping=self.stopping,
+            codec=self.codec,
+            chunk_bytes=config.gossip.chunk_bytes,
+            shaper=self.shaper,
+            bulk=config.bulk,
+            tasks=self.tasks,
         )
+        self.health = PeerHealth(
+            config.node_id, config.membership, replica, self.metrics, Retries()
+        )
+        self.membership = self.health.membership
         self.budget = CpuBudget(config.gossip.cpu_share)
         self.metrics.gossip_cpu_budget.set(config.gossip.cpu_share)
         self.metrics.gossip_cpu_share.set_function(self.budget.gossip_share)
         self.outbound = Outbound(
-            config=config,
+            gossip=config.gossip,
+            shutdown_timeout_s=config.shutdown_timeout_s,
             replica=replica,
             budget=self.budget,
-            membership=self.peering.membership,
-            client=self.client,
+            health=self.health,
+            channels=self.channels,
             metrics=self.metrics,
-            succeeded=self.peering.succeeded,
-            failed=self.peering.failed,
-            spawn=self.spawn,
-            stopping=self.stopping,
-            rng=self.rng,
+            tasks=self.tasks,
         )
-        self.membership = self.peering.membership
+        self.peering = Peering(
+            PeeringSettings.from_config(config, self.fingerprint),
+            health=self.health,
+            channels=self.channels,
+            pushes=self.outbound,
+            refusals=self.refusals,
+            replica=replica,
+            metrics=self.metrics,
+            tasks=self.tasks,
+        )
         self.puller = Puller(
             replica=replica,
-            membership=self.membership,
-            client=self.client,
+            health=self.health,
+            channels=self.channels,
             metrics=self.metrics,
             gossip=config.gossip,
             limits=self.limits,
-            succeeded=self.peering.succeeded,
-            failed=self.peering.failed,
         )
         self.inbound = Inbound(
-            config=config,
+            node_id=config.node_id,
+            chunk_bytes=config.gossip.chunk_bytes,
+            merge_wait_s=config.limits.merge_wait_s,
             replica=replica,
             metrics=self.metrics,
             codec=self.codec,
-            check_sender=self.check_sender,
-            succeeded=self.peering.succeeded,
-            leaving=lambda: self.outbound.leaving,
+            health=self.health,
+            departure=self.outbound,
             shaper=self.shaper,
         )
-        self._checksum_lock = asyncio.Lock()
-        self._checksum_at = -math.inf
+        # The coordinator's client, started with the node once its address is known
+        # (None: no coordinator configured, the node schedules alone).
+        self.coordinator: CoordinatorClient | None = None
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -243,7 +249,7 @@ class Network:
                     idle_s=limits.stream_idle_timeout_s,
                     per_peer=limits.max_inbound_pushes_per_peer,
                     total=limits.max_inbound_pushes,
-                    on_rejected=self.on_rejected,
+                    on_rejected=self.refusals.refused,
                     metrics=self.metrics,
                 )
                 await self.bulk.start(host, self.config.bulk_port)
@@ -258,6 +264,7 @@ class Network:
                 self.fingerprint,
                 self.config.gossip.protocol,
             )
+            self.channels.serve_as(self.identity)
             self.membership.self_address = self.address
             if self.config.metrics.listen:
                 mhost, _, mport = self.config.metrics.listen.rpartition(":")
@@ -271,20 +278,19 @@ class Network:
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
+        await self._start_coordinator_client()
         self.replica.attach(
             NetworkPort(
                 loop=loop,
                 replica=self.replica,
                 outbound=self.outbound,
-                start_pull=lambda out: self.spawn(self.puller.pull(out), f"pull:{out.pull.peer}"),
-                hurry_pull=self.puller.hurry,
-                coordinator=lambda: self.coordinator,
-                spawn=self.spawn,
-                stopping=self.stopping,
+                puller=self.puller,
+                tasks=self.tasks,
+                coordinator=self.coordinator,
             )
         )
-        self.spawn(self.peering.run(), "anti-entropy")
-        self.spawn(self._measure_cpu(), "cpu-budget")
+        self.tasks.spawn(self.peering.run(), "anti-entropy")
+        self.tasks.spawn(self._measure_cpu(), "cpu-budget")
         log.info(
             "node %s serving on %s with %s (fingerprint %s), %s",
             self.node_id,
@@ -311,50 +317,48 @@ class Network:
         # to close: its new pushes are folded back at its next step instead (port.NetworkPort).
         self.stopping.set()
         try:
+            await self.close_coordinator()
             if self.server is not None:
                 await self.server.stop(grace_s)
             if self.bulk is not None:
                 await self.bulk.close()
-            for task in list(self.tasks):
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            for client in list(self.clients.values()):
-                await client.close()
+            await self.tasks.close()
+            await self.channels.close()
         finally:
             self.metrics.close()
+
+    async def _start_coordinator_client(self) -> None:
+        """With ``coordinator`` set: register there and follow its view (its addresses are
+        dialled like seeds); the overlap protocol asks it for pulls. It never holds the
+        node up: unreachable, the node schedules alone until it answers."""
+        if self.config.coordinator is None:
+            return
+        from gossipd.coordinator.client import CoordinatorClient
+
+        self.coordinator = CoordinatorClient(
+            self.config.coordinator,
+            mesh_id=self.mesh_id,
+            advertise=self.address,
+            tls=self.tls,
+            on_view=self.peering.heard_view,
+        )
+        await self.coordinator.start()
+        log.info(
+            "coordinator %s: registering (until it answers, this node schedules its pulls alone)",
+            self.config.coordinator,
+        )
+
+    async def close_coordinator(self) -> None:
+        """Stop heartbeats to the coordinator (first in a shutdown: it stops pointing
+        other sites here); the node schedules alone from then on."""
+        if self.coordinator is not None:
+            await self.coordinator.close()
 
     async def _measure_cpu(self) -> None:
         """Keep the CPU budget's window filled, pushes or not (its samples are its clock)."""
         while not self.stopping.is_set():
             self.budget.gossip_share()
             await asyncio.sleep(SAMPLE_S)
-
-    def spawn(self, coro: object, name: str | None = None) -> asyncio.Future[Any]:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
-        if name:
-            task.set_name(name)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
-
-    def client(self, address: str, node_id: str) -> PeerClient:
-        """The channel to verified peer ``node_id`` (whose certificate must name it)."""
-        assert self.identity is not None, "start() the node first"
-        client = self.clients.get(address)
-        if client is None or client.expected != node_id:
-            if client is not None:
-                self.spawn(client.close())
-            client = self.clients[address] = PeerClient(
-                address,
-                self.identity,
-                codec=self.codec,
-                chunk_bytes=self.config.gossip.chunk_bytes,
-                tls=self.tls,
-                expected=node_id,
-                shaper=self.shaper,
-                bulk=self.config.bulk,
-            )
-        return client
 
     def reload_tls(self, tls: TlsConfig | None = None) -> None:
         """SIGHUP: read the certificate files (and ``tls``: paths, allow-list) again.
@@ -371,21 +375,17 @@ class Network:
         except GossipdError as err:
             log.warning("SIGHUP: kept the current certificate: %s", err)
             return
-        old, self.clients = self.clients, {}
-        for client in old.values():
-            self.spawn(client.close())
-        self.spawn(self.peering.drop_disallowed())
+        self.channels.replace_all()
+        self.tasks.spawn(self.peering.drop_disallowed())
         log.info(
             "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
             material.node_id,
             material.not_after,
         )
 
-    def forget_client(self, address: str) -> None:
-        """Close the channel to an address no verified peer holds any more."""
-        client = self.clients.pop(address, None)
-        if client is not None:
-            self.spawn(client.close())
+    def live_peers(self) -> int:
+        """How many peers are live now (for the progress line)."""
+        return len(self.membership.live())
 
     @property
     def leaving(self) -> bool:
@@ -398,11 +398,8 @@ class Network:
         segments = tuple(range(len(self.replica.flat.plan)))
         out = OutboundPull(Pull(peer, 0, segments, 0.0), concurrent.futures.Future())
         assert out.adopted is not None
-        self.spawn(self.puller.pull(out), f"bootstrap:{peer}")
+        self.tasks.spawn(self.puller.pull(out), f"bootstrap:{peer}")
         await asyncio.wrap_future(out.adopted)
-
-    def retry_now(self) -> None:
-        self.outbound.retry_now()
 
     async def leave_mesh(self) -> None:
         await self.outbound.leave_mesh()
@@ -433,13 +430,7 @@ class Network:
         )
 
     def check_sender(self, sender: str, incarnation: int) -> None:
-        if not self.membership.is_current(sender, incarnation):
-            raise UnknownPeer(
-                f"sender {sender!r} (incarnation {incarnation}) is not a verified peer of "
-                f"{self.node_id}: it must Handshake and answer this node's Handshake at the "
-                "address it advertises (usual for a moment after that peer starts or rejoins; "
-                "its push is retried)"
-            )
+        self.health.check_sender(sender, incarnation)
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
@@ -449,7 +440,7 @@ class Network:
     def on_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
-        if request.round and getattr(self.replica.core, "serves_one_pull", False):
+        if request.round and self.replica.core.serves_one_pull:
             return self._serve_one_pull(request, whole, sealed)
         return self.inbound.on_pull(request, whole, sealed)
 
@@ -537,16 +528,4 @@ class Network:
             return await asyncio.to_thread(compute)
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
-        """Count every refusal; log and report it once per peer and reason per interval."""
-        reason = type(err).__name__
-        self.metrics.rejected.labels(reason).inc()
-        self.metrics.messages.labels("received", "request", "rejected").inc()
-        if isinstance(err, Leaving):
-            self.rejections.counts[reason] += 1  # our own refusal while leaving: not news
-            return
-        # A push from a peer not verified (yet) is the rejoin race: a restarted peer pushes
-        # before this node's own Handshake to it completed, and is live a moment later
-        # (its push is retried). Counted like any refusal, but not a warning.
-        level = logging.INFO if isinstance(err, UnknownPeer) else logging.WARNING
-        if self.rejections.record(peer_host(peer), reason, str(err), level=level):
-            self.replica.post(Rejected(peer, reason, str(err)))
+        self.refusals.refused(peer, err)

@@ -17,26 +17,25 @@ acknowledged, so the weight folds back instead of vanishing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable
+from gossipd.node.net.channels import RPC_TIMEOUT_S
 from gossipd.node.net.cpubudget import HOLD_POLL_S, CpuBudget
-from gossipd.node.net.peering import RPC_TIMEOUT_S
 from gossipd.node.net.transport import OutcomeUnknown, PartialPush
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.shared.tls import NotAllowed
 from gossipd.node.trainer.messages import Ack, OutboundPush, PushOutcome
 
 if TYPE_CHECKING:
-    from gossipd.node.net.membership import Membership
+    from gossipd.node.net.channels import PeerChannels
+    from gossipd.node.net.health import PeerHealth
     from gossipd.node.net.metrics import NodeMetrics
-    from gossipd.node.net.transport import PeerClient
-    from gossipd.node.shared.config import NodeConfig
+    from gossipd.node.net.tasks import LoopTasks
+    from gossipd.node.shared.config import GossipConfig
     from gossipd.node.trainer.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -60,33 +59,30 @@ class Outbound:
     def __init__(
         self,
         *,
-        config: NodeConfig,
+        gossip: GossipConfig,
+        shutdown_timeout_s: float,
         replica: Replica,
         budget: CpuBudget,
-        membership: Membership,
-        client: Callable[[str, str], PeerClient],
+        health: PeerHealth,
+        channels: PeerChannels,
         metrics: NodeMetrics,
-        succeeded: Callable[[str], None],
-        failed: Callable[[str, GossipdError], None],
-        spawn: Callable[[Any, str], asyncio.Future[Any]],
-        stopping: asyncio.Event,
-        rng: random.Random,
+        tasks: LoopTasks,
     ) -> None:
-        """``succeeded`` and ``failed`` tell membership how a peer answered; ``spawn``
-        runs a task the node keeps until it closes; ``stopping`` is set when it closes."""
-        self.config = config
+        """``health`` is told how each peer answered and names the live ones; ``tasks`` runs
+        each push in a task the node keeps until it closes."""
+        self.gossip = gossip
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.replica = replica
         self.budget = budget
-        self.membership = membership
-        self.client = client
+        self.health = health
+        self.membership = health.membership
+        self.retries = health.retries
+        self.channels = channels
         self.metrics = metrics
-        self.succeeded = succeeded
-        self.failed = failed
-        self.spawn = spawn
-        self.stopping = stopping
-        self.rng = rng
+        self.tasks = tasks
+        self.stopping = tasks.stopping
+        self.rng = random.Random(gossip.seed ^ 0x5EED)
         self.leaving = False  # set by leave_mesh: only the hand-off leaves from then on
-        self._retry_now = asyncio.Event()  # replaced each time it fires
         self.mass_inconsistencies = 0
         self._inconsistency_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
         self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
@@ -94,7 +90,7 @@ class Outbound:
     def start(self, out: OutboundPush) -> None:
         """Deliver ``out`` in a task of its own, kept under its peer until it settles."""
         peer = out.push.peer
-        task = self.spawn(self.push(out), f"push:{peer}")
+        task = self.tasks.spawn(self.push(out), f"push:{peer}")
         self._pushes.setdefault(peer, set()).add(task)
         task.add_done_callback(lambda t: self._forget(peer, t))
 
@@ -148,7 +144,7 @@ class Outbound:
         only an acknowledgement, a validation refusal, or the receiver's death
         does.
         """
-        peer, gossip = out.push.peer, self.config.gossip
+        peer, gossip = out.push.peer, self.gossip
         if peer not in self.membership.peers:
             return Delivery([], f"peer {peer} left the view")
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
@@ -170,16 +166,16 @@ class Outbound:
             never_sent = set(remaining) - sent
             sent |= never_sent
             try:
-                acks = await self.client(state.address, peer).push(
+                acks = await self.channels.client(state.address, peer).push(
                     out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
                 )
                 self.metrics.messages.labels("sent", kind, "ok").inc()
                 self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
-                self.succeeded(peer)
+                self.health.succeeded(peer)
                 return Delivery(acked + self._credible(out, acks, never_sent), None)
             except OutcomeUnknown as err:
                 last_error, uncertain = str(err), True
-                self.failed(peer, err)
+                self.health.failed(peer, err)
             except PartialPush as err:
                 acked += self._credible(out, err.acks, never_sent)
                 last_error = str(err)
@@ -191,7 +187,7 @@ class Outbound:
                 return self._refused(acked, nbytes, err, kind, uncertain)
             except GossipdError as err:
                 if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
-                    self.failed(peer, err)
+                    self.health.failed(peer, err)
                 # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged
                 # nothing.
                 # That settles the push only if no earlier attempt is still unaccounted
@@ -202,9 +198,7 @@ class Outbound:
             self.metrics.messages.labels("sent", kind, "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
             # DUPLICATE for what it merged, and only an answer settles exactly.
-            wake = self._retry_now
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), 0.1 if self.leaving else delay_s)
+            await self.retries.wait(0.1 if self.leaving else delay_s)
             if self.stopping.is_set():
                 return Delivery(acked, last_error, exact=not uncertain)
             delay_s = min(delay_s * 2, gossip.retry_max_s)
@@ -248,8 +242,7 @@ class Outbound:
 
     def retry_now(self) -> None:
         """Cut short the waits between retries (a peer came back, or this node leaves)."""
-        self._retry_now.set()
-        self._retry_now = asyncio.Event()
+        self.retries.fire()
 
     async def leave_mesh(self) -> None:
         """Refuse new work, settle pushes, hand all weight to a live peer, tell every peer.
@@ -269,7 +262,7 @@ class Outbound:
         self.leaving = True
         replica = self.replica
         self.retry_now()
-        gossip, budget_s = self.config.gossip, self.config.shutdown_timeout_s
+        gossip, budget_s = self.gossip, self.shutdown_timeout_s
         settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
         peer_of = {task: peer for peer, tasks in self._pushes.items() for task in tasks}
         pending = set(peer_of)
@@ -318,7 +311,7 @@ class Outbound:
             log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
             if not delivery.exact:
                 break
-        clients = [self.client(s.address, s.node_id) for s in self.membership.live()]
+        clients = [self.channels.client(s.address, s.node_id) for s in self.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
         )

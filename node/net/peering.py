@@ -24,28 +24,29 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
-from gossipd.node.net.membership import Change, Membership, NodeInfo, PeerState
-from gossipd.node.net.transport import PeerClient
+from gossipd.node.net.channels import RPC_TIMEOUT_S
+from gossipd.node.net.membership import NodeInfo, PeerState
 from gossipd.node.shared.tls import IdentityMismatch, NotAllowed
-from gossipd.node.trainer.messages import PeerRestart, ViewChange
+from gossipd.node.trainer.messages import PeerRestart
 from gossipd.node.trainer.segments import check_fingerprint, check_protocol
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
+    from gossipd.node.net.channels import PeerChannels
+    from gossipd.node.net.health import PeerHealth
     from gossipd.node.net.metrics import NodeMetrics
-    from gossipd.node.net.transport import Identity
+    from gossipd.node.net.refusals import Refusals
+    from gossipd.node.net.tasks import LoopTasks
     from gossipd.node.shared.config import NodeConfig
-    from gossipd.node.shared.rejections import RejectionLog
-    from gossipd.node.shared.tls import Credentials
+    from gossipd.node.shared.config_sections import MembershipConfig
     from gossipd.node.trainer.replica import Replica
 
 log = logging.getLogger(__name__)
-RPC_TIMEOUT_S = 5.0
 LONELY_LOG_INTERVAL_S = 30.0
 
 
@@ -57,80 +58,72 @@ def to_wire(info: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(node_id=info.node_id, address=info.address, incarnation=info.incarnation)
 
 
+class PushSettler(Protocol):
+    """What peering needs of this node's pushes: settle those to a peer that leaves."""
+
+    async def settle_pushes_to(self, peer: str, timeout_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class PeeringSettings:
+    """Who this node is and whom it may take as a peer: the parts of its config peering reads."""
+
+    node_id: str
+    protocol: str
+    fingerprint: str
+    seeds: tuple[str, ...]
+    membership: MembershipConfig
+    seed: int
+
+    @classmethod
+    def from_config(cls, config: NodeConfig, fingerprint: str) -> PeeringSettings:
+        return cls(
+            config.node_id,
+            config.gossip.protocol,
+            fingerprint,
+            tuple(config.seeds),
+            config.membership,
+            config.gossip.seed,
+        )
+
+
 class Peering:
     def __init__(
         self,
+        settings: PeeringSettings,
         *,
-        config: NodeConfig,
+        health: PeerHealth,
+        channels: PeerChannels,
+        pushes: PushSettler,
+        refusals: Refusals,
         replica: Replica,
-        fingerprint: str,
-        tls: Credentials,
-        identity: Callable[[], Identity | None],
-        client: Callable[[str, str], PeerClient],
-        forget_client: Callable[[str], None],
-        rejections: RejectionLog,
-        on_rejected: Callable[[str, GossipdError], None],
-        settle_pushes_to: Callable[[str, float], Awaitable[None]],
-        retry_now: Callable[[], None],
         metrics: NodeMetrics,
-        spawn: Callable[[Any, str], object],
-        stopping: asyncio.Event,
+        tasks: LoopTasks,
     ) -> None:
-        """``identity`` is this node's once it serves; ``client`` and ``forget_client``
-        give and close the channel to a verified peer; ``settle_pushes_to`` and
-        ``retry_now`` reach the pushes of this node (outbound) when a peer leaves or
-        comes back."""
-        cfg = config.membership
-        self.config = config
-        self.node_id = config.node_id
+        """``health`` holds the membership view that dials and answers feed; ``channels``
+        give and close the channel to a verified peer; ``pushes`` settle what is in flight
+        to a peer that leaves; ``refusals`` count forged Leaves and refused peers."""
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.fingerprint = settings.fingerprint
+        self.health = health
+        self.membership = health.membership
+        self.channels = channels
+        self.tls = channels.tls
+        self.pushes = pushes
+        self.refusals = refusals
+        self.rejections = refusals.log
         self.replica = replica
-        self.fingerprint = fingerprint
-        self.tls = tls
-        self.identity = identity
-        self.client = client
-        self.forget_client = forget_client
-        self.rejections = rejections
-        self.on_rejected = on_rejected
-        self.settle_pushes_to = settle_pushes_to
-        self.retry_now = retry_now
         self.metrics = metrics
-        self.spawn = spawn
-        self.stopping = stopping
-        self.membership = Membership(
-            config.node_id,
-            suspect_after_failures=cfg.suspect_after_failures,
-            drop_after_s=cfg.drop_after_s,
-            max_peers=cfg.max_peers,
-            max_candidates=cfg.max_candidates,
-            max_departed=cfg.max_departed,
-        )
-        self.dial_slots = cfg.dial_concurrency
-        self.rng = random.Random(config.gossip.seed ^ 0xD1A1)
+        self.tasks = tasks
+        self.stopping = tasks.stopping
+        self.dial_slots = settings.membership.dial_concurrency
+        self.rng = random.Random(settings.seed ^ 0xD1A1)
         self._dialing: set[str] = set()
         self._leave_checks: set[str] = set()
         self._round = asyncio.Lock()
         self._lonely_logged_at = -math.inf
         self._last_error: dict[str, str] = {}  # per seed: the last handshake failure
-
-    # -- changes ----------------------------------------------------------------------
-    def apply(self, change: Change | None) -> None:
-        if change is not None:
-            log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
-            live = frozenset(p.node_id for p in self.membership.live())
-            self.replica.post(ViewChange(live | {self.node_id}))
-            if change.live:
-                self.retry_now()  # pushes waiting for it need not wait out a backoff
-        self.metrics.live_peers.set(len(self.membership.live()))
-        self.metrics.suspected_peers.set(len(self.membership.suspected()))
-
-    def failed(self, node_id: str, why: object) -> None:
-        change = self.membership.failed(node_id, time.monotonic())
-        if change is not None:
-            log.info("suspecting %s: %s", node_id, why)
-        self.apply(change)
-
-    def succeeded(self, node_id: str) -> None:
-        self.apply(self.membership.succeeded(node_id))
 
     # -- dialling ---------------------------------------------------------------------
     async def handshake(
@@ -143,10 +136,10 @@ class Peering:
         """
         for p in self.membership.peers.values():
             if p.address == address:
-                return await self.client(address, p.node_id).handshake(RPC_TIMEOUT_S), p.node_id
-        identity = self.identity()
-        assert identity is not None, "start() the node first"
-        client = PeerClient(address, identity, tls=self.tls, expected=expected)
+                return await self.channels.client(address, p.node_id).handshake(
+                    RPC_TIMEOUT_S
+                ), p.node_id
+        client = self.channels.throwaway(address, expected)
         try:
             return await client.handshake(RPC_TIMEOUT_S), expected
         finally:
@@ -171,7 +164,7 @@ class Peering:
                     "run the same gossipd release on every site"
                 )
             check_fingerprint(self.fingerprint, reply.fingerprint, address)
-            check_protocol(self.config.gossip.protocol, reply.protocol, address)
+            check_protocol(self.settings.protocol, reply.protocol, address)
             if not self.tls.allows(reply.node.node_id):
                 raise NotAllowed(
                     f"{address} is {reply.node.node_id!r}, which tls.allow of this node does "
@@ -184,20 +177,20 @@ class Peering:
         except GossipdError as err:
             log.debug("handshake with %s failed: %s", address, err)
             self.metrics.dial_failures.labels(_dial_failure_reason(err)).inc()
-            if address in self.config.seeds:  # kept for seeds only: bounded
+            if address in self.settings.seeds:  # kept for seeds only: bounded
                 self._last_error[address] = str(err)
             return False
         known = self.membership.peers.get(reply.node.node_id)
         verdict = self.membership.verified(address, from_wire(reply.node), claim)
         for change in verdict.changes:
-            self.apply(change)
+            self.health.apply(change)
         if verdict.refused is not None:
             self.rejections.record(address, "PeerNotVerified", verdict.refused)
             return False
         if known is not None and known.incarnation != reply.node.incarnation:
             self.replica.post(PeerRestart(reply.node.node_id, reply.node.incarnation))
             if known.address != address:
-                self.forget_client(known.address)
+                self.channels.forget(known.address)
         for info in reply.peers:
             self.hear(info)
         return True
@@ -218,7 +211,7 @@ class Peering:
             if address in self._dialing:
                 continue  # that address is being asked already; its answer settles this too
             self._dialing.add(address)
-            self.spawn(self._dial(address, claim))
+            self.tasks.spawn(self._dial(address, claim))
 
     def hint(self, address: str) -> None:
         """An address a member is said to serve on (the coordinator's view): dialled
@@ -229,7 +222,19 @@ class Peering:
         if any(p.address == address and p.live for p in m.peers.values()):
             return
         self._dialing.add(address)
-        self.spawn(self._dial(address, None))
+        self.tasks.spawn(self._dial(address, None))
+
+    def heard_view(self, members: dict[str, str], epoch: int) -> None:
+        """The coordinator's view of the mesh (node id to address): every other member's
+        address is dialled like a seed's."""
+        for node_id, address in sorted(members.items()):
+            if node_id != self.node_id:
+                self.hint(address)
+
+    def heard_presence(self, node_id: str, address: str, incarnation: int) -> None:
+        """A presence heard on MQTT: a claim like a relayed one, dialled soon."""
+        self.hear(pb.NodeInfo(node_id=node_id, address=address, incarnation=incarnation))
+        self.kick()
 
     async def _dial(self, address: str, claim: NodeInfo | None) -> None:
         try:
@@ -253,7 +258,7 @@ class Peering:
         if incarnation and incarnation != state.incarnation:
             return  # a goodbye from an incarnation we no longer know
         self._leave_checks.add(node_id)
-        check = self.spawn(self._check_leave(state, peer))
+        check = self.tasks.spawn(self._check_leave(state, peer))
         await asyncio.wait({check}, timeout=RPC_TIMEOUT_S * 0.8)
 
     async def _check_leave(self, state: PeerState, peer: str) -> None:
@@ -268,7 +273,7 @@ class Peering:
                 and reply.node.node_id == state.node_id
                 and reply.node.incarnation == state.incarnation
             ):
-                self.on_rejected(
+                self.refusals.refused(
                     peer,
                     ForgedLeave(
                         f"a Leave for {state.node_id!r} was refused: asked at {state.address}, "
@@ -280,10 +285,10 @@ class Peering:
                 # Retry what is unacknowledged to it once more, now: a leaving node
                 # answers DUPLICATE for what it merged, which settles exactly; once it
                 # is gone, only folding back (and maybe counting twice) is left.
-                await self.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
+                await self.pushes.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
                 log.info("peer %s left the mesh", state.node_id)
-                self.apply(self.membership.departed_now(state.node_id))
-                self.forget_client(state.address)
+                self.health.apply(self.membership.departed_now(state.node_id))
+                self.channels.forget(state.address)
         finally:
             self._leave_checks.discard(state.node_id)
 
@@ -293,14 +298,14 @@ class Peering:
         for state in list(self.membership.peers.values()):
             if self.tls.allows(state.node_id):
                 continue
-            await self.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
+            await self.pushes.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
             log.info("peer %s is not in tls.allow any more; dropped", state.node_id)
-            self.apply(self.membership.drop(state.node_id))
-            self.forget_client(state.address)
+            self.health.apply(self.membership.drop(state.node_id))
+            self.channels.forget(state.address)
 
     # -- anti-entropy -----------------------------------------------------------------
     async def run(self) -> None:
-        interval = self.config.membership.anti_entropy_interval_s
+        interval = self.settings.membership.anti_entropy_interval_s
         while not self.stopping.is_set():
             await self.round()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -320,9 +325,9 @@ class Peering:
                 node_id,
                 m.drop_after_s,
             )
-            self.forget_client(addresses[node_id])
+            self.channels.forget(addresses[node_id])
         known = {s.address for s in m.peers.values()}
-        seeds = [a for a in self.config.seeds if a not in known and a != m.self_address]
+        seeds = [a for a in self.settings.seeds if a not in known and a != m.self_address]
         await asyncio.gather(
             *(self._recheck(s) for s in m.suspected()), *(self.verify(a) for a in seeds)
         )
@@ -333,19 +338,19 @@ class Peering:
             return
         target = self.rng.choice(live)
         try:
-            infos = await self.client(target.address, target.node_id).peers(
+            infos = await self.channels.client(target.address, target.node_id).peers(
                 self.known(), RPC_TIMEOUT_S
             )
         except GossipdError as err:
-            self.failed(target.node_id, err)
+            self.health.failed(target.node_id, err)
             return
-        self.succeeded(target.node_id)
+        self.health.succeeded(target.node_id)
         for info in infos:
             self.hear(info)
 
     async def _recheck(self, state: PeerState) -> None:
         if not await self.verify(state.address):
-            self.failed(state.node_id, "handshake failed")
+            self.health.failed(state.node_id, "handshake failed")
 
     def _log_lonely(self, seeds: list[str]) -> None:
         now = time.monotonic()

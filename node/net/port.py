@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from gossipd.node.errors import GossipdError
 from gossipd.node.net.outbound import Outbound
+from gossipd.node.net.pulling import Puller
+from gossipd.node.net.tasks import LoopTasks
 from gossipd.node.protocols.base import AskPeer, PeerGranted, ReportTransfer
 from gossipd.node.trainer.messages import OutboundPull, OutboundPush, PullOutcome, PushOutcome
 from gossipd.node.trainer.replica import Replica
@@ -47,24 +49,21 @@ class NetworkPort:
         loop: asyncio.AbstractEventLoop,
         replica: Replica,
         outbound: Outbound,
-        start_pull: Callable[[OutboundPull], object],
-        hurry_pull: Callable[[OutboundPull], None],
-        spawn: Callable[[Any, str], object],
-        stopping: asyncio.Event,
-        coordinator: Callable[[], PeerScheduler | None] = lambda: None,
+        puller: Puller,
+        tasks: LoopTasks,
+        coordinator: PeerScheduler | None = None,
     ) -> None:
-        """``coordinator`` returns the node's coordinator client, if it has one now."""
+        """``coordinator``: the node's coordinator client (None: it schedules alone)."""
         self.loop = loop
         self.replica = replica
         self.outbound = outbound
-        self._start_pull = start_pull
-        self._hurry_pull = hurry_pull
+        self.puller = puller
         self.coordinator = coordinator
         # One coordinator call at a time, in order: a report must reach it before the
         # next ask (an ask frees the asker's previous grant, and its late report is refused).
         self._calls: asyncio.Lock | None = None
-        self.spawn = spawn
-        self.stopping = stopping
+        self.tasks = tasks
+        self.stopping = tasks.stopping
 
     # -- called on the trainer's (or a timer's) thread ---------------------------------
     def send_push(self, out: OutboundPush) -> None:
@@ -79,7 +78,7 @@ class NetworkPort:
         self._schedule(self._wake_at, at_s)
 
     def hurry_pull(self, out: OutboundPull) -> None:
-        self._schedule(self._hurry_pull, out)
+        self._schedule(self.puller.hurry, out)
 
     def ask_peer(self, ask: AskPeer) -> None:
         if not self._schedule(self._ask, ask):
@@ -105,6 +104,9 @@ class NetworkPort:
             return
         self.outbound.start(out)
 
+    def _start_pull(self, out: OutboundPull) -> None:
+        self.tasks.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")
+
     def _wake_at(self, at_s: float) -> None:
         """At ``at_s`` on the replica's clock, fire its due timers (off the loop: it may
         wait briefly for a step boundary's bookkeeping, never for a step)."""
@@ -114,13 +116,13 @@ class NetworkPort:
         self.loop.call_later(delay_s, self._fire)
 
     def _ask(self, ask: AskPeer) -> None:
-        self.spawn(self._ask_coordinator(ask), "coordinator:ask")
+        self.tasks.spawn(self._ask_coordinator(ask), "coordinator:ask")
 
     async def _ask_coordinator(self, ask: AskPeer) -> None:
         """Exactly one answer: the coordinator's, or an error that makes the core
         schedule this period alone (no coordinator, unreachable, or it refused)."""
         clock = self.replica.clock
-        client = self.coordinator()
+        client = self.coordinator
         answer = PeerGranted(ask.round, None, clock(), "no coordinator is reachable")
         try:
             async with self._in_order():
@@ -151,9 +153,9 @@ class NetworkPort:
         return answer
 
     def _report(self, report: ReportTransfer) -> None:
-        client = self.coordinator()
+        client = self.coordinator
         if client is not None and client.available:
-            self.spawn(self._report_to(client, report), "coordinator:report")
+            self.tasks.spawn(self._report_to(client, report), "coordinator:report")
 
     async def _report_to(self, client: PeerScheduler, report: ReportTransfer) -> None:
         try:
@@ -164,4 +166,4 @@ class NetworkPort:
 
     def _fire(self) -> None:
         if not self.stopping.is_set():
-            self.spawn(asyncio.to_thread(self.replica.fire_due_timers), "timers")
+            self.tasks.spawn(asyncio.to_thread(self.replica.fire_due_timers), "timers")

@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Coroutine
+from typing import Any
 
 from gossipd.node.errors import Busy, GossipdError
-from gossipd.node.net.membership import Membership
+from gossipd.node.net.channels import PeerChannels
+from gossipd.node.net.health import PeerHealth
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.wire import Limits
 from gossipd.node.shared.config import GossipConfig
@@ -28,30 +29,23 @@ from gossipd.node.trainer.replica import Replica
 log = logging.getLogger(__name__)
 
 
-class PullClient(Protocol):
-    async def pull(self, *args: object, **kwargs: object) -> Pulled: ...
-
-
 class Puller:
     def __init__(
         self,
         *,
         replica: Replica,
-        membership: Membership,
-        client: Callable[[str, str], PullClient],
+        health: PeerHealth,
+        channels: PeerChannels,
         metrics: NodeMetrics,
         gossip: GossipConfig,
         limits: Limits,
-        succeeded: Callable[[str], None],
-        failed: Callable[[str, GossipdError], None],
     ) -> None:
-        """``succeeded`` and ``failed`` tell membership how the peer answered (a peer that
-        fails pulls is suspected like one that fails pushes)."""
-        self.succeeded = succeeded
-        self.failed = failed
+        """``health`` is told how the peer answered (a peer that fails pulls is suspected
+        like one that fails pushes)."""
         self.replica = replica
-        self.membership = membership
-        self.client = client
+        self.health = health
+        self.membership = health.membership
+        self.channels = channels
         self.metrics = metrics
         self.gossip = gossip
         self.limits = limits
@@ -98,7 +92,7 @@ class Puller:
             return None, f"{peer} is not a live peer; nothing pulled"
         started = self.replica.clock()
         try:
-            pulled = await self.client(state.address, peer).pull(
+            pulled = await self.channels.client(state.address, peer).pull(
                 self.replica.flat.plan,
                 self.limits,
                 self.gossip.push_timeout_s,
@@ -110,10 +104,10 @@ class Puller:
         except GossipdError as err:
             self.metrics.messages.labels("received", "pull", "failed").inc()
             if not isinstance(err, Busy):  # a busy peer answered: it is alive
-                self.failed(peer, err)
+                self.health.failed(peer, err)
             log.debug("pull from %s failed: %s", peer, err)
             return None, str(err)
-        self.succeeded(peer)
+        self.health.succeeded(peer)
         pulled.transfer_s = self.replica.clock() - started
         self.metrics.messages.labels("received", "pull", "ok").inc()
         self.metrics.bytes.labels("received", "pull", "ok").inc(pulled.nbytes)

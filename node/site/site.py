@@ -27,10 +27,11 @@ from typing import Any
 
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.net.metrics import NodeMetrics
-from gossipd.node.net.mqtt import MqttAgent, start_mqtt
+from gossipd.node.net.mqtt import MqttAgent
 from gossipd.node.net.network import Network
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.statefiles import FailureStreak, write_json
+from gossipd.node.site.controls import SiteControls, start_mqtt
 from gossipd.node.site.progress_log import ProgressLog
 from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.jobs import Job, build_job
@@ -46,7 +47,7 @@ from gossipd.node.trainer.ranks import (
 )
 from gossipd.node.trainer.replica import Replica
 from gossipd.node.trainer.report import StepReport
-from gossipd.node.trainer.trainer_loop import TrainingLoop
+from gossipd.node.trainer.trainer_loop import TrainingLoop, TrainingPlan
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,18 @@ class Site:
                 f"data_dir = {self.data_dir}: cannot create the directory: {err.strerror}; "
                 "point data_dir at a directory this user can write"
             ) from None
-        self.loop_thread = TrainingLoop(self)
+        self.loop_thread = TrainingLoop(
+            config.node_id,
+            replica=self.replica,
+            job=self.job,
+            ranks=self.ranks,
+            budget=self.network.budget,
+            plan=TrainingPlan.from_config(config),
+            host=self,
+        )
+        # The running loop and its stop event, once run() started: a trainer thread that
+        # dies sets it from its own thread (trainer_died).
+        self._stop_from_thread: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.resumed_from: int | None = None
         self.restored_weights: list[float] = []
         self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
@@ -107,7 +119,14 @@ class Site:
             "writing summary.json", "the daemon goes on; it is written again at exit"
         )
 
-    # -- trainer-thread helpers -------------------------------------------------------
+    # -- trainer-thread helpers (TrainingHost) ------------------------------------------
+    def trainer_died(self) -> None:
+        """Training died: the daemon must not idle on as a silent, half-alive peer, so the
+        site shuts down (and `gossipd node` exits 1)."""
+        if self._stop_from_thread is not None:
+            loop, stop = self._stop_from_thread
+            loop.call_soon_threadsafe(stop.set)
+
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
         world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
         samples = getattr(self.job, "batch_size", 0) * world
@@ -254,35 +273,6 @@ class Site:
         await self.network.bootstrap_from(peer.node_id)
         log.info("bootstrapped the model from %s", peer.node_id)
 
-    async def _start_coordinator_client(self) -> None:
-        """With ``coordinator`` set: register there and follow its view (its addresses are
-        dialled like seeds); the overlap protocol asks it for pulls. It never holds the
-        node up: unreachable, the node schedules alone until it answers."""
-        if self.config.coordinator is None:
-            return
-        from gossipd.coordinator.client import CoordinatorClient
-
-        peering = self.network.peering
-
-        def on_view(members: dict[str, str], epoch: int) -> None:
-            for node_id, address in sorted(members.items()):
-                if node_id != self.config.node_id:
-                    peering.hint(address)
-
-        client = CoordinatorClient(
-            self.config.coordinator,
-            mesh_id=self.config.mesh_id,
-            advertise=self.network.address,
-            tls=self.network.tls,
-            on_view=on_view,
-        )
-        await client.start()
-        self.network.coordinator = client
-        log.info(
-            "coordinator %s: registering (until it answers, this node schedules its pulls alone)",
-            self.config.coordinator,
-        )
-
     async def run(self, stop: asyncio.Event) -> None:
         """Start, train until ``stop`` is set (or training dies), then shut down.
 
@@ -297,10 +287,15 @@ class Site:
                 self.write_node_json()
             except OSError as err:
                 log.warning("cannot write node.json in data_dir %s: %s", self.data_dir, err)
-            self.mqtt = start_mqtt(self, stop)
-            await self._start_coordinator_client()
-            loop = asyncio.get_running_loop()
-            self.loop_thread.on_fatal = lambda: loop.call_soon_threadsafe(stop.set)
+            self.mqtt = start_mqtt(
+                self.config,
+                address=self.network.address,
+                incarnation=self.network.incarnation,
+                peers=self.network.peering,
+                controls=SiteControls(self.loop_thread.resumed, self.replica, self, stop),
+                metrics=self.metrics,
+            )
+            self._stop_from_thread = (asyncio.get_running_loop(), stop)
             self.loop_thread.start()
             if not await _unless_stopped(self._before_training(), stop):
                 log.info("stopped before training started")
@@ -317,9 +312,7 @@ class Site:
         if not self.config.progress_interval_s:
             return None
         lines = ProgressLog(
-            self.config.progress_interval_s,
-            lambda: self.replica.summary,
-            lambda: len(self.network.membership.live()),
+            self.config.progress_interval_s, self.replica.published, self.network.live_peers
         )
         return asyncio.create_task(lines.run(), name="progress-log")
 
@@ -357,8 +350,7 @@ class Site:
         try:
             if self.mqtt is not None:  # first: nobody should be pointed here any more
                 await self.mqtt.close()
-            if self.network.coordinator is not None:
-                await self.network.coordinator.close()
+            await self.network.close_coordinator()
             self.loop_thread.halt.set()
             driver = self.loop_thread
             # Never started, or died (it may not have returned yet): something must drive.

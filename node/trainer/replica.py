@@ -188,6 +188,11 @@ class Replica:
         with self.lock, self.core_lock:
             self.summary = Summary.of(self)
 
+    def published(self) -> Summary:
+        """The summary last published: what status, metrics and progress lines read, never
+        waiting on a step."""
+        return self.summary
+
     def state_dict(self) -> dict[str, Any]:
         """The core's state, for a checkpoint (take it under :attr:`lock`)."""
         with self.core_lock:

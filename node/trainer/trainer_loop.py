@@ -10,27 +10,91 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from gossipd.node.trainer.torchthreads import adopt_thread_count
 
 if TYPE_CHECKING:
-    from gossipd.node.site.site import Site
+    from gossipd.node.shared.config import NodeConfig
+    from gossipd.node.trainer.ranks import Leader
+    from gossipd.node.trainer.replica import Replica
+    from gossipd.node.trainer.report import StepReport
 
 log = logging.getLogger("gossipd.node.site.site")
+
+
+class TrainingHost(Protocol):
+    """What the trainer thread asks of its site: record a step, evaluate, checkpoint, write
+    the summary, and hear that training died."""
+
+    def record(self, report: StepReport, step_time_s: float, loss: float) -> None: ...
+    def evaluate(self) -> None: ...
+    def periodic_checkpoint(self) -> None: ...
+    def write_summary(self, *, training_done: bool) -> None: ...
+    def trainer_died(self) -> None: ...
+
+
+class Steps(Protocol):
+    """The job, as the trainer thread drives it."""
+
+    def train_step(self) -> float: ...
+
+
+class TrainingTime(Protocol):
+    """Gossip's CPU budget, as the trainer thread feeds it its own time."""
+
+    training: bool
+
+    def add_training(self, cpu_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """When the trainer thread evaluates, checkpoints, paces itself and stops."""
+
+    eval_every_steps: int
+    checkpoint_every_steps: int
+    max_steps: int
+    duration_s: float
+    max_steps_per_s: float
+
+    @classmethod
+    def from_config(cls, config: NodeConfig) -> TrainingPlan:
+        job = config.job
+        return cls(
+            job.eval_every_steps,
+            config.checkpoint.every_steps,
+            job.max_steps,
+            job.duration_s,
+            job.max_steps_per_s,
+        )
 
 
 class TrainingLoop(threading.Thread):
     """The trainer thread: steps, merges at step boundaries, evaluates, checkpoints."""
 
-    def __init__(self, site: Site) -> None:
-        super().__init__(name=f"trainer-{site.config.node_id}", daemon=True)
-        self.site = site
-        self.halt = threading.Event()
-        # Called on the trainer thread if training dies: the daemon must not idle on as a
+    def __init__(
+        self,
+        name: str,
+        *,
+        replica: Replica,
+        job: Steps,
+        ranks: Leader | None,
+        budget: TrainingTime,
+        plan: TrainingPlan,
+        host: TrainingHost,
+    ) -> None:
+        super().__init__(name=f"trainer-{name}", daemon=True)
+        self.replica = replica
+        self.job = job
+        self.ranks = ranks
+        self.budget = budget
+        self.plan = plan
+        # Told on the trainer thread if training dies: the daemon must not idle on as a
         # silent, half-alive peer, so the site shuts down (and `gossipd node` exits 1).
-        self.on_fatal: Callable[[], None] = lambda: None
+        self.host = host
+        self.halt = threading.Event()
         self.finished = threading.Event()
         # After ``halt`` the thread stops stepping but keeps merging and runs the
         # leave's hand-off and settlements (parameters are written only here) until this.
@@ -46,64 +110,71 @@ class TrainingLoop(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        site, cfg = self.site, self.site.config.job
         adopt_thread_count()
         try:
             while not (self.go.is_set() or self.halt.is_set()):
                 self._idle()
-            started = time.monotonic()
-            budget, replica = site.network.budget, site.replica
-            # The trainer thread's CPU since the end of the last step it accounted for:
-            # the loop's own bookkeeping between steps is training too (at 2,000 steps a
-            # second a few microseconds of it a step are a percent of the core).
-            mark: tuple[float, float] | None = None
-            while not self.halt.is_set():
-                if self.finished.is_set() or not self.resumed.is_set():
-                    budget.training = False
-                    mark = None
-                    self._idle()
-                    continue
-                self.stepped = budget.training = True
-                if mark is None:
-                    mark = (time.thread_time(), replica.gossip_cpu_s)
-                t0 = time.perf_counter()
-                with replica.lock:
-                    if site.ranks is not None:
-                        site.ranks.before_step(replica.steps)
-                    loss = site.job.train_step()
-                    report = replica.step(loss)
-                site.record(report, time.perf_counter() - t0, loss)
-                step = site.replica.steps
-                if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
-                    site.evaluate()
-                every = site.config.checkpoint.every_steps
-                if every and step % every == 0:
-                    site.periodic_checkpoint()
-                elapsed = time.monotonic() - started
-                if (cfg.max_steps and step >= cfg.max_steps) or (
-                    cfg.duration_s and elapsed >= cfg.duration_s
-                ):
-                    site.evaluate()
-                    site.replica.finish_training()
-                    site.write_summary(training_done=True)
-                    self.finished.set()
-                # All but its merges and push snapshots is the trainer's own work.
-                now = (time.thread_time(), replica.gossip_cpu_s)
-                budget.add_training(now[0] - mark[0] - (now[1] - mark[1]))
-                mark = now
-                if cfg.max_steps_per_s:
-                    self._pace(t0 + 1.0 / cfg.max_steps_per_s)
-            budget.training = False
-            if site.ranks is not None:
-                site.evaluate()  # every rank records the model the site stops with
-                site.ranks.stop(site.replica.steps)
-            site.replica.idle_until(self.release)
+            self._train()
+            self.budget.training = False
+            if self.ranks is not None:
+                self.host.evaluate()  # every rank records the model the site stops with
+                self.ranks.stop(self.replica.steps)
+            self.replica.idle_until(self.release)
         except BaseException as err:
             log.exception("trainer thread failed")
             self.error = err
-            if site.ranks is not None:
-                site.ranks.broken = True  # its collectives cannot be trusted any more
-            self.on_fatal()
+            if self.ranks is not None:
+                self.ranks.broken = True  # its collectives cannot be trusted any more
+            self.host.trainer_died()
+            self.finished.set()
+
+    def _train(self) -> None:
+        """Step until halted; paused or finished, only drive the replica (merges)."""
+        started = time.monotonic()
+        budget, replica = self.budget, self.replica
+        # The trainer thread's CPU since the end of the last step it accounted for:
+        # the loop's own bookkeeping between steps is training too (at 2,000 steps a
+        # second a few microseconds of it a step are a percent of the core).
+        mark: tuple[float, float] | None = None
+        while not self.halt.is_set():
+            if self.finished.is_set() or not self.resumed.is_set():
+                budget.training = False
+                mark = None
+                self._idle()
+                continue
+            self.stepped = budget.training = True
+            if mark is None:
+                mark = (time.thread_time(), replica.gossip_cpu_s)
+            t0 = time.perf_counter()
+            self._step(t0, started)
+            # All but its merges and push snapshots is the trainer's own work.
+            now = (time.thread_time(), replica.gossip_cpu_s)
+            budget.add_training(now[0] - mark[0] - (now[1] - mark[1]))
+            mark = now
+            if self.plan.max_steps_per_s:
+                self._pace(t0 + 1.0 / self.plan.max_steps_per_s)
+
+    def _step(self, t0: float, started: float) -> None:
+        """One step and what falls due after it: evaluation, checkpoint, the end."""
+        replica, plan, host = self.replica, self.plan, self.host
+        with replica.lock:
+            if self.ranks is not None:
+                self.ranks.before_step(replica.steps)
+            loss = self.job.train_step()
+            report = replica.step(loss)
+        host.record(report, time.perf_counter() - t0, loss)
+        step = replica.steps
+        if plan.eval_every_steps and step % plan.eval_every_steps == 0:
+            host.evaluate()
+        if plan.checkpoint_every_steps and step % plan.checkpoint_every_steps == 0:
+            host.periodic_checkpoint()
+        elapsed_s = time.monotonic() - started
+        if (plan.max_steps and step >= plan.max_steps) or (
+            plan.duration_s and elapsed_s >= plan.duration_s
+        ):
+            host.evaluate()
+            replica.finish_training()
+            host.write_summary(training_done=True)
             self.finished.set()
 
     def _pace(self, until: float) -> None:
@@ -117,6 +188,6 @@ class TrainingLoop(threading.Thread):
             self._idle(left)
 
     def _idle(self, wait_s: float = 0.05) -> None:
-        self.site.replica.idle(min(wait_s, 0.05))
-        if self.site.ranks is not None:
-            self.site.ranks.tick(self.site.replica.steps)
+        self.replica.idle(min(wait_s, 0.05))
+        if self.ranks is not None:
+            self.ranks.tick(self.replica.steps)

@@ -1,0 +1,86 @@
+"""The control commands of a running site (MQTT's pause, resume, checkpoint, leave), and
+the MQTT agent that carries them, put together from the site's parts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.net.mqtt import MqttAgent, Presences
+from gossipd.node.shared.config import NodeConfig
+
+
+class Checkpoints(Protocol):
+    """The site's checkpoint writer: writes one now (raises CheckpointWriteError)."""
+
+    saved_step: int | None
+
+    def save_checkpoint(self) -> Path: ...
+
+
+class StepCount(Protocol):
+    @property
+    def steps(self) -> int: ...
+
+
+class SiteControls:
+    """Pause and resume the trainer thread at a step boundary, write a checkpoint off the
+    event loop, and leave the mesh the way SIGTERM does (``stop``)."""
+
+    def __init__(
+        self,
+        resumed: threading.Event,
+        steps: StepCount,
+        checkpoints: Checkpoints,
+        stop: asyncio.Event,
+    ) -> None:
+        self.resumed = resumed
+        self.steps = steps
+        self.checkpoints = checkpoints
+        self.stop = stop
+
+    def pause(self) -> str:
+        self.resumed.clear()
+        return (
+            f"training pauses at the next step boundary (step {self.steps.steps}); gossip goes on"
+        )
+
+    def resume(self) -> str:
+        was_paused = not self.resumed.is_set()
+        self.resumed.set()
+        return "training resumes" if was_paused else "training was not paused"
+
+    async def checkpoint(self) -> str:
+        path = await asyncio.to_thread(self.checkpoints.save_checkpoint)  # an error: a reply
+        return f"wrote {path} at step {self.checkpoints.saved_step}"
+
+    def leave(self) -> str:
+        self.stop.set()
+        return "leaving: handing this node's weight to a peer, then exiting"
+
+
+def start_mqtt(
+    config: NodeConfig,
+    *,
+    address: str,
+    incarnation: int,
+    peers: Presences,
+    controls: SiteControls,
+    metrics: NodeMetrics,
+) -> MqttAgent | None:
+    """The site's MQTT agent, started; None when ``[mqtt]`` is not set."""
+    if config.mqtt is None:
+        return None
+    agent = MqttAgent(
+        config,
+        address=address,
+        incarnation=incarnation,
+        peers=peers,
+        controls=controls,
+        metrics=metrics,
+    )
+    agent.start()
+    return agent
