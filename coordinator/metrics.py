@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gossipd.node.net.metrics import serve_registry
+from gossipd.node.shared.metrics_http import serve_registry
 
 
 class CoordinatorMetrics:
