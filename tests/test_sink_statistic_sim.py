@@ -49,8 +49,8 @@ def test_no_honest_peer_is_suspected_over_thousands_of_rounds(protocol, nodes, s
             if not node.alive:
                 continue
             status = node.core.status()
-            if status.extra["sinks"]:
-                suspected.append((k, node.id, status.extra["sinks"]))
+            if status.sinks:
+                suspected.append((k, node.id, status.sinks))
             scores = node.core.sinks.scores.values()
             highest["score"] = max(highest["score"], *scores, 0.0)
 

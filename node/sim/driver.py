@@ -27,7 +27,13 @@ What is modelled and what is not:
 
 What a crash destroys and what a fold-back after a merge creates is booked in
 a :class:`~gossipd.node.sim.accounting.MassBook`, so the totals must always add up.
-Pulls and the coordinator's answers are carried out in :mod:`gossipd.node.sim.pulls`.
+Pushes are carried out in :mod:`gossipd.node.sim.pushes`, pulls and the coordinator's
+answers in :mod:`gossipd.node.sim.pulls`.
+
+:meth:`Simulation.run` drives every node by the virtual clock. A test that scripts the
+steps itself uses the public step API instead (:meth:`Simulation.start`,
+:meth:`~Simulation.end_step`, :meth:`~Simulation.end_training`,
+:meth:`~Simulation.settle`), as the contract suite does.
 """
 
 from __future__ import annotations
@@ -47,29 +53,23 @@ from gossipd.node.protocols import build
 from gossipd.node.protocols.base import (
     Action,
     AskPeer,
-    FoldBack,
     HandOff,
-    Merge,
-    PayloadArrived,
-    PayloadMerged,
     Pull,
     Push,
-    PushSettled,
-    Refused,
     ReportTransfer,
     StartTimer,
     StepEnded,
     TimerFired,
+    TrainingEnded,
     ViewChanged,
 )
 from gossipd.node.protocols.scheduler import Scheduler
 from gossipd.node.sim.accounting import MassBook
-from gossipd.node.sim.payloads import Payload, VectorPayload, make_payload
+from gossipd.node.sim.payloads import Payload, make_payload
 from gossipd.node.sim.pulls import PullSide
-from gossipd.node.sim.spec import Flight, SimNode, SimResult, SimSpec, core_settings
+from gossipd.node.sim.pushes import PushSide
+from gossipd.node.sim.spec import SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
-
-INCARNATION = 1  # simulated nodes never restart; a join is a new node id
 
 
 def _one_blas_thread() -> contextlib.AbstractContextManager[object]:
@@ -87,8 +87,9 @@ class SimError(GossipdError):
     """A core asked for something the simulator does not carry out."""
 
 
-class Simulation(PullSide):
-    """One run: build it from a :class:`SimSpec`, call :meth:`run` once."""
+class Simulation(PushSide, PullSide):
+    """One run: build it from a :class:`SimSpec`, call :meth:`run` once (or script its
+    steps with the public step API below, and never call :meth:`run`)."""
 
     def __init__(
         self, spec: SimSpec, on_probe: Callable[[Simulation, int], None] | None = None
@@ -222,7 +223,7 @@ class Simulation(PullSide):
             return
         node.steps += 1
         self.payload.step(node.index)
-        self._release_held(node)
+        self._release_held(node)  # pulls held for this boundary merge before StepEnded
         if self._due_now(node):
             self._wait(node, ended=False)
         else:
@@ -261,108 +262,35 @@ class Simulation(PullSide):
         if not self.stopped and node.alive:
             self._act(node, node.core.handle(TimerFired(tag, self.now)))
 
-    # -- pushes ---------------------------------------------------------------------------
-    def _send(self, node: SimNode, pushes: list[Push]) -> None:
-        """Pushes asked for at once share one snapshot, as in the replica: nothing can
-        change the model between them, and shuffle-exchange's √N pushes a step would
-        otherwise hold √N copies (1.5 GB at N = 1,024 with the mixing tracker)."""
-        segments = sorted({s for push in pushes for s in push.weights})
-        values = self.payload.snapshot(node.index, segments)
-        rows = self.tracker.snapshot(node.index, segments) if self.tracker is not None else None
-        for push in pushes:
-            nbytes = sum(self.payload.segment_nbytes[s] for s in push.weights)
-            flight = Flight(push, node, values, rows, nbytes)
-            node.flights[push.key] = flight
-            self._transmit(flight)
+    # -- the public step API: a script says which node steps, and when all has settled ------
+    def start(self) -> None:
+        """Give every core the founding view, as :meth:`run` does first; no step is scheduled.
 
-    def _transmit(self, flight: Flight) -> None:
-        flight.attempts += 1
-        self.messages += 1
-        self.bytes_sent += flight.nbytes
-        receiver = self.by_id[flight.push.peer]
-        if self.scenario.loss and self.rng.random() < self.scenario.loss:
-            self._at(self.now + self.scenario.timeout_s, self._retry, flight)
-            return
-        latency, bandwidth = self._link(flight.sender, receiver)
-        self._at(self.now + latency + flight.nbytes / bandwidth, self._deliver, flight, receiver)
+        Call it once, then any sequence of :meth:`end_step` and :meth:`end_training`, each
+        followed by :meth:`settle` (or not, to let more happen at once)."""
+        self._set_members(self.members)
 
-    def _deliver(self, flight: Flight, receiver: SimNode) -> None:
-        sender, push = flight.sender, flight.push
-        if not sender.alive:
-            return  # the sender crashed mid-stream: nothing merges (booked lost at the crash)
-        if not receiver.alive:
-            self._at(self.now + self.scenario.timeout_s, self._retry, flight)
-            return
-        arrival = PayloadArrived(
-            sender.id, INCARNATION, push.sequence, push.round, push.weights, push.sequence_base
-        )
-        acked: tuple[int, ...] = ()
-        try:
-            plan = receiver.core.handle(arrival)
-            merges = [a for a in plan if isinstance(a, Merge)]
-            # Whole or nothing: a blend the payload refuses (non-finite) refuses the push,
-            # and a leaving node merges nothing new (it still acknowledges duplicates).
-            if receiver.leaving and merges:
-                self.refused += 1
-            elif all(self._would_blend(receiver, m, flight.values) for m in merges):
-                for m in merges:
-                    self.payload.blend(receiver.index, m.segment, flight.values[m.segment], m.alpha)
-                    if self.tracker is not None:
-                        self.tracker.blend(
-                            receiver.index, m.segment, flight.rows[m.segment], m.alpha
-                        )
-                receiver.core.handle(PayloadMerged(arrival))
-                acked = tuple(a.segment for a in plan)
-                flight.merged = flight.merged or bool(merges)
-            else:
-                self.refused += 1
-        except Refused:
-            self.refused += 1
-        if self.scenario.loss and self.rng.random() < self.scenario.loss:
-            self._at(self.now + self.scenario.timeout_s, self._retry, flight)
-            return
-        latency, _ = self._link(receiver, sender)
-        self._at(self.now + latency, self._ack, flight, acked)
+    def end_step(self, index: int) -> None:
+        """Node ``index`` ended a local step now: the pulls held for this boundary merge,
+        then its core hears ``StepEnded`` and what it asks for is set going.
 
-    def _would_blend(self, receiver: SimNode, merge: Merge, values: dict[int, Any]) -> bool:
-        if isinstance(self.payload, VectorPayload):
-            return True  # finite vectors blend to finite vectors
-        mine = self.payload.values(receiver.index, merge.segment)
-        other = np.asarray(values[merge.segment], dtype=float)
-        return bool(np.isfinite((1.0 - merge.alpha) * mine + merge.alpha * other).all())
+        The payload does not train (the models move by gossip alone) and the node's next
+        step is not scheduled: the script says when it ends. A pull due at this boundary
+        that has not landed merges when it lands."""
+        node = self.nodes[index]
+        node.steps += 1
+        self._release_held(node)
+        self._act(node, node.core.handle(StepEnded(node.steps, self.now)))
 
-    def _ack(self, flight: Flight, acked: tuple[int, ...]) -> None:
-        self.acks += 1
-        if flight.sender.alive and flight.push.key in flight.sender.flights:
-            self._settle(flight, acked)
+    def end_training(self, index: int) -> None:
+        """Node ``index`` trains no more: its core hears ``TrainingEnded`` now."""
+        node = self.nodes[index]
+        self._act(node, node.core.handle(TrainingEnded(node.steps, self.now)))
 
-    def _retry(self, flight: Flight) -> None:
-        """No answer: try again with the same sequence, or fold back once the peer is gone."""
-        sender = flight.sender
-        if not sender.alive or flight.push.key not in sender.flights:
-            return
-        receiver = self.by_id[flight.push.peer]
-        if flight.push.peer not in self.members and not receiver.alive:
-            self._settle(flight, ())  # declared dead, or gone after leaving: fold back
-            return
-        self.retries += 1
-        self._transmit(flight)
-
-    def _settle(self, flight: Flight, acked: tuple[int, ...]) -> None:
-        sender, push = flight.sender, flight.push
-        del sender.flights[push.key]
-        if flight.merged and not acked:
-            self.book.folded_back_after_merge(push.weights, flight.values)
-        for action in sender.core.handle(PushSettled(push.peer, push.sequence, acked)):
-            if isinstance(action, FoldBack):
-                seg = action.segment
-                self.payload.blend(sender.index, seg, flight.values[seg], action.alpha)
-                if self.tracker is not None:
-                    self.tracker.blend(sender.index, seg, flight.rows[seg], action.alpha)
-            else:
-                self._act(sender, [action])
-        if sender.leaving and not sender.flights:
-            self._finish_leaving(sender)
+    def settle(self) -> None:
+        """Run the virtual clock until nothing is left to happen: every push delivered,
+        acknowledged or retried and settled, every timer fired, every pull merged or failed."""
+        self.env.run()
 
     # -- faults ---------------------------------------------------------------------------
     def _fault(self, entry: Any) -> None:
