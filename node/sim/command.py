@@ -11,6 +11,8 @@ import json
 import sys
 import time
 import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -28,145 +30,147 @@ if TYPE_CHECKING:
 TABLE_ROWS = 25  # longer runs print evenly spaced rounds and the last one
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``gossipd sim``; every help text names its default."""
-    p.add_argument(
+@dataclass(frozen=True)
+class Flag:
+    """One flag of ``gossipd sim``: its name, its help, and argparse's other arguments.
+
+    The help text gets ``(default: …)`` appended: the flag's default, or ``shown_default``."""
+
+    name: str
+    help: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    shown_default: str = "%(default)s"
+
+
+FAULT_KINDS = (("fail", "NODE@TIME"), ("leave", "NODE@TIME"), ("join", "TIME"))
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
         "--protocol",
-        default="sumweight",
-        choices=sorted(PROTOCOLS),
-        help="gossip protocol core of every node (default: %(default)s)",
-    )
-    p.add_argument("--nodes", type=int, default=16, help="simulated nodes (default: %(default)s)")
-    p.add_argument(
-        "--rounds", type=int, default=20, help="rounds to simulate at most (default: %(default)s)"
-    )
-    p.add_argument("--segments", type=int, default=4, help="model segments (default: %(default)s)")
-    p.add_argument(
+        "gossip protocol core of every node",
+        {"default": "sumweight", "choices": sorted(PROTOCOLS)},
+    ),
+    Flag("--nodes", "simulated nodes", {"type": int, "default": 16}),
+    Flag("--rounds", "rounds to simulate at most", {"type": int, "default": 20}),
+    Flag("--segments", "model segments", {"type": int, "default": 4}),
+    Flag(
         "--scenario",
-        default="homogeneous",
-        help=f"network and faults: {', '.join(SCENARIOS)}, or a .json file with the fields of "
-        "gossipd.node.sim.scenarios.Scenario (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of everything (default: %(default)s)")
-    p.add_argument(
+        f"network and faults: {', '.join(SCENARIOS)}, or a .json file with the fields of "
+        "gossipd.node.sim.scenarios.Scenario",
+        {"default": "homogeneous"},
+    ),
+    Flag("--seed", "seed of everything", {"type": int, "default": 0}),
+    Flag(
         "--payload",
-        choices=["vector", "digits"],
-        default="vector",
-        help="what nodes hold: a float64 vector per node, training off (consensus studies), or "
-        "a digits MLP per node trained with real torch steps (default: %(default)s)",
-    )
-    p.add_argument(
-        "--dim", type=int, default=64, help="vector length, vector payload (default: %(default)s)"
-    )
-    p.add_argument(
+        "what nodes hold: a float64 vector per node, training off (consensus studies), or "
+        "a digits MLP per node trained with real torch steps",
+        {"choices": ["vector", "digits"], "default": "vector"},
+    ),
+    Flag("--dim", "vector length, vector payload", {"type": int, "default": 64}),
+    Flag(
         "--model-bytes",
-        type=int,
-        default=0,
-        help="size of the model on the simulated wire, for transfer times and byte counts; "
-        "0: the payload's own size (default: %(default)s)",
-    )
-    p.add_argument(
+        "size of the model on the simulated wire, for transfer times and byte counts; "
+        "0: the payload's own size",
+        {"type": int, "default": 0},
+    ),
+    Flag(
         "--round-steps",
-        type=int,
-        default=1,
-        help="local steps per round; also the protocol's round_steps if it has one "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+        "local steps per round; also the protocol's round_steps if it has one",
+        {"type": int, "default": 1},
+    ),
+    Flag(
         "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting of the protocol, as in a node's [gossip.<protocol>] table (a TOML "
+        "a setting of the protocol, as in a node's [gossip.<protocol>] table (a TOML "
         "value), repeatable, e.g. --set push_probability=1; unset: the protocol's defaults, "
-        "but round_steps from --round-steps and average_every_steps ceil(log2 N) "
-        "(default: none)",
-    )
-    p.add_argument(
+        "but round_steps from --round-steps and average_every_steps ceil(log2 N)",
+        {"action": "append", "default": [], "metavar": "KEY=VALUE"},
+        shown_default="none",
+    ),
+    Flag(
         "--average-every-steps",
-        type=int,
-        default=0,
-        help="deprecated: --set average_every_steps=K; 0: not given (default: %(default)s)",
-    )
-    p.add_argument(
+        "deprecated: --set average_every_steps=K; 0: not given",
+        {"type": int, "default": 0},
+    ),
+    Flag(
         "--max-in-flight",
-        type=int,
-        default=0,
-        help="unacknowledged pushes per node; 0: max(4, segments, isqrt(N-1)+3), enough for a "
-        "round of any protocol (the daemon's default is 4) (default: %(default)s)",
-    )
-    p.add_argument(
+        "unacknowledged pushes per node; 0: max(4, segments, isqrt(N-1)+3), enough for a "
+        "round of any protocol (the daemon's default is 4)",
+        {"type": int, "default": 0},
+    ),
+    Flag(
         "--push-probability",
-        type=float,
-        default=None,
-        help="deprecated: --set push_probability=P (default: %(default)s)",
-    )
-    p.add_argument(
+        "deprecated: --set push_probability=P",
+        {"type": float, "default": None},
+    ),
+    Flag(
         "--learning-rate",
-        type=float,
-        default=None,
-        help="digits payload: SGD learning rate, 0 for training off; unset: the job's default "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+        "digits payload: SGD learning rate, 0 for training off; unset: the job's default",
+        {"type": float, "default": None},
+    ),
+    Flag(
         "--target-error",
-        type=float,
-        default=0.0,
-        help="stop early once the consensus error (and its prediction, if tracked) is at most "
-        "this; 0: run every round (default: %(default)s)",
-    )
-    for kind, form in (("fail", "NODE@TIME"), ("leave", "NODE@TIME"), ("join", "TIME")):
-        p.add_argument(
+        "stop early once the consensus error (and its prediction, if tracked) is at most "
+        "this; 0: run every round",
+        {"type": float, "default": 0.0},
+    ),
+    *(
+        Flag(
             f"--{kind}",
-            action="append",
-            default=[],
-            metavar=form,
-            help=f"add a '{kind}' fault entry to the scenario, repeatable (default: none)",
+            f"add a '{kind}' fault entry to the scenario, repeatable",
+            {"action": "append", "default": [], "metavar": form},
+            shown_default="none",
         )
-    p.add_argument(
+        for kind, form in FAULT_KINDS
+    ),
+    Flag(
         "--loss",
-        type=float,
-        default=None,
-        help="probability that a payload or an acknowledgement is lost; unset: the scenario's "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+        "probability that a payload or an acknowledgement is lost; unset: the scenario's",
+        {"type": float, "default": None},
+    ),
+    Flag(
         "--predict",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="track the mixing matrices and predict the error from sigma_1(P_k - J); unset: "
-        "when N <= 256 (at most 1024; vectors without membership changes) "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+        "track the mixing matrices and predict the error from sigma_1(P_k - J); unset: "
+        "when N <= 256 (at most 1024; vectors without membership changes)",
+        {"action": argparse.BooleanOptionalAction, "default": None},
+    ),
+    Flag(
         "--coordinator",
-        action="store_true",
-        help="one coordinator schedules the pulls of cores that ask one (overlap); unset: "
-        "every node schedules alone (default: %(default)s)",
-    )
-    p.add_argument(
+        "one coordinator schedules the pulls of cores that ask one (overlap); unset: "
+        "every node schedules alone",
+        {"action": "store_true"},
+    ),
+    Flag(
         "--check-invariants",
-        action="store_true",
-        help="check sum-weight mass and sum of w*x at every round; O(N) per round "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+        "check sum-weight mass and sum of w*x at every round; O(N) per round",
+        {"action": "store_true"},
+    ),
+    Flag(
         "--plot",
-        default=None,
-        help="write a PNG of error (or accuracy) against virtual time (default: %(default)s)",
-    )
-    p.add_argument(
+        "write a PNG of error (or accuracy) against virtual time",
+        {"default": None},
+    ),
+    Flag(
         "--json",
-        action="store_true",
-        help="table to stderr, one JSON object as the last stdout line (default: %(default)s)",
-    )
+        "table to stderr, one JSON object as the last stdout line",
+        {"action": "store_true"},
+    ),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``gossipd sim`` (:data:`FLAGS`); every help text names its default."""
+    for flag in FLAGS:
+        p.add_argument(
+            flag.name, **flag.options, help=f"{flag.help} (default: {flag.shown_default})"
+        )
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:
     from gossipd.node.sim.spec import SimSpec
 
-    kinds = ("fail", "leave", "join")
-    faults = tuple(parse_fault(kind, text) for kind in kinds for text in getattr(args, kind))
+    faults = tuple(
+        parse_fault(kind, text) for kind, _ in FAULT_KINDS for text in getattr(args, kind)
+    )
     scenario = load_scenario(args.scenario)
     if faults or args.loss is not None:
         scenario = scenario.with_faults(faults, args.loss)
