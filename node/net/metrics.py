@@ -4,237 +4,239 @@ Label values come from small fixed sets (direction, kind, result, reason, metric
 segment index), never from peers: a mesh of any size, or an outsider making up
 node ids, cannot grow the number of series. ``gossipd_sum_weight`` has one series
 per model segment, which the model fixes.
+
+Every metric is a row of :data:`NODE_METRICS`: add one there and :class:`NodeMetrics`
+has it as the row's attribute; the reference page (docs/reference/metrics.md) is
+generated from the same rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from gossipd.node.shared.metrics_http import serve_registry
+from gossipd.node.net.metric_defs import MetricDef, counter, gauge, histogram, register
+from gossipd.node.net.metrics_server import serve_registry
 from gossipd.node.trainer.report import StepReport, Summary
+
+# One row per metric, in the order the reference page lists them.
+NODE_METRICS: tuple[MetricDef, ...] = (
+    gauge(
+        "info",
+        "gossipd_node_info",
+        "Constant 1, labelled with identity and protocol",
+        ("node_id", "mesh_id", "fingerprint", "protocol"),
+    ),
+    counter(
+        "steps",
+        "gossipd_steps_total",
+        "Local optimizer steps taken by this process (use rate(); see gossipd_step)",
+    ),
+    gauge(
+        "step",
+        "gossipd_step",
+        "The node's step over its whole life: a restart continues from the checkpoint's",
+    ),
+    counter("samples", "gossipd_samples_total", "Training samples processed (steps x batch size)"),
+    gauge("loss", "gossipd_loss", "Training loss of the last step"),
+    histogram(
+        "step_seconds",
+        "gossipd_step_seconds",
+        "Wall time of one local step including the gossip bookkeeping",
+        (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    ),
+    counter(
+        "bytes",
+        "gossipd_gossip_bytes_total",
+        "Payload bytes by direction (sent, received), kind (push, pull, handoff) and result",
+        ("direction", "kind", "result"),
+    ),
+    counter(
+        "bulk_bytes",
+        "gossipd_bulk_bytes_total",
+        "Payload bytes this node's bulk lane received (pushes to it) and sent (pulls from "
+        "it); the rest of gossipd_gossip_bytes_total went in gRPC frames",
+        ("direction",),
+    ),
+    gauge(
+        "bulk_connections",
+        "gossipd_bulk_connections",
+        "Bulk-lane connections peers hold open to this node",
+    ),
+    counter(
+        "messages",
+        "gossipd_gossip_messages_total",
+        "Messages by direction, kind (push, pull, handoff; request: a refused inbound "
+        "request of any RPC) and result (ok, failed, retry, rejected, leaving: answered by "
+        "a leaving node without merging)",
+        ("direction", "kind", "result"),
+    ),
+    histogram(
+        "push_seconds",
+        "gossipd_push_seconds",
+        "One outbound push from its first attempt until it settled (acknowledged or folded "
+        "back), retries included",
+        (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+    ),
+    gauge("pushes_in_flight", "gossipd_pushes_in_flight", "Outbound pushes not yet settled"),
+    gauge(
+        "gossip_cpu_share",
+        "gossipd_gossip_cpu_share",
+        "CPU this process spent on gossip (not training) over the last 2 s, as a share of "
+        "its cores' time; pushes wait while it is over gossipd_gossip_cpu_budget and the "
+        "trainer steps",
+    ),
+    gauge(
+        "gossip_cpu_budget",
+        "gossipd_gossip_cpu_budget",
+        "Most of the node's CPU gossip may take while the trainer steps (gossip.cpu_share)",
+    ),
+    counter(
+        "pushes_held",
+        "gossipd_pushes_held_total",
+        "Outbound pushes that waited for gossip's CPU budget before going (throttled)",
+    ),
+    counter(
+        "push_held_seconds",
+        "gossipd_push_held_seconds_total",
+        "Seconds outbound pushes waited for gossip's CPU budget",
+    ),
+    counter(
+        "rejected",
+        "gossipd_rejected_payloads_total",
+        "Inbound payloads refused, by reason",
+        ("reason",),
+    ),
+    counter("merges", "gossipd_merges_total", "Segments merged into the local model"),
+    counter(
+        "merges_clipped",
+        "gossipd_merges_clipped_total",
+        "Merged segments the robust merge pulled toward this node's own first "
+        "(limits.merge_clip); honest traffic should keep it at 0",
+    ),
+    gauge(
+        "inbound_push_streams",
+        "gossipd_inbound_push_streams",
+        "Inbound push streams open now (limits.max_inbound_pushes; one peer may hold "
+        "limits.max_inbound_pushes_per_peer of them)",
+    ),
+    gauge(
+        "inbound_pull_streams",
+        "gossipd_inbound_pull_streams",
+        "Pulls this node serves now (limits.max_inbound_pulls; one peer may hold "
+        "limits.max_inbound_pulls_per_peer of them)",
+    ),
+    counter(
+        "mass_inconsistencies",
+        "gossipd_mass_inconsistencies_total",
+        "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"
+        " a DUPLICATE for a segment never sent before); the weight is kept, not committed",
+        ("kind",),
+    ),
+    gauge("sum_weight", "gossipd_sum_weight", "Sum-weight per segment", ("segment",)),
+    gauge(
+        "weight_sinks",
+        "gossipd_weight_sinks",
+        "Peers suspected of sinking weight (took this node's weight, gave none back; "
+        "limits.sink_score_bound): this node pushes nothing to them",
+    ),
+    gauge(
+        "sum_weight_cap",
+        "gossipd_sum_weight_cap",
+        "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
+        "the number of founding members); a merge over it is refused as WeightOverCap",
+    ),
+    gauge(
+        "sum_weight_reserved",
+        "gossipd_sum_weight_reserved",
+        "Sum-weight per segment promised to pushes not yet acknowledged; still counted in "
+        "gossipd_sum_weight until the ack, and at the receiver once merged: the mesh's "
+        "true total lies between sum(gossipd_sum_weight - this) and sum(gossipd_sum_weight)",
+        ("segment",),
+    ),
+    gauge("live_peers", "gossipd_live_peers", "Peers currently considered live"),
+    gauge(
+        "suspected_peers",
+        "gossipd_suspected_peers",
+        "Verified peers that failed recently (not pushed to; declared dead after "
+        "membership.drop_after_s)",
+    ),
+    gauge(
+        "membership_epoch",
+        "gossipd_membership_epoch",
+        "Digest of this node's view of the live members: equal on nodes whose views agree",
+    ),
+    gauge("round", "gossipd_round", "The protocol core's current round"),
+    gauge(
+        "wait_seconds",
+        "gossipd_trainer_wait_seconds",
+        "Seconds the trainer waited at step boundaries for pulls due there, since start "
+        "(a gauge that only grows: rate() it for the waiting share)",
+    ),
+    gauge(
+        "wait_fraction",
+        "gossipd_trainer_wait_fraction",
+        "Share of wall time since the first step that the trainer spent waiting for pulls",
+    ),
+    gauge(
+        "site_ranks",
+        "gossipd_site_ranks",
+        "Processes training in this site (rank 0 gossips; 1 for a one-process site)",
+    ),
+    counter(
+        "rank_broadcasts",
+        "gossipd_rank_broadcasts_total",
+        "Times rank 0 sent its parameters to the site's other ranks (after a merge moved them)",
+    ),
+    counter(
+        "dial_failures",
+        "gossipd_dial_failures_total",
+        "Handshakes this node made that failed, by reason (tls: certificate refused or "
+        "wrong CA; unreachable; mismatch: other mesh, model or protocol; other)",
+        ("reason",),
+    ),
+    gauge("eval_metric", "gossipd_eval", "Latest evaluation metrics of the job", ("metric",)),
+    counter(
+        "checkpoint_failures",
+        "gossipd_checkpoint_failures_total",
+        "Checkpoint writes that failed (disk full, read-only, I/O error); the previous "
+        "checkpoint stays and training goes on",
+    ),
+    gauge(
+        "checkpoint_last_success",
+        "gossipd_checkpoint_last_success_timestamp_seconds",
+        "Unix time of the newest checkpoint.pt on disk (0: none yet); alert on its age",
+    ),
+    histogram(
+        "checkpoint_seconds",
+        "gossipd_checkpoint_write_seconds",
+        "Wall time of one successful checkpoint write (capture, serialize, fsync, rename)",
+        (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    ),
+    gauge(
+        "mqtt_connected",
+        "gossipd_mqtt_connected",
+        "1 while connected to the MQTT broker of [mqtt], else 0 (training never waits on it)",
+    ),
+    counter(
+        "mqtt_rejected",
+        "gossipd_mqtt_rejected_total",
+        "MQTT messages ignored, by reason (oversize, bad_json, bad_field, wrong_mesh, "
+        "unknown_command, topic_mismatch)",
+        ("reason",),
+    ),
+)
 
 
 class NodeMetrics:
+    """A node's collectors, each the attribute its :data:`NODE_METRICS` row names
+    (``metrics.steps``, ``metrics.bytes``, ...), and the HTTP server that exports them."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.info = Gauge(
-            "gossipd_node_info",
-            "Constant 1, labelled with identity and protocol",
-            ["node_id", "mesh_id", "fingerprint", "protocol"],
-            registry=r,
-        )
-        self.steps = Counter(
-            "gossipd_steps_total",
-            "Local optimizer steps taken by this process (use rate(); see gossipd_step)",
-            registry=r,
-        )
-        self.step = Gauge(
-            "gossipd_step",
-            "The node's step over its whole life: a restart continues from the checkpoint's",
-            registry=r,
-        )
-        self.samples = Counter(
-            "gossipd_samples_total", "Training samples processed (steps x batch size)", registry=r
-        )
-        self.loss = Gauge("gossipd_loss", "Training loss of the last step", registry=r)
-        self.step_seconds = Histogram(
-            "gossipd_step_seconds",
-            "Wall time of one local step including the gossip bookkeeping",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=r,
-        )
-        self.bytes = Counter(
-            "gossipd_gossip_bytes_total",
-            "Payload bytes by direction (sent, received), kind (push, pull, handoff) and result",
-            ["direction", "kind", "result"],
-            registry=r,
-        )
-        self.bulk_bytes = Counter(
-            "gossipd_bulk_bytes_total",
-            "Payload bytes this node's bulk lane received (pushes to it) and sent (pulls from "
-            "it); the rest of gossipd_gossip_bytes_total went in gRPC frames",
-            ["direction"],
-            registry=r,
-        )
-        self.bulk_connections = Gauge(
-            "gossipd_bulk_connections",
-            "Bulk-lane connections peers hold open to this node",
-            registry=r,
-        )
-        self.messages = Counter(
-            "gossipd_gossip_messages_total",
-            "Messages by direction, kind (push, pull, handoff; request: a refused inbound "
-            "request of any RPC) and result (ok, failed, retry, rejected, leaving: answered by "
-            "a leaving node without merging)",
-            ["direction", "kind", "result"],
-            registry=r,
-        )
-        self.push_seconds = Histogram(
-            "gossipd_push_seconds",
-            "One outbound push from its first attempt until it settled (acknowledged or folded "
-            "back), retries included",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-            registry=r,
-        )
-        self.pushes_in_flight = Gauge(
-            "gossipd_pushes_in_flight", "Outbound pushes not yet settled", registry=r
-        )
-        self.gossip_cpu_share = Gauge(
-            "gossipd_gossip_cpu_share",
-            "CPU this process spent on gossip (not training) over the last 2 s, as a share of "
-            "its cores' time; pushes wait while it is over gossipd_gossip_cpu_budget and the "
-            "trainer steps",
-            registry=r,
-        )
-        self.gossip_cpu_budget = Gauge(
-            "gossipd_gossip_cpu_budget",
-            "Most of the node's CPU gossip may take while the trainer steps (gossip.cpu_share)",
-            registry=r,
-        )
-        self.pushes_held = Counter(
-            "gossipd_pushes_held_total",
-            "Outbound pushes that waited for gossip's CPU budget before going (throttled)",
-            registry=r,
-        )
-        self.push_held_seconds = Counter(
-            "gossipd_push_held_seconds_total",
-            "Seconds outbound pushes waited for gossip's CPU budget",
-            registry=r,
-        )
-        self.rejected = Counter(
-            "gossipd_rejected_payloads_total",
-            "Inbound payloads refused, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.merges = Counter(
-            "gossipd_merges_total", "Segments merged into the local model", registry=r
-        )
-        self.merges_clipped = Counter(
-            "gossipd_merges_clipped_total",
-            "Merged segments the robust merge pulled toward this node's own first "
-            "(limits.merge_clip); honest traffic should keep it at 0",
-            registry=r,
-        )
-        self.inbound_push_streams = Gauge(
-            "gossipd_inbound_push_streams",
-            "Inbound push streams open now (limits.max_inbound_pushes; one peer may hold "
-            "limits.max_inbound_pushes_per_peer of them)",
-            registry=r,
-        )
-        self.inbound_pull_streams = Gauge(
-            "gossipd_inbound_pull_streams",
-            "Pulls this node serves now (limits.max_inbound_pulls; one peer may hold "
-            "limits.max_inbound_pulls_per_peer of them)",
-            registry=r,
-        )
-        self.mass_inconsistencies = Counter(
-            "gossipd_mass_inconsistencies_total",
-            "Answers that contradict this node's record of its pushes (kind duplicate_never_sent:"
-            " a DUPLICATE for a segment never sent before); the weight is kept, not committed",
-            ["kind"],
-            registry=r,
-        )
-        self.sum_weight = Gauge(
-            "gossipd_sum_weight", "Sum-weight per segment", ["segment"], registry=r
-        )
-        self.weight_sinks = Gauge(
-            "gossipd_weight_sinks",
-            "Peers suspected of sinking weight (took this node's weight, gave none back; "
-            "limits.sink_score_bound): this node pushes nothing to them",
-            registry=r,
-        )
-        self.sum_weight_cap = Gauge(
-            "gossipd_sum_weight_cap",
-            "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
-            "the number of founding members); a merge over it is refused as WeightOverCap",
-            registry=r,
-        )
-        self.sum_weight_reserved = Gauge(
-            "gossipd_sum_weight_reserved",
-            "Sum-weight per segment promised to pushes not yet acknowledged; still counted in "
-            "gossipd_sum_weight until the ack, and at the receiver once merged: the mesh's "
-            "true total lies between sum(gossipd_sum_weight - this) and sum(gossipd_sum_weight)",
-            ["segment"],
-            registry=r,
-        )
-        self.live_peers = Gauge("gossipd_live_peers", "Peers currently considered live", registry=r)
-        self.suspected_peers = Gauge(
-            "gossipd_suspected_peers",
-            "Verified peers that failed recently (not pushed to; declared dead after "
-            "membership.drop_after_s)",
-            registry=r,
-        )
-        self.membership_epoch = Gauge(
-            "gossipd_membership_epoch",
-            "Digest of this node's view of the live members: equal on nodes whose views agree",
-            registry=r,
-        )
-        self.round = Gauge("gossipd_round", "The protocol core's current round", registry=r)
-        self.wait_seconds = Gauge(
-            "gossipd_trainer_wait_seconds",
-            "Seconds the trainer waited at step boundaries for pulls due there, since start "
-            "(a gauge that only grows: rate() it for the waiting share)",
-            registry=r,
-        )
-        self.wait_fraction = Gauge(
-            "gossipd_trainer_wait_fraction",
-            "Share of wall time since the first step that the trainer spent waiting for pulls",
-            registry=r,
-        )
-        self.site_ranks = Gauge(
-            "gossipd_site_ranks",
-            "Processes training in this site (rank 0 gossips; 1 for a one-process site)",
-            registry=r,
-        )
+        register(self, NODE_METRICS, self.registry)
         self.site_ranks.set(1)
-        self.rank_broadcasts = Counter(
-            "gossipd_rank_broadcasts_total",
-            "Times rank 0 sent its parameters to the site's other ranks (after a merge moved them)",
-            registry=r,
-        )
-        self.dial_failures = Counter(
-            "gossipd_dial_failures_total",
-            "Handshakes this node made that failed, by reason (tls: certificate refused or "
-            "wrong CA; unreachable; mismatch: other mesh, model or protocol; other)",
-            ["reason"],
-            registry=r,
-        )
-        self.eval_metric = Gauge(
-            "gossipd_eval", "Latest evaluation metrics of the job", ["metric"], registry=r
-        )
-        self.checkpoint_failures = Counter(
-            "gossipd_checkpoint_failures_total",
-            "Checkpoint writes that failed (disk full, read-only, I/O error); the previous "
-            "checkpoint stays and training goes on",
-            registry=r,
-        )
-        self.checkpoint_last_success = Gauge(
-            "gossipd_checkpoint_last_success_timestamp_seconds",
-            "Unix time of the newest checkpoint.pt on disk (0: none yet); alert on its age",
-            registry=r,
-        )
-        self.checkpoint_seconds = Histogram(
-            "gossipd_checkpoint_write_seconds",
-            "Wall time of one successful checkpoint write (capture, serialize, fsync, rename)",
-            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-            registry=r,
-        )
-        self.mqtt_connected = Gauge(
-            "gossipd_mqtt_connected",
-            "1 while connected to the MQTT broker of [mqtt], else 0 (training never waits on it)",
-            registry=r,
-        )
-        self.mqtt_rejected = Counter(
-            "gossipd_mqtt_rejected_total",
-            "MQTT messages ignored, by reason (oversize, bad_json, bad_field, wrong_mesh, "
-            "unknown_command, topic_mismatch)",
-            ["reason"],
-            registry=r,
-        )
         self.port: int | None = None
         self._server = None
 
