@@ -11,7 +11,7 @@ import json
 import sys
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -34,12 +34,14 @@ TABLE_ROWS = 25  # longer runs print evenly spaced rounds and the last one
 class Flag:
     """One flag of ``gossipd sim``: its name, its help, and argparse's other arguments.
 
-    The help text gets ``(default: …)`` appended: the flag's default, or ``shown_default``."""
+    The help text gets ``(default: …)`` appended: the flag's default, or ``shown_default``.
+    ``choices`` are read when the parser is built, not at import: the registry may grow."""
 
     name: str
     help: str
     options: Mapping[str, Any] = field(default_factory=dict)
     shown_default: str = "%(default)s"
+    choices: Callable[[], list[str]] | None = None
 
 
 FAULT_KINDS = (("fail", "NODE@TIME"), ("leave", "NODE@TIME"), ("join", "TIME"))
@@ -48,7 +50,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--protocol",
         "gossip protocol core of every node",
-        {"default": "sumweight", "choices": sorted(PROTOCOLS)},
+        {"default": "sumweight"},
+        choices=lambda: sorted(PROTOCOLS),
     ),
     Flag("--nodes", "simulated nodes", {"type": int, "default": 16}),
     Flag("--rounds", "rounds to simulate at most", {"type": int, "default": 20}),
@@ -160,8 +163,12 @@ FLAGS: tuple[Flag, ...] = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``gossipd sim`` (:data:`FLAGS`); every help text names its default."""
     for flag in FLAGS:
+        choices = {} if flag.choices is None else {"choices": flag.choices()}
         p.add_argument(
-            flag.name, **flag.options, help=f"{flag.help} (default: {flag.shown_default})"
+            flag.name,
+            **flag.options,
+            **choices,
+            help=f"{flag.help} (default: {flag.shown_default})",
         )
 
 
