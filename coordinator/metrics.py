@@ -5,7 +5,7 @@ Label values come from fixed sets (reason, result) or from certificate-named mem
 ``max_members`` of them at once, so an outsider cannot grow the number of series.
 
 Every metric is a row of :data:`COORDINATOR_METRICS`, made an attribute of
-:class:`CoordinatorMetrics` by :func:`~gossipd.node.net.metric_defs.register`.
+:class:`CoordinatorMetrics` by :func:`~gossipd.node.shared.metric_defs.register`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from gossipd.node.net.metric_defs import MetricDef, counter, gauge, register
-from gossipd.node.net.metrics_server import serve_registry
+from gossipd.node.shared.metric_defs import MetricDef, counter, gauge, register
+from gossipd.node.shared.metrics_server import serve_registry
 
 # One row per metric, in the order the reference page lists them.
 COORDINATOR_METRICS: tuple[MetricDef, ...] = (

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from gossipd.node.net.metric_defs import MetricDef, counter, gauge, histogram, register
-from gossipd.node.net.metrics_server import serve_registry
+from gossipd.node.shared.metric_defs import MetricDef, counter, gauge, histogram, register
+from gossipd.node.shared.metrics_server import serve_registry
 from gossipd.node.trainer.report import StepReport, Summary
 
 # One row per metric, in the order the reference page lists them.
