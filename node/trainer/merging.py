@@ -195,6 +195,23 @@ class Merger:
         ``merge_new`` False keeps only the DUPLICATE answers (a leaving node merges
         nothing).
         """
+        actions = self._answer(arrival, what, merge_new=merge_new)
+        merges = [a for a in actions if isinstance(a, Merge)]
+        for action in merges:
+            if action.segment not in values:
+                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
+        blends = self._gauged_blends(merges, values, gauges or {}, what)
+        exact = [a for a in merges if a.segment not in blends]
+        exact_blends, clipped = self._exact_blends(exact, values, what)
+        blends.update(exact_blends)
+        ordered = {a.segment: blends[a.segment] for a in merges}  # in the core's order
+        return MergePlan(actions, ordered, tuple(clipped))
+
+    def _answer(
+        self, arrival: PayloadArrived | PullArrived, what: str, *, merge_new: bool
+    ) -> list[Action]:
+        """The core's actions for ``arrival`` (only its DUPLICATEs unless ``merge_new``);
+        a refusal raised as the error the sender is answered with."""
         try:
             actions = self.core.handle(arrival)
         except Refused as err:
@@ -202,19 +219,33 @@ class Merger:
             raise refusal(f"{what}: {err}") from None
         if not merge_new:
             actions = [a for a in actions if isinstance(a, Duplicate)]
-        merges = [a for a in actions if isinstance(a, Merge)]
-        for action in merges:
-            if action.segment not in values:
-                raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
+        return actions
+
+    def _gauged_blends(
+        self,
+        merges: Sequence[Merge],
+        values: Mapping[int, torch.Tensor],
+        gauges: Mapping[int, Gauge],
+        what: str,
+    ) -> dict[int, SegmentWrite]:
+        """The merges whose gauge the payload bound admits, blended as they came."""
         blends: dict[int, SegmentWrite] = {}
-        gauges = gauges or {}
         for action in merges:
             gauge = gauges.get(action.segment)
             if gauge is not None and self.bound.admits(gauge, action.alpha, what, action.segment):
                 blends[action.segment] = SegmentWrite(
                     values[action.segment], action.alpha, lerp=True
                 )
-        exact = [a for a in merges if a.segment not in blends]
+        return blends
+
+    def _exact_blends(
+        self,
+        exact: Sequence[Merge],
+        values: Mapping[int, torch.Tensor],
+        what: str,
+    ) -> tuple[dict[int, SegmentWrite], list[int]]:
+        """``exact`` blended from their differences, each bounded and checked finite (side
+        by side on the process's cores), and the segments the bound clipped."""
         deltas = self.flat.work.run(
             [
                 functools.partial(
@@ -228,6 +259,7 @@ class Merger:
             ],
             sum(values[a.segment].nbytes for a in exact),
         )
+        blends: dict[int, SegmentWrite] = {}
         clipped: list[int] = []
         for action, delta in zip(exact, deltas, strict=True):
             if delta.clipped:
@@ -242,5 +274,4 @@ class Merger:
                     "non-finite; refused, nothing merged"
                 )
             blends[action.segment] = SegmentWrite(blended, None)
-        ordered = {a.segment: blends[a.segment] for a in merges}  # in the core's order
-        return MergePlan(actions, ordered, tuple(clipped))
+        return blends, clipped
