@@ -1,4 +1,9 @@
-"""Layering: the pure parts of gossipd load no wire and no tensor library.
+"""Layering: each room of node/ imports only the rooms below it, and the pure parts of
+gossipd load no wire and no tensor library.
+
+The rooms (docs/design.md §1) and what each may import are the table ``ROOMS``; every
+module of node/ and coordinator/ is read (its imports, at module level and inside
+functions alike) and checked against it, so a new file is covered the day it lands.
 
 The error hierarchy, membership, the certificate tool, every protocol core and
 the simulator are plain Python (docs/design.md §2): importing any of them must load
@@ -10,6 +15,7 @@ this test process has long loaded all three.
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
@@ -24,6 +30,99 @@ import gossipd.node.sim
 from gossipd.node import errors
 
 HEAVY = ("grpc", "google.protobuf", "torch")
+ROOT = Path(__file__).resolve().parent.parent
+
+# Room -> the rooms its modules may import. "coordinator.client" is the node's side of the
+# coordinator protocol; the coordinator's server is the CLI's alone.
+_BELOW_NET = {"errors", "protocols", "shared", "trainer", "proto"}
+ROOMS: dict[str, set[str]] = {
+    "errors": set(),
+    "protocols": {"errors"},
+    "sim": {"errors", "protocols", "trainer"},  # trainer: a real-model payload, lazily
+    "shared": {"errors", "protocols"},
+    "trainer": {"errors", "protocols", "shared", "proto"},
+    "net": _BELOW_NET | {"coordinator.client"},
+    "site": _BELOW_NET | {"net", "coordinator.client"},
+    "baselines": {"errors", "shared", "trainer"},
+    "launch": _BELOW_NET | {"net", "site", "baselines", "sim", "coordinator.client"},
+    "cli": _BELOW_NET
+    | {"net", "site", "baselines", "launch", "sim", "coordinator.client", "coordinator.server"},
+    # The coordinator shares only what both sides use; it never reaches into a node.
+    "coordinator": {"errors", "protocols", "shared", "proto"},
+}
+
+
+def _room(module: str) -> str | None:
+    """The room ``module`` lives in (None: not gossipd's, or a package's own root)."""
+    parts = module.split(".")
+    if parts[:2] == ["gossipd", "node"] and len(parts) > 2:
+        return parts[2]
+    if parts[:2] == ["gossipd", "coordinator"]:
+        return ".".join(parts[:3])[len("gossipd.") :] if len(parts) > 2 else "coordinator"
+    if parts[:2] == ["gossipd", "proto"]:
+        return "proto"
+    return None
+
+
+def _sources() -> list[tuple[str, Path]]:
+    """(room, path) of every source file of node/ and coordinator/."""
+    found = []
+    for path in sorted((ROOT / "node").rglob("*.py")):
+        parts = path.relative_to(ROOT / "node").parts
+        if parts != ("__init__.py",):
+            found.append((parts[0].removesuffix(".py"), path))
+    found += [("coordinator", p) for p in sorted((ROOT / "coordinator").glob("*.py"))]
+    return found
+
+
+def _imports(path: Path) -> list[str]:
+    """Every gossipd module ``path`` imports, anywhere in it."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in ("gossipd.node", "gossipd.coordinator"):
+                names += [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+    return [n for n in names if n.startswith("gossipd.")]
+
+
+def test_every_file_of_node_lives_in_a_room() -> None:
+    loose = [
+        p.name for p in (ROOT / "node").glob("*.py") if p.name not in ("__init__.py", "errors.py")
+    ]
+    assert loose == [], f"put {loose} in the room of node/ that runs it (docs/design.md §1)"
+    rooms = {p.name for p in (ROOT / "node").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ROOMS) - {"errors", "coordinator"}, "ROOMS and node/ disagree"
+
+
+@pytest.mark.parametrize(
+    ("own", "path"), _sources(), ids=[str(p.relative_to(ROOT)) for _, p in _sources()]
+)
+def test_a_module_imports_only_the_rooms_below_its_own(own: str, path: Path) -> None:
+    allowed = ROOMS[own] | {own}
+    wrong = []
+    for module in _imports(path):
+        target = _room(module)
+        if target is None or target in allowed:
+            continue
+        if own == "coordinator" and target.startswith("coordinator"):
+            continue
+        wrong.append(module)
+    assert wrong == [], (
+        f"{path.relative_to(ROOT)} ({own}) imports {wrong}; {own} may import only "
+        f"{sorted(allowed)} (tests/test_layering.py ROOMS, docs/design.md §1)"
+    )
+
+
+def test_the_room_check_sees_a_forbidden_import(tmp_path: Path) -> None:
+    # Without this, a checker that never found an import would pass every test above.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from gossipd.node.site.site import Site\n")
+    assert [_room(m) for m in _imports(probe)] == ["site"]
+    assert "site" not in ROOMS["trainer"] | ROOMS["net"]
 
 
 def _submodules(package: ModuleType) -> list[str]:
@@ -36,7 +135,6 @@ PURE = [
     "gossipd.node.errors",
     "gossipd.node.net.membership",
     "gossipd.node.shared.certs",
-    "gossipd.node.protocols.scheduler",
     *_submodules(gossipd.node.protocols),
     *_submodules(gossipd.node.sim),
 ]
