@@ -1,27 +1,41 @@
-"""The README's references are complete: every key a site's config takes has a row in the
-config reference, and every metric a node exports has a row in the metrics table.
+"""The reference pages are complete: every key a site's or the coordinator's config takes
+has a row with its default, and every metric a node or the coordinator exports has a row.
 
-A key or a metric added without its row is one an operator cannot find (the protocol
-tables have their own check, with defaults, in test_protocol_settings).
+The pages are generated (``docs/gen_reference.py``; ``tests/test_docs.py`` checks they are
+current), so these tests guard the generator: a walk that missed a section, or a table
+that lost its protocol settings, would still leave a page "up to date". A key or a
+metric without its row is one an operator cannot find.
 """
 
 from __future__ import annotations
 
+import json
 import typing
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from gossipd.coordinator.config import CoordinatorConfig
+from gossipd.coordinator.metrics import CoordinatorMetrics
 from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.protocols import PROTOCOLS, settings_class
 from gossipd.node.shared.config import NodeConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
+CONFIG = REFERENCE / "config.md"
+METRICS = REFERENCE / "metrics.md"
 
 
-def _first_cells() -> list[str]:
-    """The first cell of every table row (``| `a`, `b` | ...``)."""
-    lines = README.read_text().splitlines()
-    return [line.split("|")[1] for line in lines if line.startswith("| `")]
+def _rows(page: Path, after: str = "", before: str = "\0") -> list[str]:
+    """Table rows (``| `a` | ...``) of ``page`` between the headings ``after`` and ``before``."""
+    text = page.read_text()
+    text = text.split(after, 1)[1] if after else text
+    text = text.split(before, 1)[0]
+    return [line for line in text.splitlines() if line.startswith("| `")]
+
+
+def _first_cells(rows: list[str]) -> list[str]:
+    return [row.split("|")[1].strip() for row in rows]
 
 
 def _keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -40,18 +54,46 @@ def _keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
-def test_every_config_key_has_a_row_in_the_config_reference() -> None:
-    cells = _first_cells()
+def test_every_site_config_key_has_a_row_in_the_config_reference() -> None:
+    cells = _first_cells(_rows(CONFIG, "## Site config", "## Coordinator config"))
     keys = _keys(NodeConfig)
     assert "limits.min_pull_rate_bytes_s" in keys  # the walk reaches the sections
-    missing = [key for key in keys if not any(f"`{key}`" in cell for cell in cells)]
-    assert not missing, f"config keys without a README row: {missing}"
+    missing = [key for key in keys if f"`{key}`" not in cells]
+    assert not missing, f"config keys without a row in {CONFIG}: {missing}"
 
 
-def test_every_exported_metric_has_a_row_in_the_metrics_table() -> None:
-    cells = _first_cells()
-    families = NodeMetrics().registry.collect()
-    names = [f.name + ("_total" if f.type == "counter" else "") for f in families]
+def test_every_protocol_setting_has_a_row_with_its_default() -> None:
+    text = CONFIG.read_text()
+    for protocol in PROTOCOLS:
+        for key, value in settings_class(protocol)().model_dump().items():
+            assert f"| `gossip.{protocol}.{key}` | `{json.dumps(value)}` |" in text
+
+
+def test_every_coordinator_config_key_has_a_row_in_the_config_reference() -> None:
+    cells = _first_cells(_rows(CONFIG, "## Coordinator config"))
+    keys = _keys(CoordinatorConfig)
+    assert "scheduler.lease_s" in keys and "tls.allow" in keys
+    missing = [key for key in keys if f"`{key}`" not in cells]
+    assert not missing, f"coordinator keys without a row in {CONFIG}: {missing}"
+
+
+def _exported(registry_holder: object) -> list[str]:
+    families = registry_holder.registry.collect()  # type: ignore[attr-defined]
+    return [f.name + ("_total" if f.type == "counter" else "") for f in families]
+
+
+def test_every_exported_metric_has_a_row_in_the_metrics_reference() -> None:
+    cells = _first_cells(_rows(METRICS, "## Site metrics", "## Coordinator metrics"))
+    names = _exported(NodeMetrics())
     assert "gossipd_inbound_pull_streams" in names
-    missing = [name for name in names if not any(f"`{name}`" in cell for cell in cells)]
-    assert not missing, f"metrics without a README row: {missing}"
+    missing = [name for name in names if f"`{name}`" not in cells]
+    assert not missing, f"metrics without a row in {METRICS}: {missing}"
+
+
+def test_every_coordinator_metric_has_a_row_in_the_metrics_reference() -> None:
+    cells = _first_cells(_rows(METRICS, "## Coordinator metrics"))
+    names = _exported(CoordinatorMetrics())
+    for metric in ("members", "epoch", "grants_total", "rejected_total", "pairings_total"):
+        assert f"gossipd_coordinator_{metric}" in names
+    missing = [name for name in names if f"`{name}`" not in cells]
+    assert not missing, f"coordinator metrics without a row in {METRICS}: {missing}"
