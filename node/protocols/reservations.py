@@ -1,0 +1,141 @@
+"""Reservations: the sending side of the sum-weight ledger (:mod:`.ledger`).
+
+A sent share is *reserved*, not removed: it is removed only when the receiver
+acknowledges that segment (acknowledge-then-commit), and the rest of the reservation
+comes home on failure, folded back with the snapshot it left with, so a dead peer
+never swallows mass and Σ w·x stays exact. A merge uses the *available* weight
+(weight minus reservations). At most one push per peer is unacknowledged, and
+``max_in_flight`` in all.
+
+:class:`Reservations` is a part of :class:`~.ledger.SumWeightLedger`, kept in its own
+file because sending and receiving change for different reasons; it owns no state of
+its own and uses the ledger's, declared below.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from gossipd.node.protocols.base import FoldBack, Push, View
+from gossipd.node.protocols.exchanged import ExchangedBook
+from gossipd.node.protocols.sequences import Numberings
+from gossipd.node.protocols.sinks import SinkWatch
+
+
+class Reservations:
+    """Reserve, commit on acknowledgement, fold back the rest; the ledger's weights."""
+
+    # What the ledger provides (see SumWeightLedger.__init__).
+    node_id: str
+    max_in_flight: int
+    rng: random.Random
+    weights: list[float]
+    reserved: list[float]
+    in_flight: dict[tuple[str, int], Push]
+    round: int
+    numberings: Numberings
+    exchanged: ExchangedBook
+    sinks: SinkWatch
+    view: View
+    _shares: dict[tuple[str, int], dict[int, float]]
+
+    if TYPE_CHECKING:
+
+        @property
+        def peers(self) -> frozenset[str]: ...
+
+    def available(self, segment: int) -> float:
+        return self.weights[segment] - self.reserved[segment]
+
+    def busy_peers(self) -> set[str]:
+        return {peer for peer, _ in self.in_flight}
+
+    def can_push(self, peer: str) -> bool:
+        """A free slot, nothing unacknowledged to ``peer`` already (one per edge), and
+        ``peer`` not suspected of sinking weight (:mod:`.sinks`)."""
+        return (
+            peer != self.node_id
+            and len(self.in_flight) < self.max_in_flight
+            and not self.sinks.suspected(peer)
+            and all(p != peer for p, _ in self.in_flight)
+        )
+
+    def push(
+        self, peer: str, amounts: Mapping[int, float], *, everything: bool = False
+    ) -> Push | None:
+        """Reserve ``amounts`` of the available weights and send them to ``peer``.
+
+        ``everything`` hands over the whole weight exactly: w + reserved may
+        round away from it, leaving a leaving node a crumb it no longer has.
+        """
+        weights = {s: float(w) for s, w in amounts.items()}
+        if not any(w > 0 for w in weights.values()) or self.sinks.suspected(peer):
+            return None  # nothing to send, or nothing more for a suspected sink
+        for s, w in weights.items():
+            if w > self.available(s) * (1 + 1e-12):
+                raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")
+        sequence, base = self.numberings.next(peer)
+        shares = {
+            s: w / self.available(s) if self.available(s) > 0 else 1.0 for s, w in weights.items()
+        }
+        for s, w in weights.items():
+            self.reserved[s] = self.weights[s] if everything else self.reserved[s] + w
+        push = Push(peer, sequence, weights, self.round, base)
+        self.in_flight[push.key] = push
+        self._shares[push.key] = shares
+        return push
+
+    def push_share(
+        self, peer: str, fraction: float, segments: Iterable[int] | None = None
+    ) -> Push | None:
+        """Push ``fraction`` of the available weight of ``segments`` (all by default)."""
+        chosen = range(len(self.weights)) if segments is None else segments
+        return self.push(peer, {s: self.available(s) * fraction for s in chosen})
+
+    def hand_off(self, peer: str | None = None) -> Push | None:
+        """Hand all available weight to ``peer`` (or a random live one) before leaving."""
+        if peer is None:
+            peers = sorted(p for p in self.peers if not self.sinks.suspected(p))
+            if not peers:
+                return None
+            peer = self.rng.choice(peers)
+        if peer == self.node_id:
+            raise ValueError("a node cannot hand its weight to itself")
+        amounts = {s: self.available(s) for s in range(len(self.weights))}
+        return self.push(peer, amounts, everything=True)
+
+    def settle(self, key: tuple[str, int], acked_segments: Sequence[int]) -> list[FoldBack]:
+        """Commit acknowledged segments; the rest of the reservation comes home.
+
+        Returned weight comes back with the snapshot it left with: the returned
+        ``FoldBack`` actions fold that snapshot back in (x ← (1 − α)·x + α·x_sent,
+        α = sent/available), exactly as if the push had been a message to self.
+        Without them a failed push would keep the mass but lose its value, and
+        Σ w·x would drift every time a peer dies mid-push.
+        """
+        push = self.in_flight.pop(key, None)
+        shares = self._shares.pop(key, {})
+        if push is None:
+            return []
+        acked = set(acked_segments)
+        folds = []
+        sent = 0.0
+        for s, w in push.weights.items():
+            self.reserved[s] = max(self.reserved[s] - w, 0.0)
+            if not self.in_flight:
+                self.reserved[s] = 0.0  # no rounding remainder may outlive the pushes
+            if s in acked:
+                self.weights[s] = max(self.weights[s] - w, 0.0)
+                sent += w
+            elif w > 0:
+                available = self.available(s)
+                folds.append(
+                    FoldBack(push.peer, push.sequence, s, w / available if available > 0 else 1.0)
+                )
+        if acked & push.weights.keys():
+            self.exchanged.add(push.peer, sent=sent, members=self.view.rank_of)
+            taken = sum(f for s, f in shares.items() if s in acked)
+            self.sinks.sent(push.peer, taken / len(self.weights))
+        return folds
