@@ -1,7 +1,7 @@
 """PerSyn's epoch-end average (node-based mode): a burst at every multiple of K′ and of E.
 
 The schedule is a pure function of a node's step count, so the tests drive the real
-cores (tests/test_protocol_cores.py's harness: N cores, their vectors, the network
+cores (tests/core_harness.py: N cores, their vectors, the network
 between them) and check the steps at which they push, to whom, and under which round;
 then the simulator, which drives the same cores over a virtual network, and the config,
 which checks the setting like every other. Σw is checked after every exchange.
@@ -22,7 +22,7 @@ from gossipd.node.protocols.persyn import PerSyn, burst_position
 from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SCENARIOS, SimSpec, run_sim
 from gossipd.node.trainer.replica import Replica
-from tests.test_protocol_cores import Harness
+from tests.core_harness import Harness
 
 EXACT_BOUND = 1e-12
 
