@@ -158,6 +158,77 @@ def _hivemind_worker(rank: int, numel: int, reps: int, log: str, results: Any) -
                 obj.shutdown()
 
 
+_GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 16 * MiB),
+    ("grpc.max_send_message_length", 16 * MiB),
+]
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _grpc_sink(port: int, reps: int) -> None:
+    """Serve ``bench.Sink``: Push counts a stream's bytes, Stop ends the server."""
+    import asyncio
+
+    import grpc
+
+    async def count(frames: Any, context: Any) -> bytes:
+        total = 0
+        async for frame in frames:
+            total += len(frame)
+        return str(total).encode()
+
+    done = asyncio.Event()
+
+    async def stop(request: bytes, context: Any) -> bytes:
+        done.set()
+        return b""
+
+    server = grpc.aio.server(options=_GRPC_OPTIONS)
+    handlers = {
+        "Push": grpc.stream_unary_rpc_method_handler(count, _identity, _identity),
+        "Stop": grpc.unary_unary_rpc_method_handler(stop, _identity, _identity),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Sink", handlers),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done.wait(), TIMEOUT_S * (reps + 2))
+    await server.stop(1.0)
+
+
+async def _grpc_push(port: int, nbytes: int, reps: int, channels: int) -> list[float]:
+    """Stream ``nbytes`` in 1 MiB messages over ``channels`` connections, ``reps`` timed
+    times after a warm-up, then stop the sink."""
+    import asyncio
+
+    import grpc
+
+    local = [*_GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection each
+    chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) for _ in range(channels)]
+    for chan in chans:
+        await asyncio.wait_for(chan.channel_ready(), TIMEOUT_S)
+    calls = [c.stream_unary("/bench.Sink/Push", _identity, _identity) for c in chans]
+    piece, per_stream = b"\0" * MiB, nbytes // (MiB * channels)
+
+    async def frames() -> Any:
+        for _ in range(per_stream):
+            yield piece
+
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        await asyncio.gather(*(call(frames(), timeout=TIMEOUT_S) for call in calls))
+        if rep:
+            times.append(time.perf_counter() - t0)
+    await chans[0].unary_unary("/bench.Sink/Stop", _identity, _identity)(b"", timeout=TIMEOUT_S)
+    for chan in chans:
+        await chan.close()
+    return times
+
+
 def _grpc_worker(
     rank: int, port: int, nbytes: int, reps: int, channels: int, log: str, results: Any
 ) -> None:
@@ -165,72 +236,11 @@ def _grpc_worker(
     then tells it to stop (a server left waiting would hold the run up until reaped)."""
     import asyncio
 
-    import grpc
-
     _worker_setup(log)
-    options = [
-        ("grpc.max_receive_message_length", 16 * MiB),
-        ("grpc.max_send_message_length", 16 * MiB),
-    ]
-
-    async def serve() -> None:
-        async def count(frames: Any, context: Any) -> bytes:
-            total = 0
-            async for frame in frames:
-                total += len(frame)
-            return str(total).encode()
-
-        done = asyncio.Event()
-
-        async def stop(request: bytes, context: Any) -> bytes:
-            done.set()
-            return b""
-
-        server = grpc.aio.server(options=options)
-        handlers = {
-            "Push": grpc.stream_unary_rpc_method_handler(count, lambda b: b, lambda b: b),
-            "Stop": grpc.unary_unary_rpc_method_handler(stop, lambda b: b, lambda b: b),
-        }
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("bench.Sink", handlers),)
-        )
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), TIMEOUT_S * (reps + 2))
-        await server.stop(1.0)
-
-    async def push() -> list[float]:
-        local = [*options, ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection each
-        chans = [
-            grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=local) for _ in range(channels)
-        ]
-        for chan in chans:
-            await asyncio.wait_for(chan.channel_ready(), TIMEOUT_S)
-        calls = [c.stream_unary("/bench.Sink/Push", lambda b: b, lambda b: b) for c in chans]
-        piece, per_stream = b"\0" * MiB, nbytes // (MiB * channels)
-
-        async def frames() -> Any:
-            for _ in range(per_stream):
-                yield piece
-
-        times = []
-        for rep in range(reps + 1):
-            t0 = time.perf_counter()
-            await asyncio.gather(*(call(frames(), timeout=TIMEOUT_S) for call in calls))
-            if rep:
-                times.append(time.perf_counter() - t0)
-        await chans[0].unary_unary("/bench.Sink/Stop", lambda b: b, lambda b: b)(
-            b"", timeout=TIMEOUT_S
-        )
-        for chan in chans:
-            await chan.close()
-        return times
-
     if rank == 1:
-        asyncio.run(serve())
+        asyncio.run(_grpc_sink(port, reps))
     else:
-        results.put(asyncio.run(push()))
+        results.put(asyncio.run(_grpc_push(port, nbytes, reps, channels)))
 
 
 def bench_grpc_bare(nbytes: int, reps: int, channels: int = 4) -> list[float]:

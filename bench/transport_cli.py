@@ -100,6 +100,18 @@ def _jobs(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gossipd bench transport", description=DESCRIPTION)
+    _add_goodput_flags(p)
+    _add_trainer_flags(p)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object as the last stdout line, the table on stderr",
+    )
+    return p
+
+
+def _add_goodput_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the default mode (:data:`GOODPUT_ONLY`)."""
     p.add_argument(
         "--size-mb", type=int, default=256, help="model size in MiB (default: %(default)s)"
     )
@@ -145,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="bench-transport.png",
         help="PNG path, '' for none (default: %(default)s)",
     )
+
+
+def _add_trainer_flags(p: argparse.ArgumentParser) -> None:
+    """``--trainer`` and the flags only it takes (:data:`TRAINER_ONLY`)."""
     p.add_argument(
         "--trainer",
         action="store_true",
@@ -178,12 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
         "its own, as two sites on two machines; shared, each counts the other's core as "
         "its own and their gossip takes CPU from both trainers)",
     )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="one JSON object as the last stdout line, the table on stderr",
-    )
-    return p
 
 
 def _check_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -264,6 +274,25 @@ def _goodput(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     nbytes = numel * 4
     tensor_numel = min(numel, max(1, args.tensor_mb * MiB // 4))
     notes: list[str] = []
+    rows = _goodput_rows(args, numel, tensor_numel, settings, reps, notes)
+    report.finish(rows, nbytes)
+    costs = [] if args.no_push_cost else _push_costs(args)
+    title = f"gossipd bench transport: {args.size_mb} MiB model, loopback, {os.cpu_count()} CPUs"
+    _print_goodput(rows, costs, notes, title, args.plot, out)
+    return report.summary(rows, costs, nbytes, tensor_numel * 4, reps, notes)
+
+
+def _goodput_rows(
+    args: argparse.Namespace,
+    numel: int,
+    tensor_numel: int,
+    settings: list[Setting],
+    reps: int,
+    notes: list[str],
+) -> list[dict[str, Any]]:
+    """One row per transport timed: raw TCP, gloo, bare grpc.aio, each gossipd setting,
+    hivemind; a baseline that fails or is skipped becomes a note instead."""
+    nbytes = numel * 4
     row = report.row
 
     # Raw TCP is timed first and again after the gossipd rows, and every ratio is to its
@@ -299,10 +328,18 @@ def _goodput(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
     else:
         hm_numel = args.hivemind_floats or numel
         _optional(rows, notes, "hivemind", lambda: _hivemind_row(hm_numel, reps))
-    report.finish(rows, nbytes)
-    costs = [] if args.no_push_cost else _push_costs(args)
+    return rows
 
-    title = f"gossipd bench transport: {args.size_mb} MiB model, loopback, {os.cpu_count()} CPUs"
+
+def _print_goodput(
+    rows: list[dict[str, Any]],
+    costs: list[dict[str, Any]],
+    notes: list[str],
+    title: str,
+    plot: str,
+    out: TextIO,
+) -> None:
+    """The goodput table and verdicts, the per-push cost table, the notes, and the plot."""
     print(title, file=out)
     report.print_table(rows, file=out)
     report.print_verdicts(rows, file=out)
@@ -311,10 +348,9 @@ def _goodput(args: argparse.Namespace, out: TextIO) -> dict[str, Any]:
         push_cost.print_cost(costs, file=out)
     for note in notes:
         print(note, file=out)
-    if args.plot:
-        report.plot(rows, Path(args.plot), title)
-        print(f"plot: {args.plot}", file=out)
-    return report.summary(rows, costs, nbytes, tensor_numel * 4, reps, notes)
+    if plot:
+        report.plot(rows, Path(plot), title)
+        print(f"plot: {plot}", file=out)
 
 
 def _push_costs(args: argparse.Namespace) -> list[dict[str, Any]]:

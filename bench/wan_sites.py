@@ -87,7 +87,39 @@ def site_toml(
     False: no seeds, the site trains alone."""
     n = len(addresses)
     seeds = [a for i, a in enumerate(addresses) if i != index] if gossip else []
-    job = {
+    top = {
+        "mesh_id": f"wan-{protocol}",
+        "node_id": f"site-{index}",
+        "listen": addresses[index],
+        "seeds": seeds,
+        "data_dir": str(data_dir),
+        "progress_interval_s": 10,
+    }
+    link: dict[str, Any] = {"latency_ms": latency_ms}
+    if rate_mbit is not None and protocol != ALLREDUCE:
+        link["rate_mbit"] = rate_mbit
+    tables: dict[str, dict[str, Any]] = {
+        "job": _site_job(spec, protocol, index, n, latency_ms),
+        "job.options": spec.job_options,
+        "gossip": {"protocol": protocol, "seed": index},
+        "membership": {"start_after_peers": n - 1 if gossip and protocol != ALLREDUCE else 0},
+        "checkpoint": {"every_steps": 0},
+        "link": link,
+        "tls": {"insecure": True},
+    }
+    if allreduce_master is not None:
+        tables["allreduce"] = {"master": allreduce_master}
+    lines = _toml_keys(top)
+    for name, values in tables.items():
+        lines += ["", f"[{name}]", *_toml_keys(values)]
+    return "\n".join(lines) + "\n"
+
+
+def _site_job(
+    spec: WanSpec, protocol: str, index: int, n: int, latency_ms: float
+) -> dict[str, Any]:
+    """Site ``index``'s ``[job]``: shard ``index`` of ``n``, seeded by it, for the budget."""
+    return {
         "name": spec.job,
         "seed": index,
         "shard_index": index,
@@ -95,42 +127,11 @@ def site_toml(
         "duration_s": spec.budget_s,
         "eval_every_steps": eval_every_steps(protocol, n, latency_ms),
     }
-    link = {"latency_ms": latency_ms}
-    if rate_mbit is not None and protocol != ALLREDUCE:
-        link["rate_mbit"] = rate_mbit
-    lines = [
-        f'mesh_id = "wan-{protocol}"',
-        f'node_id = "site-{index}"',
-        f"listen = {json.dumps(addresses[index])}",
-        f"seeds = {json.dumps(seeds)}",
-        f"data_dir = {json.dumps(str(data_dir))}",
-        "progress_interval_s = 10",
-        "",
-        "[job]",
-        *(f"{k} = {json.dumps(v)}" for k, v in job.items()),
-        "",
-        "[job.options]",
-        *(f"{k} = {json.dumps(v)}" for k, v in spec.job_options.items()),
-        "",
-        "[gossip]",
-        f"protocol = {json.dumps(protocol)}",
-        f"seed = {index}",
-        "",
-        "[membership]",
-        f"start_after_peers = {n - 1 if gossip and protocol != ALLREDUCE else 0}",
-        "",
-        "[checkpoint]",
-        "every_steps = 0",
-        "",
-        "[link]",
-        *(f"{k} = {json.dumps(v)}" for k, v in link.items()),
-        "",
-        "[tls]",
-        "insecure = true",
-    ]
-    if allreduce_master is not None:
-        lines += ["", "[allreduce]", f"master = {json.dumps(allreduce_master)}"]
-    return "\n".join(lines) + "\n"
+
+
+def _toml_keys(values: dict[str, Any]) -> list[str]:
+    """``key = value`` lines (JSON's strings, numbers, lists and booleans are TOML's too)."""
+    return [f"{k} = {json.dumps(v)}" for k, v in values.items()]
 
 
 def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = "") -> SitesRun:
