@@ -63,6 +63,24 @@ async def _sample(
     raise AssertionError("the mesh did not finish its rounds within 180 s")
 
 
+def _simulated_errors(mesh_id: str, initial: list[torch.Tensor]) -> list[float]:
+    """The simulator's error after each round, replaying the mesh: the same node ids, mesh
+    id (so the same derangements) and initial models."""
+    sim = run_sim(
+        SimSpec(
+            protocol="crossover",
+            nodes=NODES,
+            rounds=ROUNDS + LEAD,
+            segments=1,
+            dim=len(initial[0]),
+            node_ids=tuple(f"node-{i}" for i in range(NODES)),
+            mesh_id=mesh_id,
+            initial=tuple(tuple(float(v) for v in m) for m in initial),
+        )
+    )
+    return sim.errors
+
+
 @pytest.mark.timeout(300)
 def test_daemon_consensus_per_round_lies_within_the_simulators_band(tmp_path: Path) -> None:
     spec = MeshSpec(
@@ -91,19 +109,7 @@ def test_daemon_consensus_per_round_lies_within_the_simulators_band(tmp_path: Pa
         codes = [mesh.stop(i) for i in sorted(mesh.procs)]
     assert codes == [0] * NODES
 
-    sim = run_sim(
-        SimSpec(
-            protocol="crossover",
-            nodes=NODES,
-            rounds=ROUNDS + LEAD,
-            segments=1,
-            dim=len(initial[0]),
-            node_ids=tuple(f"node-{i}" for i in range(NODES)),
-            mesh_id=mesh_id,
-            initial=tuple(tuple(float(v) for v in m) for m in initial),
-        )
-    )
-    errors = sim.errors  # errors[r]: after round r; errors[0]: the start
+    errors = _simulated_errors(mesh_id, initial)  # errors[r]: after round r; [0]: the start
     assert errors[0] == pytest.approx(_error(initial, mean0), rel=1e-9)
     assert errors[ROUNDS] < errors[0] / 10, errors
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossipd.node.protocols.base import FoldBack, Push
+from gossipd.node.protocols.sumweight import SumWeightGossip
 from tests.sumweight_events import (
     hand_off,
     make,
@@ -297,6 +298,24 @@ _sender_ops = st.lists(
 )
 
 
+def assert_reservations_are_the_pushes_in_flight(node: SumWeightGossip, total: list[float]) -> None:
+    """The reservation is exactly what the pushes in flight carry, never a clamped guess;
+    the weight is ``total``; nothing in flight leaves no reservation, not even a remainder."""
+    for s in range(len(total)):
+        carried = math.fsum(p.weights[s] for p in node.in_flight.values())
+        assert math.isclose(node.reserved[s], carried, rel_tol=1e-9, abs_tol=1e-12), (
+            s,
+            node.reserved,
+            carried,
+        )
+        assert node.available(s) >= -1e-12
+        settled = node.weights[s] - carried
+        assert math.isclose(settled, node.available(s), rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(node.weights[s], total[s], rel_tol=1e-9, abs_tol=1e-12)
+    if not node.in_flight:
+        assert node.reserved == [0.0] * len(total)
+
+
 @PROPERTY
 @given(
     ops=_sender_ops,
@@ -342,20 +361,7 @@ def test_every_schedule_of_pushes_acks_and_failures_settles_reservations_to_exac
             peer_up(node, op[1])
         assert len(node.in_flight) <= max_in_flight
         assert len(node.busy_peers()) == len(node.in_flight)
-        for s in range(3):
-            # the reservation is exactly what the pushes in flight carry, never a clamped guess
-            carried = math.fsum(p.weights[s] for p in node.in_flight.values())
-            assert math.isclose(node.reserved[s], carried, rel_tol=1e-9, abs_tol=1e-12), (
-                s,
-                node.reserved,
-                carried,
-            )
-            assert node.available(s) >= -1e-12
-            settled = node.weights[s] - math.fsum(p.weights[s] for p in node.in_flight.values())
-            assert math.isclose(settled, node.available(s), rel_tol=1e-9, abs_tol=1e-12)
-            assert math.isclose(node.weights[s], total[s], rel_tol=1e-9, abs_tol=1e-12)
-        if not node.in_flight:
-            assert node.reserved == [0.0, 0.0, 0.0]
+        assert_reservations_are_the_pushes_in_flight(node, total)
     for key in sorted(node.in_flight):
         settle(node, key, ())
     assert node.reserved == [0.0, 0.0, 0.0]
