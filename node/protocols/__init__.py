@@ -4,14 +4,19 @@ Outside this package nothing names a concrete protocol: drivers build a core
 with :func:`build` and talk to it through
 :class:`~gossipd.node.protocols.base.GossipProtocol`.
 
-Adding a protocol is its file and one line in :data:`PROTOCOLS`. The file holds the
-core class, with ``name``, ``Settings`` (a
-:class:`~gossipd.node.protocols.settings.ProtocolSettings` subclass: the protocol's
-own settings, typed, with defaults and descriptions; a config gives them in a
-``[gossip.<name>]`` table) and a classmethod ``from_settings(common, own)`` that
-builds the core from the :class:`CoreSettings` every core shares and its own
+Adding a protocol is its file, one line in :data:`PROTOCOLS`, and a script in the
+contract suite (``SCRIPTS`` in tests/contract_scripts.py: the suite fails for a
+registered protocol without one). The file holds the core class, with ``name``,
+``Settings`` (a :class:`~gossipd.node.protocols.settings.ProtocolSettings` subclass:
+the protocol's own settings, typed, with defaults and descriptions; a config gives
+them in a ``[gossip.<name>]`` table) and a classmethod ``from_settings(common, own)``
+that builds the core from the :class:`CoreSettings` every core shares and its own
 settings. A registered plain function ``f(common) -> core`` is accepted too, for a
-core with no settings of its own (test doubles).
+core with no settings of its own (test doubles). Drivers read a core only through
+:class:`~gossipd.node.protocols.base.GossipProtocol` (``handle``, ``status``,
+``state_dict``, ``load_state_dict`` and the class attributes declared there, such as
+``keeps_weights`` and ``serves_one_pull``): a core that needs a driver to treat it
+differently sets a declared attribute, or declares a new one there first.
 """
 
 from __future__ import annotations
