@@ -276,7 +276,7 @@ def test_a_peer_pulled_by_two_serves_one_and_the_other_re_picks_suspecting_nobod
         with b.lock:  # n1 is inside a long step: a pull it serves waits for its snapshot
             a.step()  # n0's queue starts after it: it pulls n1
             wait_until(
-                lambda: b.network._serving_pull == "n0", "n1 to start serving n0", DEADLINE_S
+                lambda: b.network.inbound.serving_pull == "n0", "n1 to start serving n0", DEADLINE_S
             )
             # n2's queue is [n0, n1]: its first period pulls n0, its second n1.
             c.step()

@@ -44,10 +44,12 @@ class Inbound:
         health: PeerHealth,
         departure: Departure,
         shaper: LinkShaper | None = None,
+        serves_one_pull: bool = False,
     ) -> None:
         """``health`` checks that a sender is a verified peer and hears that it answered;
         ``departure`` says whether this node is leaving the mesh; ``shaper`` is the node's
-        ``[link]`` shaping of what it sends (None: off)."""
+        ``[link]`` shaping of what it sends (None: off); ``serves_one_pull``: the protocol
+        serves one pull at a time (its core says so)."""
         self.node_id = node_id
         self.chunk_bytes = chunk_bytes
         self.merge_wait_s = merge_wait_s
@@ -57,6 +59,8 @@ class Inbound:
         self.health = health
         self.departure = departure
         self.shaper = shaper
+        self.serves_one_pull = serves_one_pull
+        self.serving_pull: str | None = None  # whom a one-pull-at-a-time protocol serves
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
@@ -113,7 +117,32 @@ class Inbound:
             ]
         )
 
-    async def on_pull(
+    def on_pull(
+        self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        if request.round and self.serves_one_pull:
+            return self._serve_one_pull(request, whole, sealed)
+        return self._serve_pull(request, whole, sealed)
+
+    async def _serve_one_pull(
+        self, request: pb.PullRequest, whole: bool, sealed: bool
+    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+        """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
+        when several nodes scheduling alone pick this one, it serves one and the others
+        hear at once that it is busy and pick another peer (docs/design.md §5)."""
+        if self.serving_pull is not None:
+            raise Busy(
+                f"serving a pull to {self.serving_pull} already; this protocol serves one "
+                "pull at a time: pick another peer"
+            )
+        self.serving_pull = request.requester or "a peer"
+        try:
+            async for item in self._serve_pull(request, whole, sealed):
+                yield item
+        finally:
+            self.serving_pull = None
+
+    async def _serve_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
         """Headers and chunk views of a snapshot of the requested segments (all when none

@@ -10,27 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import errno
 import logging
 import math
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from gossipd.node.errors import (
-    Busy,
     ConfigError,
     GossipdError,
     Leaving,
 )
-from gossipd.node.net import exchange
-from gossipd.node.net.admission import server_options
 from gossipd.node.net.bulk import BulkServer
 from gossipd.node.net.channels import PeerChannels
 from gossipd.node.net.cpubudget import SAMPLE_S, CpuBudget
@@ -42,10 +34,11 @@ from gossipd.node.net.peering import Peering, PeeringSettings
 from gossipd.node.net.port import NetworkPort
 from gossipd.node.net.pulling import Puller
 from gossipd.node.net.refusals import Refusals
-from gossipd.node.net.servicer import SERVICE, GossipServicer, add_to_server
+from gossipd.node.net.server import add_services, announce, bind, mark_serving, new_server
 from gossipd.node.net.shaping import LinkShaper
+from gossipd.node.net.status_reply import StatusReplies
 from gossipd.node.net.tasks import LoopTasks
-from gossipd.node.net.transport import CHANNEL_OPTIONS, Identity
+from gossipd.node.net.transport import Identity
 from gossipd.node.net.wire import Limits, ReceivedSegment, SegmentAssembler
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
@@ -54,7 +47,6 @@ from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.messages import OutboundPull
 from gossipd.node.trainer.replica import Replica
-from gossipd.node.trainer.segments import model_checksum
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -62,52 +54,6 @@ if TYPE_CHECKING:
     from gossipd.coordinator.client import CoordinatorClient
 
 log = logging.getLogger(__name__)
-CHECKSUM_INTERVAL_S = 0.2
-
-
-class _QuietCancelledHandlers(logging.Filter):
-    """Drop grpc.aio's ERROR traceback for a handler it cancelled.
-
-    grpc cancels a servicer coroutine when its client gives up (our own peers do,
-    after ``gossip.progress_timeout_s``) or when the server stops while a request
-    is arriving; both are expected, and a traceback per cancellation would read
-    as a crash to an operator and fill the log under a flood.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, asyncio.CancelledError):
-            return False
-        return "CancelledError" not in record.getMessage()
-
-
-logging.getLogger("grpc._cython.cygrpc").addFilter(_QuietCancelledHandlers())
-
-
-def check_port_free(listen: str) -> None:
-    """Refuse a taken ``listen`` address with a clear error, before gRPC tries it.
-
-    gRPC's own bind error does not say why, and its C core prints a line of its
-    own. Any other probe error is left to gRPC to judge.
-    """
-    host, _, port_text = listen.rpartition(":")
-    if not int(port_text):
-        return
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]"), int(port_text), type=socket.SOCK_STREAM)
-    except OSError:
-        return
-    for family, kind, proto, _, sockaddr in addresses:
-        try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(sockaddr)
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"listen {listen}: address already in use (another gossipd or program "
-                    "holds it); pick another port or stop the other process"
-                ) from None
 
 
 class Network:
@@ -137,7 +83,6 @@ class Network:
         self.bulk: BulkServer | None = None
         self.tasks = LoopTasks()
         self.stopping = self.tasks.stopping
-        self._serving_pull: str | None = None  # whom a one-pull-at-a-time protocol serves
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.refusals = Refusals(self.rejections, self.metrics, replica)
         self.tls = Credentials.from_config(config.tls)
@@ -148,8 +93,16 @@ class Network:
                 f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
             )
         self._build_parts(config, replica)
-        self._checksum_lock = asyncio.Lock()
-        self._checksum_at = -math.inf
+        self.status = StatusReplies(
+            node_id=config.node_id,
+            mesh_id=config.mesh_id,
+            replica=replica,
+            health=self.health,
+            peering=self.peering,
+            rejections=self.rejections,
+            tls=self.tls,
+            outbound=self.outbound,
+        )
 
     def _build_parts(self, config: NodeConfig, replica: Replica) -> None:
         """The parts, each given the few collaborators it calls, in dependency order:
@@ -207,6 +160,7 @@ class Network:
             health=self.health,
             departure=self.outbound,
             shaper=self.shaper,
+            serves_one_pull=replica.core.serves_one_pull,
         )
         # The coordinator's client, started with the node once its address is known
         # (None: no coordinator configured, the node schedules alone).
@@ -214,58 +168,17 @@ class Network:
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        """Bind, serve, start gossiping; on any failure the server is stopped before raising.
-
-        SO_REUSEPORT is off: with gRPC's default (on), a second daemon given a
-        taken port binds it too, and the kernel splits connections between two
-        nodes that both answer at one address.
-        """
-        loop = asyncio.get_running_loop()
+        """Bind, serve, start gossiping; on any failure the server is stopped before raising."""
         listen = self.config.listen
-        host = listen.rpartition(":")[0]
-        check_port_free(listen)
-        ages = server_options(self.config, self.replica.flat.plan)
-        server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *ages, ("grpc.so_reuseport", 0)])
+        server = new_server(self.config, self.replica.flat.plan)
         try:
-            servicer = GossipServicer(self)
-            add_to_server(servicer, server, {"Exchange": exchange.method_handler(servicer)})
-            health_servicer = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-            reflection.enable_server_reflection(
-                (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
-            try:
-                port = self.tls.add_port(server, listen)
-            except RuntimeError:
-                raise ConfigError(
-                    f"listen {listen}: cannot bind it (in use, or not an address of this "
-                    "machine); pick another address or port"
-                ) from None
-            self.address = self.config.advertise or f"{host}:{port}"
-            if self.config.bulk:
-                limits = self.config.limits
-                self.bulk = BulkServer(
-                    self.tls,
-                    idle_s=limits.stream_idle_timeout_s,
-                    per_peer=limits.max_inbound_pushes_per_peer,
-                    total=limits.max_inbound_pushes,
-                    on_rejected=self.refusals.refused,
-                    metrics=self.metrics,
-                )
-                await self.bulk.start(host, self.config.bulk_port)
+            health_servicer = add_services(server, self)
+            port = bind(server, self.tls, listen)
+            self.address = self.config.advertise or f"{listen.rpartition(':')[0]}:{port}"
+            await self._start_bulk()
             await server.start()
-            await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            self.identity = Identity(
-                self.mesh_id,
-                self.node_id,
-                self.address,
-                self.incarnation,
-                self.fingerprint,
-                self.config.gossip.protocol,
-            )
-            self.channels.serve_as(self.identity)
-            self.membership.self_address = self.address
+            await mark_serving(health_servicer)
+            self._serve_as_identity()
             if self.config.metrics.listen:
                 mhost, _, mport = self.config.metrics.listen.rpartition(":")
                 self.metrics.serve(mhost, int(mport))
@@ -281,7 +194,7 @@ class Network:
         await self._start_coordinator_client()
         self.replica.attach(
             NetworkPort(
-                loop=loop,
+                loop=asyncio.get_running_loop(),
                 replica=self.replica,
                 outbound=self.outbound,
                 puller=self.puller,
@@ -291,20 +204,34 @@ class Network:
         )
         self.tasks.spawn(self.peering.run(), "anti-entropy")
         self.tasks.spawn(self._measure_cpu(), "cpu-budget")
-        log.info(
-            "node %s serving on %s with %s (fingerprint %s), %s",
+        announce(self.node_id, self.address, self.fingerprint, self.tls, self.bulk)
+
+    async def _start_bulk(self) -> None:
+        if not self.config.bulk:
+            return
+        limits = self.config.limits
+        self.bulk = BulkServer(
+            self.tls,
+            idle_s=limits.stream_idle_timeout_s,
+            per_peer=limits.max_inbound_pushes_per_peer,
+            total=limits.max_inbound_pushes,
+            on_rejected=self.refusals.refused,
+            metrics=self.metrics,
+        )
+        await self.bulk.start(self.config.listen.rpartition(":")[0], self.config.bulk_port)
+
+    def _serve_as_identity(self) -> None:
+        """This node's identity, now that its address is bound, for its dials and replies."""
+        self.identity = Identity(
+            self.mesh_id,
             self.node_id,
             self.address,
-            "plaintext gRPC" if self.tls.insecure else "mutual TLS",
+            self.incarnation,
             self.fingerprint,
-            f"bulk lane on port {self.bulk.port}" if self.bulk else "no bulk lane (bulk = false)",
+            self.config.gossip.protocol,
         )
-        if self.tls.insecure:
-            log.warning(
-                "tls.insecure = true: anyone who reaches %s can read the model and speak for "
-                "any node id; give [tls] ca, cert and key (gossipd certs) to require certificates",
-                self.address,
-            )
+        self.channels.serve_as(self.identity)
+        self.membership.self_address = self.address
 
     async def close(self, grace_s: float = 1.0) -> None:
         """Stop serving and end this node's tasks, so none of it outlives the loop.
@@ -440,27 +367,7 @@ class Network:
     def on_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
     ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
-        if request.round and self.replica.core.serves_one_pull:
-            return self._serve_one_pull(request, whole, sealed)
         return self.inbound.on_pull(request, whole, sealed)
-
-    async def _serve_one_pull(
-        self, request: pb.PullRequest, whole: bool, sealed: bool
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
-        """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
-        when several nodes scheduling alone pick this one, it serves one and the others
-        hear at once that it is busy and pick another peer (docs/design.md §5)."""
-        if self._serving_pull is not None:
-            raise Busy(
-                f"serving a pull to {self._serving_pull} already; this protocol serves one "
-                "pull at a time: pick another peer"
-            )
-        self._serving_pull = request.requester or "a peer"
-        try:
-            async for item in self.inbound.on_pull(request, whole, sealed):
-                yield item
-        finally:
-            self._serving_pull = None
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         await self.peering.on_peer_left(
@@ -475,57 +382,7 @@ class Network:
         return pb.PeersReply(peers=[self.identity.info(), *self.peering.known()])
 
     async def on_status(self, checksum: bool = False) -> pb.StatusReply:
-        """Answered from the trainer's published summary: never waits on a step."""
-        s = self.replica.summary
-        return pb.StatusReply(
-            node_id=self.node_id,
-            mesh_id=self.mesh_id,
-            step=s.steps,
-            sum_weights=s.weights,
-            live_peers=[p.node_id for p in self.membership.live()],
-            fingerprint=self.fingerprint,
-            params_checksum=await self._checksum() if checksum else "",
-            protocol=s.protocol,
-            loss=s.loss,
-            pushes_in_flight=s.in_flight,
-            training_done=self.replica.training_done,
-            pushes_acked=s.pushes_acked,
-            pushes_failed=s.pushes_failed,
-            pushes_merged=s.pushes_merged,
-            peers=self.peering.known(),
-            suspected_peers=[p.node_id for p in self.membership.suspected()],
-            rejected=dict(self.rejections.counts),
-            reserved_weights=s.reserved,
-            round=s.round,
-            membership_epoch=s.epoch,
-            transport_security="insecure" if self.tls.insecure else "mtls",
-            exchanged=[
-                pb.PeerMass(node_id=peer, **dataclasses.asdict(mass))
-                for peer, mass in sorted(s.exchanged.items())
-            ],
-            mass_inconsistencies=self.outbound.mass_inconsistencies,
-            wait_s=s.wait_s,
-            wait_fraction=s.wait_fraction,
-            scheduling=s.scheduling,
-        )
-
-    async def _checksum(self) -> str:
-        """A fresh hash of the model, one at a time and at most every CHECKSUM_INTERVAL_S.
-
-        The copy is taken under the trainer's lock (a memcpy); the hashing runs off it.
-        """
-        async with self._checksum_lock:
-            wait_s = self._checksum_at + CHECKSUM_INTERVAL_S - time.monotonic()
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
-            self._checksum_at = time.monotonic()
-
-            def compute() -> str:
-                with self.replica.lock:
-                    copies = [b.detach().cpu().clone() for b in self.replica.flat.buffers]
-                return model_checksum(copies)
-
-            return await asyncio.to_thread(compute)
+        return await self.status.reply(checksum)
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
         self.refusals.refused(peer, err)
