@@ -28,7 +28,7 @@ from torch.distributed.run import get_args_parser
 
 from gossipd.node.cli.main import build_parser
 from gossipd.node.shared.config import load_config
-from tests.test_containers import (
+from tests.compose_files import (
     COMPOSE,
     DOCKER,
     DOCKERFILES,
@@ -47,7 +47,7 @@ COMPOSE_GPU = DOCKER / "compose.gpu.yaml"
 DOCKERFILE_CUDA = DOCKER / "Dockerfile.cuda"
 GPU_SITE = "site-a"
 RANKS_VARIABLE = "GOSSIPD_RANKS"
-DEFAULT_RANKS = 2  # the README's "Multi-rank sites on GPUs" promises this default
+DEFAULT_RANKS = 2  # docs/containers.md "Multi-rank sites on GPUs" promises this default
 # What the override may change in a CPU site; the rest (ports, mounts, health check,
 # restart policy, grace period) is rank 0's and stays the CPU site's.
 GPU_KEYS = {"build", "entrypoint", "command", "deploy", "shm_size", "ulimits"}
@@ -230,12 +230,12 @@ def _kill_group(pgid: int) -> bool:
     return True
 
 
-def test_the_readme_gives_the_command_the_default_and_the_torchrun_line() -> None:
+def test_the_docs_give_the_command_the_default_and_the_torchrun_line() -> None:
     header = COMPOSE_GPU.read_text().split("\n\n")[0]
     command = "torchrun --standalone --nproc-per-node=R --no-python gossipd node --config"
     up = "docker compose -f docker/compose.yaml -f docker/compose.gpu.yaml up --build"
     assert command in header and up in header
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Multi-rank sites on GPUs", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / "docs" / "containers.md").read_text()
+    section = page.split("## Multi-rank sites on GPUs", 1)[1].split("\n## ", 1)[0]
     assert up in section and f"`{RANKS_VARIABLE}` (default {DEFAULT_RANKS})" in section
     assert "NVIDIA Container Toolkit" in section and "shm_size" in section

@@ -334,13 +334,15 @@ def test_a_shaper_waits_its_latency_and_books_concurrent_bytes_on_one_clock() ->
     assert asyncio.run(run()) >= 0.05 + 8 * 50_000 / 1e6 - TOLERANCE_S
 
 
-def test_the_readme_link_example_is_a_valid_config() -> None:
-    """The ``[link]`` block in the README parses as a node's config and turns shaping on;
-    every ``[link]`` key has its row in the config reference, with its default."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_documented_link_example_is_a_valid_config() -> None:
+    """The ``[link]`` block on the shaping page parses as a node's config and turns shaping
+    on; every ``[link]`` key has its row in the config reference, with its default."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    reference = (docs / "reference" / "config.md").read_text()
     for key in LinkConfig.model_fields:
-        assert f"| `link.{key}` | `0`" in readme, f"link.{key} is not in the config reference"
-    [block] = [b for b in readme.split("```toml\n")[1:] if b.startswith("[link]")]
+        assert f"| `link.{key}` | `0`" in reference, f"link.{key} is not in the config reference"
+    page = (docs / "benchmarks" / "shaping.md").read_text()
+    [block] = [b for b in page.split("```toml\n")[1:] if b.startswith("[link]")]
     table = tomllib.loads(block.split("```")[0])
     config = parse_config({"mesh_id": MESH, "node_id": "n0", "tls": {"insecure": True}, **table})
     shaper = LinkShaper.from_config(config.link, "n0")

@@ -176,10 +176,10 @@ def test_without_a_table_a_protocol_gets_its_declared_defaults(protocol: str) ->
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-def test_the_readme_config_reference_lists_every_setting_with_its_default(protocol: str) -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_the_config_reference_lists_every_setting_with_its_default(protocol: str) -> None:
+    reference = (Path(__file__).parents[1] / "docs" / "reference" / "config.md").read_text()
     for key, value in settings_class(protocol)().model_dump().items():
-        assert f"| `gossip.{protocol}.{key}` | `{json.dumps(value)}` |" in readme
+        assert f"| `gossip.{protocol}.{key}` | `{json.dumps(value)}` |" in reference
 
 
 def test_a_core_registered_as_a_plain_function_takes_no_settings(
