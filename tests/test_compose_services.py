@@ -30,9 +30,7 @@ import pytest
 
 from gossipd.node.launch.localmesh import free_ports, stop_process
 from gossipd.node.shared.certs import check_pair
-from tests.conftest import coordinator_process, wait_until
-from tests.mqttbrokers import MOSQUITTO
-from tests.test_containers import (
+from tests.compose_files import (
     BROKER,
     CERTS_TARGET,
     COMPOSE,
@@ -54,6 +52,8 @@ from tests.test_containers import (
     _sites,
     make_certs,
 )
+from tests.conftest import coordinator_process, wait_until
+from tests.mqttbrokers import MOSQUITTO
 
 WAIT_S = 30.0
 
