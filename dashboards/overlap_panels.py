@@ -135,9 +135,9 @@ COORDINATOR = Row(
         Panel(
             "Coordinator rejections by reason",
             "Requests the coordinator refused, per second, by reason (unknown_node, self, "
-            "scheduler, bad_time, bad_address, wrong_mesh, not_a_node, full: README "
-            "'Coordinator'); each is answered with a status naming the value and the fix, and "
-            "serving goes on.",
+            "scheduler, bad_time, bad_address, wrong_mesh, not_a_node, full: "
+            "docs/coordinator.md); each is answered with a status naming the value and the "
+            "fix, and serving goes on.",
             [
                 Query(
                     coordinator_rate("gossipd_coordinator_rejected_total", "reason"),

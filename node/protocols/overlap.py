@@ -1,7 +1,7 @@
 """Scheduled-overlap pull gossip: pull a peer's model so that it lands as the period ends.
 
 From "scheduled overlap of computation and communication in gossip SGD"
-(``papers/scheduled-overlap-gossip-ja.txt``, §3–4). Every ``period_steps`` (T)
+(a paper in Japanese, §3–4; summarised in docs/protocols/overlap.md). Every ``period_steps`` (T)
 local steps node i averages with a peer's model that it *pulled*:
 x_i ← (x_i + x_j)/2. It predicts when its T steps end from a moving average of
 its step time, asks a scheduler (:mod:`gossipd.node.protocols.scheduler`) for a peer j and

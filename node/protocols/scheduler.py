@@ -1,7 +1,7 @@
 """Who pulls from whom, and when: the scheduled-overlap gossip scheduler (pure, no I/O).
 
 From "scheduled overlap of computation and communication in gossip SGD"
-(``papers/scheduled-overlap-gossip-ja.txt``, Algorithm 2). Node i predicts when
+(a paper in Japanese, Algorithm 2; see docs/protocols/overlap.md). Node i predicts when
 its T local steps end and asks for a peer; the scheduler takes the front of a
 queue of available peers, j, and answers with the latest moment a pull from j
 can start and still land by then: ``max(now, end − c_ij)``, where c_ij is the

@@ -1,6 +1,6 @@
 """The daemon's periodic progress line: what an operator tailing the log sees it doing.
 
-A site started as the README says used to write nothing for many minutes while it
+A site started as the quickstart says used to write nothing for many minutes while it
 trained, which reads as a hang. One INFO line per ``progress_interval_s`` says the
 step, the loss, the live peers, the sum-weight (and what of it is in flight) and how
 many pushes peers acknowledged per second since the previous line.

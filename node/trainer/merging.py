@@ -5,7 +5,8 @@ a failed push, a joiner's bootstrap model) reaches the parameters here. For a pu
 or a pull the core plans first (``Merge`` and ``Duplicate`` actions, or a refusal);
 then every blend it asks for is checked against the payload bound and for finiteness
 *before* any segment is written, so a refused payload leaves the model untouched
-(docs/design.md §2, README "limits"). The check needs no blend computed: the bound's norms
+(docs/design.md §2, docs/reference/config.md `[limits]`). The check needs no blend
+computed: the bound's norms
 prove it finite (all but models near their dtype's limit), and the commit then adds
 the payload's difference in place, one pass per segment. A large payload's segments
 are checked and written side by side on the cores the process may use
