@@ -6,28 +6,76 @@ streams, floods from an accepted sender) need something that passes that
 check: this server answers Handshake with its own identity and the mesh's
 fingerprint, on its own event loop in a background thread, and answers every
 other RPC with UNIMPLEMENTED. The sync methods let plain pytest functions drive it.
+
+The outsider's clients (:mod:`tests.outsider`, :mod:`tests.outsider_tls`) are imported
+here too, so ``from tests.fakepeer import ...`` of any of them keeps working.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
 import torch
 
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel, SegmentPlan
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
+from tests.outsider import (
+    MESH,
+    PushOutcome,
+    dead_address,
+    flood_handshakes,
+    flood_pushes,
+    handshake_as,
+    leave_as,
+    node_info,
+    peers_as,
+    pull_unchecked,
+    push_as,
+    push_frames,
+    synthetic_plan,
+    true_identity,
+)
+from tests.outsider import send_push as _push  # the name tests/insider.py imports
+from tests.outsider_tls import (
+    call_tls,
+    handshake_tls,
+    leave_tls,
+    peers_tls,
+    push_tls,
+    status_tls,
+)
+
+__all__ = [
+    "MESH",
+    "FakePeer",
+    "PushOutcome",
+    "_push",
+    "call_tls",
+    "dead_address",
+    "exchange_handler",
+    "flood_handshakes",
+    "flood_pushes",
+    "handshake_as",
+    "handshake_tls",
+    "leave_as",
+    "leave_tls",
+    "node_info",
+    "peers_as",
+    "peers_tls",
+    "pull_unchecked",
+    "push_as",
+    "push_frames",
+    "push_tls",
+    "status_tls",
+    "synthetic_plan",
+    "true_identity",
+]
 
 T = TypeVar("T")
-MESH = "test-mesh"
 
 
 def exchange_handler(
@@ -57,18 +105,6 @@ def exchange_handler(
     return grpc.stream_stream_rpc_method_handler(
         exchange, pb.PushFrame.FromString, pb.PushReply.SerializeToString
     )
-
-
-def synthetic_plan(**options: Any) -> SegmentPlan:
-    """The segment plan of the synthetic job that the conftest daemons run."""
-    job = build_job(JobSpec("synthetic", learning_rate=0.0, options=options))
-    return FlatModel(job.model).plan
-
-
-@functools.cache
-def _default_fingerprint() -> str:
-    """The conftest daemons' fingerprint, built once (a flood needs it thousands of times)."""
-    return synthetic_plan().fingerprint
 
 
 class FakePeer:
@@ -217,369 +253,3 @@ class FakePeer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# -- An outsider: plain clients that claim whatever identity a test chooses ----------------
-#
-# These speak the wire directly (no server behind them), for forged handshakes, poisoned
-# peer lists, spoofed leaves and push floods. Each call opens its own channel; the flood
-# helpers share one channel and keep ``concurrency`` calls in flight.
-
-
-def node_info(node_id: str, address: str, incarnation: int) -> pb.NodeInfo:
-    return pb.NodeInfo(node_id=node_id, address=address, incarnation=incarnation)
-
-
-def dead_address(index: int, block: int = 77) -> str:
-    """A loopback address nobody listens on (127.<block>.x.y port 9): a connect gets RST."""
-    return f"127.{block}.{index // 250 % 250}.{index % 250 + 1}:9"
-
-
-async def _unary(
-    channel: grpc.aio.Channel, method: str, request: Any, reply_type: Any, timeout_s: float
-) -> tuple[grpc.StatusCode, Any, str]:
-    rpc = channel.unary_unary(
-        f"/gossipd.v1.Gossip/{method}",
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=reply_type.FromString,
-    )
-    try:
-        reply = await rpc(request, timeout=timeout_s)
-    except grpc.aio.AioRpcError as err:
-        return err.code(), None, err.details() or ""
-    return grpc.StatusCode.OK, reply, ""
-
-
-def _handshake_request(
-    info: pb.NodeInfo, fingerprint: str | None, mesh_id: str
-) -> pb.HandshakeRequest:
-    return pb.HandshakeRequest(
-        schema_version=SCHEMA_VERSION,
-        mesh_id=mesh_id,
-        node=info,
-        fingerprint=fingerprint or _default_fingerprint(),
-        protocol="sumweight",
-    )
-
-
-def handshake_as(
-    address: str,
-    info: pb.NodeInfo,
-    *,
-    fingerprint: str | None = None,
-    mesh_id: str = MESH,
-    timeout_s: float = 10.0,
-) -> tuple[grpc.StatusCode, pb.HandshakeReply | None]:
-    """One Handshake claiming ``info``; returns the status code and the reply (None on error)."""
-    request = _handshake_request(info, fingerprint, mesh_id)
-
-    async def call() -> tuple[grpc.StatusCode, pb.HandshakeReply | None]:
-        async with grpc.aio.insecure_channel(address) as channel:
-            code, reply, _ = await _unary(
-                channel, "Handshake", request, pb.HandshakeReply, timeout_s
-            )
-            return code, reply
-
-    return asyncio.run(call())
-
-
-def true_identity(address: str) -> pb.NodeInfo:
-    """What the daemon at ``address`` says it is (asked as a throwaway outsider)."""
-    code, reply = handshake_as(address, node_info("identity-probe", dead_address(0, 99), 1))
-    assert code == grpc.StatusCode.OK and reply is not None, (address, code)
-    return reply.node
-
-
-def flood_handshakes(
-    address: str,
-    infos: Iterable[pb.NodeInfo],
-    *,
-    concurrency: int = 32,
-    fingerprint: str | None = None,
-    timeout_s: float = 20.0,
-) -> list[grpc.StatusCode]:
-    """A Handshake claiming each of ``infos``, ``concurrency`` at a time; their status codes."""
-    requests = [_handshake_request(i, fingerprint, MESH) for i in infos]
-
-    async def call() -> list[grpc.StatusCode]:
-        gate = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(address) as channel:
-
-            async def one(request: pb.HandshakeRequest) -> grpc.StatusCode:
-                async with gate:
-                    code, _, _ = await _unary(
-                        channel, "Handshake", request, pb.HandshakeReply, timeout_s
-                    )
-                    return code
-
-            return list(await asyncio.gather(*(one(r) for r in requests)))
-
-    return asyncio.run(call())
-
-
-def peers_as(
-    address: str,
-    sender: pb.NodeInfo,
-    known: Sequence[pb.NodeInfo],
-    *,
-    mesh_id: str = MESH,
-    timeout_s: float = 20.0,
-) -> tuple[grpc.StatusCode, list[pb.NodeInfo]]:
-    """One Peers request from ``sender`` listing ``known``; the code and the peers relayed back."""
-    request = pb.PeersRequest(mesh_id=mesh_id, sender=sender, known=list(known))
-
-    async def call() -> tuple[grpc.StatusCode, list[pb.NodeInfo]]:
-        options = [("grpc.max_receive_message_length", 64 << 20)]
-        async with grpc.aio.insecure_channel(address, options=options) as channel:
-            code, reply, _ = await _unary(channel, "Peers", request, pb.PeersReply, timeout_s)
-            return code, list(reply.peers) if reply is not None else []
-
-    return asyncio.run(call())
-
-
-def leave_as(
-    address: str, node_id: str, incarnation: int, *, mesh_id: str = MESH, timeout_s: float = 20.0
-) -> grpc.StatusCode:
-    """One Leave claiming that ``node_id`` (at ``incarnation``) is leaving."""
-    request = pb.LeaveRequest(mesh_id=mesh_id, node_id=node_id, incarnation=incarnation)
-
-    async def call() -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(address) as channel:
-            code, _, _ = await _unary(channel, "Leave", request, pb.LeaveReply, timeout_s)
-            return code
-
-    return asyncio.run(call())
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    """How a daemon answered one push: status code, per-segment results, error text."""
-
-    code: grpc.StatusCode
-    results: tuple[int, ...] = ()
-    details: str = ""
-
-    @property
-    def merged(self) -> bool:
-        return self.code == grpc.StatusCode.OK and pb.SEGMENT_RESULT_MERGED in self.results
-
-    @property
-    def duplicate(self) -> bool:
-        return self.code == grpc.StatusCode.OK and pb.SEGMENT_RESULT_DUPLICATE in self.results
-
-
-def push_frames(
-    *,
-    sender: str,
-    incarnation: int,
-    sequence: int,
-    weight: float,
-    values: torch.Tensor,
-    segment: int = 0,
-    fingerprint: str | None = None,
-    mesh_id: str = MESH,
-) -> list[bytes]:
-    """A whole one-segment push, serialized: PushOpen, SegmentHeader, one chunk (raw codec)."""
-    data = bytes(wirecodec.encode(values.to(torch.float32).contiguous(), wirecodec.Codec.RAW))
-    opened = pb.PushOpen(
-        mesh_id=mesh_id,
-        sender=sender,
-        fingerprint=fingerprint or _default_fingerprint(),
-        sequence=sequence,
-        segment_count=1,
-        incarnation=incarnation,
-        sequence_base=1,
-    )
-    header = pb.SegmentHeader(
-        sender=sender,
-        segment=segment,
-        sequence=sequence,
-        sum_weight=weight,
-        dtype=pb.DTYPE_FLOAT32,
-        numel=values.numel(),
-        codec=pb.CODEC_RAW,
-        payload_bytes=len(data),
-        checksum=wirecodec.checksum(data),
-    )
-    return [
-        pb.PushFrame(open=opened).SerializeToString(),
-        pb.PushFrame(header=header).SerializeToString(),
-        pb.PushFrame(chunk=data).SerializeToString(),
-    ]
-
-
-async def _push(channel: grpc.aio.Channel, frames: list[bytes], timeout_s: float) -> PushOutcome:
-    rpc = channel.stream_unary(
-        "/gossipd.v1.Gossip/PushSegments",
-        request_serializer=lambda b: b,
-        response_deserializer=pb.PushReply.FromString,
-    )
-    try:
-        reply = await rpc(iter(frames), timeout=timeout_s)
-    except grpc.aio.AioRpcError as err:
-        return PushOutcome(err.code(), (), err.details() or "")
-    return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
-
-
-def push_as(address: str, *, timeout_s: float = 20.0, **frame_fields: Any) -> PushOutcome:
-    """One push built by :func:`push_frames` from ``frame_fields``, sent to ``address``."""
-    frames = push_frames(**frame_fields)
-
-    async def call() -> PushOutcome:
-        async with grpc.aio.insecure_channel(address) as channel:
-            return await _push(channel, frames, timeout_s)
-
-    return asyncio.run(call())
-
-
-def flood_pushes(
-    address: str, pushes: Iterable[list[bytes]], *, concurrency: int = 8, timeout_s: float = 20.0
-) -> list[PushOutcome]:
-    """Send every push in ``pushes`` (frames from :func:`push_frames`), ``concurrency`` at once."""
-
-    async def call() -> list[PushOutcome]:
-        gate = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(address) as channel:
-
-            async def one(frames: list[bytes]) -> PushOutcome:
-                async with gate:
-                    return await _push(channel, frames, timeout_s)
-
-            return list(await asyncio.gather(*(one(f) for f in pushes)))
-
-    return asyncio.run(call())
-
-
-def pull_unchecked(
-    address: str, *, fingerprint: str | None = None, mesh_id: str = MESH, timeout_s: float = 30.0
-) -> list[torch.Tensor]:
-    """A daemon's model, segment by segment, decoded WITHOUT the finite check.
-
-    ``PeerClient.pull`` refuses NaN and infinity; a test that asks "is every
-    parameter finite?" must see them.
-    """
-    request = pb.PullRequest(
-        mesh_id=mesh_id,
-        requester="test-observer",
-        fingerprint=fingerprint or _default_fingerprint(),
-        codec=pb.CODEC_RAW,
-    )
-
-    async def call() -> list[torch.Tensor]:
-        segments: dict[int, torch.Tensor] = {}
-        async with grpc.aio.insecure_channel(address) as channel:
-            rpc = channel.unary_stream(
-                "/gossipd.v1.Gossip/PullModel",
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=pb.PullFrame.FromString,
-            )
-            header: pb.SegmentHeader | None = None
-            buffer = bytearray()
-            async for frame in rpc(request, timeout=timeout_s):
-                if frame.WhichOneof("kind") == "header":
-                    header, buffer = frame.header, bytearray()
-                else:
-                    buffer += frame.chunk
-                if header is not None and len(buffer) == header.payload_bytes:
-                    dtype = wirecodec.WIRE_TO_DTYPE[header.dtype]
-                    raw = torch.frombuffer(buffer, dtype=torch.uint8)
-                    segments[header.segment] = raw.view(dtype)
-                    header = None
-        return [segments[k] for k in sorted(segments)]
-
-    return asyncio.run(call())
-
-
-# -- The same outsider over mutual TLS ----------------------------------------------------
-#
-# ``tls`` is anything with the ``channel(address, options, expected)`` of
-# :class:`gossipd.node.shared.tls.Credentials`: a site's Credentials (a valid certificate of
-# the mesh), ``Credentials(insecure=True)`` (plaintext), or a test's own object that
-# presents files Credentials would refuse to load (expired, another CA's). Each call
-# opens its own channel and returns (status code, reply or None, error details).
-
-
-def call_tls(
-    tls: Any,
-    address: str,
-    method: str,
-    request: Any,
-    reply_type: Any,
-    *,
-    expected: str | None = None,
-    timeout_s: float = 10.0,
-) -> tuple[grpc.StatusCode, Any, str]:
-    """One unary RPC ``method`` over a channel from ``tls`` (server checked as ``expected``)."""
-
-    async def call() -> tuple[grpc.StatusCode, Any, str]:
-        async with tls.channel(address, [], expected) as channel:
-            return await _unary(channel, method, request, reply_type, timeout_s)
-
-    return asyncio.run(call())
-
-
-def handshake_tls(
-    tls: Any,
-    address: str,
-    info: pb.NodeInfo,
-    *,
-    fingerprint: str | None = None,
-    mesh_id: str = MESH,
-    timeout_s: float = 10.0,
-) -> tuple[grpc.StatusCode, pb.HandshakeReply | None, str]:
-    """One Handshake claiming ``info``, presenting ``tls``'s certificate."""
-    request = _handshake_request(info, fingerprint, mesh_id)
-    return call_tls(tls, address, "Handshake", request, pb.HandshakeReply, timeout_s=timeout_s)
-
-
-def push_tls(
-    tls: Any, address: str, *, timeout_s: float = 20.0, **frame_fields: Any
-) -> PushOutcome:
-    """One push built by :func:`push_frames` from ``frame_fields``, presenting ``tls``."""
-    frames = push_frames(**frame_fields)
-
-    async def call() -> PushOutcome:
-        async with tls.channel(address, [], None) as channel:
-            return await _push(channel, frames, timeout_s)
-
-    return asyncio.run(call())
-
-
-def leave_tls(
-    tls: Any,
-    address: str,
-    node_id: str,
-    incarnation: int,
-    *,
-    mesh_id: str = MESH,
-    timeout_s: float = 20.0,
-) -> tuple[grpc.StatusCode, str]:
-    """One Leave claiming that ``node_id`` is leaving, presenting ``tls``; code and details."""
-    request = pb.LeaveRequest(mesh_id=mesh_id, node_id=node_id, incarnation=incarnation)
-    code, _, details = call_tls(tls, address, "Leave", request, pb.LeaveReply, timeout_s=timeout_s)
-    return code, details
-
-
-def peers_tls(
-    tls: Any,
-    address: str,
-    sender: pb.NodeInfo,
-    known: Sequence[pb.NodeInfo],
-    *,
-    mesh_id: str = MESH,
-    timeout_s: float = 20.0,
-) -> tuple[grpc.StatusCode, list[pb.NodeInfo], str]:
-    """One Peers request from ``sender`` listing ``known``, presenting ``tls``."""
-    request = pb.PeersRequest(mesh_id=mesh_id, sender=sender, known=list(known))
-    code, reply, details = call_tls(
-        tls, address, "Peers", request, pb.PeersReply, timeout_s=timeout_s
-    )
-    return code, list(reply.peers) if reply is not None else [], details
-
-
-def status_tls(
-    tls: Any, address: str, *, timeout_s: float = 10.0
-) -> tuple[grpc.StatusCode, pb.StatusReply | None, str]:
-    """One Status, presenting ``tls``'s certificate (or none, for a plaintext one)."""
-    request = pb.StatusRequest()
-    return call_tls(tls, address, "Status", request, pb.StatusReply, timeout_s=timeout_s)
