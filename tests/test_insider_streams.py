@@ -41,7 +41,7 @@ from tests.conftest import (
 )
 from tests.insider import ack_rate
 from tests.insider_streams import Insider
-from tests.test_tls import CLIENT, Pki, start_tls_mesh
+from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
 
 IDS = ["a", "b", "c"]
 INSIDER = "mallory"

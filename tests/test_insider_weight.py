@@ -33,7 +33,7 @@ from tests.conftest import (
 )
 from tests.insider import ack_rate, acked
 from tests.insider_weight import WeightInsider
-from tests.test_tls import CLIENT, Pki, start_tls_mesh
+from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
 
 IDS = ["a", "b", "c"]
 INSIDER = "sink"

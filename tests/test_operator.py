@@ -27,7 +27,7 @@ from tests.conftest import (
     write_node_config,
 )
 from tests.fakepeer import push_tls, synthetic_plan
-from tests.test_tls import PLAINTEXT, FilesTls, Pki
+from tests.tls_mesh import PLAINTEXT, FilesTls, Pki
 
 CORE_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
 
