@@ -169,6 +169,79 @@ async def expect_refused(call: Any, code: grpc.StatusCode, *words: str) -> None:
         assert word in (refused.value.details() or ""), refused.value.details()
 
 
+def _bad_requests(stub: pb_grpc.CoordinatorStub) -> list[tuple[Any, str, str]]:
+    """Requests from a registered node that the coordinator refuses: each call (started
+    here), the status it gets and a word its message names."""
+    start = pb.StartTimeRequest
+    return [
+        (stub.StartTime(start(mesh_id="other", end_in_s=1)), "FAILED_PRECONDITION", "other"),
+        (stub.StartTime(start(mesh_id=MESH, end_in_s=-1)), "INVALID_ARGUMENT", "-1"),
+        (stub.StartTime(start(mesh_id=MESH, end_in_s=math.nan)), "INVALID_ARGUMENT", "nan"),
+        (
+            stub.StartTime(start(mesh_id=MESH, end_in_s=1e12)),
+            "INVALID_ARGUMENT",
+            "1000000000000.0",
+        ),
+        (
+            stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="a", transfer_s=1)),
+            "INVALID_ARGUMENT",
+            "itself",
+        ),
+        (
+            stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="b", transfer_s=1)),
+            "FAILED_PRECONDITION",
+            "not granted",
+        ),
+        (
+            stub.Register(pb.RegisterRequest(mesh_id=MESH, address="no-port")),
+            "INVALID_ARGUMENT",
+            "HOST:PORT",
+        ),
+    ]
+
+
+async def _strangers_are_refused(pki: Path, address: str) -> None:
+    """A site that never registered, and the coordinator's own certificate posing as a
+    node, are refused."""
+    # Registered nowhere: d holds a valid site certificate but never registered.
+    d = pb_grpc.CoordinatorStub(
+        creds(pki, "d").channel(address, [], expected=certs.COORDINATOR_DNS_NAME)
+    )
+    await expect_refused(
+        d.StartTime(pb.StartTimeRequest(mesh_id=MESH, end_in_s=1)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "Register",
+    )
+    # The coordinator's own certificate posing as a node.
+    impostor = pb_grpc.CoordinatorStub(
+        creds(pki, "coord", coordinator=True).channel(
+            address, [], expected=certs.COORDINATOR_DNS_NAME
+        )
+    )
+    await expect_refused(
+        impostor.Register(pb.RegisterRequest(mesh_id=MESH, address="127.0.0.1:1")),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "site certificates",
+    )
+
+
+def _check_refusals_counted(coordinator: CoordinatorServer, failed_reports: int) -> None:
+    samples = scrape(coordinator.metrics.port or 0)
+    for reason, count in {
+        "wrong_mesh": 1,
+        "bad_time": 3,
+        "self": 1,
+        "scheduler": 1,
+        "bad_address": 1,
+        "unknown_node": 1,
+        "not_a_node": 1,
+    }.items():
+        assert samples[f"gossipd_coordinator_rejected_total{{reason={reason}}}"] == count
+    assert samples["gossipd_coordinator_reports_total{result=failed}"] == failed_reports
+    assert samples["gossipd_coordinator_busy_peers{}"] == 1
+    assert samples["gossipd_coordinator_epoch{}"] == 2
+
+
 async def test_bad_requests_get_a_clear_status_a_counted_reason_and_service_goes_on(
     pki: Path, coordinator: CoordinatorServer
 ) -> None:
@@ -176,72 +249,14 @@ async def test_bad_requests_get_a_clear_status_a_counted_reason_and_service_goes
     async with Node(pki, "a", address, 7001) as a, Node(pki, "b", address, 7002):
         tls = creds(pki, "a")
         channel = tls.channel(address, [], expected=certs.COORDINATOR_DNS_NAME)
-        stub = pb_grpc.CoordinatorStub(channel)
-        start = pb.StartTimeRequest
-        bad = [
-            (stub.StartTime(start(mesh_id="other", end_in_s=1)), "FAILED_PRECONDITION", "other"),
-            (stub.StartTime(start(mesh_id=MESH, end_in_s=-1)), "INVALID_ARGUMENT", "-1"),
-            (stub.StartTime(start(mesh_id=MESH, end_in_s=math.nan)), "INVALID_ARGUMENT", "nan"),
-            (
-                stub.StartTime(start(mesh_id=MESH, end_in_s=1e12)),
-                "INVALID_ARGUMENT",
-                "1000000000000.0",
-            ),
-            (
-                stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="a", transfer_s=1)),
-                "INVALID_ARGUMENT",
-                "itself",
-            ),
-            (
-                stub.ReportTransfer(pb.ReportTransferRequest(mesh_id=MESH, peer="b", transfer_s=1)),
-                "FAILED_PRECONDITION",
-                "not granted",
-            ),
-            (
-                stub.Register(pb.RegisterRequest(mesh_id=MESH, address="no-port")),
-                "INVALID_ARGUMENT",
-                "HOST:PORT",
-            ),
-        ]
+        bad = _bad_requests(pb_grpc.CoordinatorStub(channel))
         for call, code, word in bad:
             await expect_refused(call, grpc.StatusCode[code], word)
             assert await a.start_time(10.0) == ("b", 0.0)  # the next good request is served
             await a.report("b", math.inf)
-        # Registered nowhere: d holds a valid site certificate but never registered.
-        d = pb_grpc.CoordinatorStub(
-            creds(pki, "d").channel(address, [], expected=certs.COORDINATOR_DNS_NAME)
-        )
-        await expect_refused(
-            d.StartTime(start(mesh_id=MESH, end_in_s=1)),
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "Register",
-        )
-        # The coordinator's own certificate posing as a node.
-        impostor = pb_grpc.CoordinatorStub(
-            creds(pki, "coord", coordinator=True).channel(
-                address, [], expected=certs.COORDINATOR_DNS_NAME
-            )
-        )
-        await expect_refused(
-            impostor.Register(pb.RegisterRequest(mesh_id=MESH, address="127.0.0.1:1")),
-            grpc.StatusCode.PERMISSION_DENIED,
-            "site certificates",
-        )
+        await _strangers_are_refused(pki, address)
         assert await a.start_time(10.0) == ("b", 0.0)
-        samples = scrape(coordinator.metrics.port or 0)
-        for reason, count in {
-            "wrong_mesh": 1,
-            "bad_time": 3,
-            "self": 1,
-            "scheduler": 1,
-            "bad_address": 1,
-            "unknown_node": 1,
-            "not_a_node": 1,
-        }.items():
-            assert samples[f"gossipd_coordinator_rejected_total{{reason={reason}}}"] == count
-        assert samples["gossipd_coordinator_reports_total{result=failed}"] == len(bad)
-        assert samples["gossipd_coordinator_busy_peers{}"] == 1
-        assert samples["gossipd_coordinator_epoch{}"] == 2
+        _check_refusals_counted(coordinator, failed_reports=len(bad))
         await channel.close()
 
 
