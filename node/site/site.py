@@ -15,7 +15,6 @@ and the last good checkpoint stays in place.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import faulthandler
 import json
 import logging
@@ -31,9 +30,9 @@ from gossipd.node.net.mqtt import MqttAgent
 from gossipd.node.net.network import Network
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.statefiles import FailureStreak, write_json
+from gossipd.node.site.checkpoints import SiteCheckpoints
 from gossipd.node.site.controls import SiteControls, start_mqtt
 from gossipd.node.site.progress_log import ProgressLog
-from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.jobs import Job, build_job
 from gossipd.node.trainer.ranks import (
     Leader,
@@ -64,19 +63,9 @@ class Site:
         self.config = config
         self.job = job or build_job(site_spec(config, rank_env))
         self.replica = Replica.from_config(config, self.job.model)
-        self.ranks: Leader | None = None
         self.rank_env = rank_env
         self._broadcasts_counted = 0
-        if rank_env is not None:
-            device = model_device(self.job.model)
-            join_group(config, rank_env, device)
-            sync_gradients(self.job.optimizer, rank_env.world)
-            self.ranks = Leader(
-                self.replica.flat,
-                self.job.optimizer,
-                device,
-                heartbeat_s=min(1.0, config.ranks.collective_timeout_s / 4),
-            )
+        self.ranks = _lead_ranks(config, rank_env, self.job, self.replica)
         self.metrics = NodeMetrics()
         self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
         self.network = Network(config, self.replica, self.metrics)
@@ -100,18 +89,17 @@ class Site:
         # The running loop and its stop event, once run() started: a trainer thread that
         # dies sets it from its own thread (trainer_died).
         self._stop_from_thread: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self.resumed_from: int | None = None
-        self.restored_weights: list[float] = []
-        self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
-        self.final_checkpoint_error: CheckpointError | None = None
+        self.checkpoints = SiteCheckpoints(
+            self.data_dir,
+            config.node_id,
+            replica=self.replica,
+            optimizer=self.job.optimizer,
+            metrics=self.metrics,
+            every_steps=config.checkpoint.every_steps,
+        )
         self.mqtt: MqttAgent | None = None
         self.last_eval: dict[str, float] = {}
         once = "free space (or fix the disk) under data_dir; logged once until a write succeeds"
-        self.checkpoint_streak = FailureStreak(
-            "periodic checkpoint",
-            "training and gossip go on, the previous checkpoint is kept and the write is retried "
-            f"every {config.checkpoint.every_steps} steps: {once}",
-        )
         self.history_streak = FailureStreak(
             "appending to history.jsonl", f"training goes on without these lines: {once}"
         )
@@ -160,28 +148,20 @@ class Site:
         else:
             self.history_streak.succeeded(path)
 
-    def save_checkpoint(self, name: str = checkpoint.FILENAME) -> Path:
-        """Write one checkpoint and count it; raises CheckpointWriteError, the old file intact."""
-        started = time.perf_counter()
-        ckpt = checkpoint.capture(self.replica, self.config.node_id, self.job.optimizer)
-        try:
-            path = checkpoint.save(self.data_dir, ckpt, name)
-        except checkpoint.CheckpointWriteError:
-            self.metrics.checkpoint_failures.inc()
-            raise
-        if name == checkpoint.FILENAME:
-            self.saved_step = ckpt.step
-            self.metrics.record_checkpoint(time.perf_counter() - started, time.time())
-        return path
+    def save_checkpoint(self) -> Path:
+        """Write checkpoint.pt now (MQTT's checkpoint command); raises CheckpointWriteError."""
+        return self.checkpoints.save()
 
     def periodic_checkpoint(self) -> None:
-        """A failed periodic write must not stop training: warn once per streak, retry later."""
-        try:
-            path = self.save_checkpoint()
-        except checkpoint.CheckpointWriteError as err:
-            self.checkpoint_streak.failed(err)
-        else:
-            self.checkpoint_streak.succeeded(path)
+        self.checkpoints.periodic()
+
+    @property
+    def saved_step(self) -> int | None:
+        return self.checkpoints.saved_step
+
+    @property
+    def final_checkpoint_error(self) -> CheckpointError | None:
+        return self.checkpoints.final_error
 
     def write_summary(self, *, training_done: bool) -> None:
         s = self.replica.summary
@@ -202,7 +182,7 @@ class Site:
                     ),
                     "pushes_held": self.network.budget.held_pushes,
                     "training_done": training_done,
-                    "resumed_from_step": self.resumed_from,
+                    "resumed_from_step": self.checkpoints.resumed_from,
                     **self.last_eval,
                 },
             )
@@ -224,45 +204,6 @@ class Site:
         )
 
     # -- lifecycle ------------------------------------------------------------------
-    def restore(self) -> None:
-        """Resume from checkpoint.pt, or write initial.pt; fails if data_dir is not writable."""
-        self.check_writable()
-        path = self.data_dir / checkpoint.FILENAME
-        if not path.exists():
-            try:
-                self.save_checkpoint("initial.pt")
-            except checkpoint.CheckpointWriteError as err:
-                raise self._unwritable(f"cannot write {err.path.name}: {err.reason}") from None
-            self.restored_weights = list(self.replica.summary.weights)
-            return
-        ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
-        self.replica.restore(ckpt.segments, ckpt.core, ckpt.step)
-        if ckpt.optimizer is not None:
-            self.job.optimizer.load_state_dict(ckpt.optimizer)
-        self.resumed_from = self.saved_step = ckpt.step
-        self.restored_weights = list(ckpt.weights)
-        self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
-        log.info(
-            "resumed %s from step %d, weights %s", self.config.node_id, ckpt.step, ckpt.weights
-        )
-
-    def check_writable(self) -> None:
-        """Probe data_dir with a small write, so a resumed node fails at start, not later."""
-        probe = self.data_dir / f".write-probe-{os.getpid()}"  # ranks share data_dir
-        try:
-            probe.write_bytes(b"gossipd")
-            probe.unlink()
-        except OSError as err:
-            with contextlib.suppress(OSError):
-                probe.unlink()
-            raise self._unwritable(f"cannot write there: {err.strerror}") from None
-
-    def _unwritable(self, what: str) -> CheckpointError:
-        return CheckpointError(
-            f"data_dir = {self.data_dir}: {what} ({checkpoint.describe_free(self.data_dir)}); "
-            "free space or fix permissions there, or point data_dir elsewhere"
-        )
-
     async def bootstrap(self) -> None:
         """A joining node copies a live peer's model before its first step (its weight is 0)."""
         if not await self.network.wait_for_peers(1, self.config.join_timeout_s):
@@ -279,7 +220,7 @@ class Site:
         Start-up failures before the server runs leave nothing to clean up; after
         it runs, every way out goes through :meth:`shutdown`.
         """
-        self.restore()
+        self.checkpoints.restore()
         await self.network.start()
         progress = self._progress()
         try:
@@ -317,7 +258,7 @@ class Site:
         return asyncio.create_task(lines.run(), name="progress-log")
 
     async def _before_training(self) -> None:
-        if self.config.join and self.resumed_from is None:
+        if self.config.join and self.checkpoints.resumed_from is None:
             await self.bootstrap()
         wanted = self.config.membership.start_after_peers
         if wanted and not await self.network.wait_for_peers(
@@ -368,30 +309,28 @@ class Site:
             finally:
                 self.loop_thread.release.set()
                 await asyncio.to_thread(driver.join, max(0.1, deadline - time.monotonic()))
-            self.final_checkpoint()
+            self.checkpoints.final(trained=self.loop_thread.stepped)
             self.write_summary(training_done=self.loop_thread.finished.is_set())
         finally:
             await self.network.close(grace_s=0.5)
             faulthandler.cancel_dump_traceback_later()
 
-    def final_checkpoint(self) -> None:
-        # A node that never trained and whose weights did not move (no hand-off, no
-        # merge) has nothing new to save; skipping keeps a joiner that failed to
-        # bootstrap from resuming, on restart, as if it had.
-        trained = self.loop_thread.stepped
-        if not trained and list(self.replica.summary.weights) == self.restored_weights:
-            return
-        try:
-            self.save_checkpoint()
-        except checkpoint.CheckpointWriteError as err:
-            self.final_checkpoint_error = err
-            return
-        log.info(
-            "wrote the final checkpoint (step %d, weights %s) to %s",
-            self.replica.steps,
-            [round(w, 6) for w in self.replica.summary.weights],
-            self.data_dir / checkpoint.FILENAME,
-        )
+
+def _lead_ranks(
+    config: NodeConfig, rank_env: RankEnv | None, job: Job, replica: Replica
+) -> Leader | None:
+    """Rank 0 of a multi-rank site joins the site's process group and leads its ranks."""
+    if rank_env is None:
+        return None
+    device = model_device(job.model)
+    join_group(config, rank_env, device)
+    sync_gradients(job.optimizer, rank_env.world)
+    return Leader(
+        replica.flat,
+        job.optimizer,
+        device,
+        heartbeat_s=min(1.0, config.ranks.collective_timeout_s / 4),
+    )
 
 
 async def _unless_stopped(work: Any, stop: asyncio.Event) -> bool:

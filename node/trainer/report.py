@@ -114,11 +114,11 @@ class Summary:
             pushes_merged=replica.pushes_merged,
             peers=core.peers,
             exchanged=core.exchanged,
-            sinks=frozenset(core.extra.get("sinks", ())),
-            weight_cap=float(core.extra.get("weight_cap", math.inf)),
+            sinks=core.sinks,
+            weight_cap=core.weight_cap,
             wait_s=replica.wait_s,
             wait_fraction=replica.wait_fraction(),
-            scheduling=str(core.extra.get("scheduling", "")),
+            scheduling=core.scheduling,
         )
 
 
