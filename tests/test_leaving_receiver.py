@@ -18,7 +18,7 @@ from gossipd.node.net.wire import ReceivedSegment
 from gossipd.node.protocols.base import PushSettled
 from gossipd.node.protocols.sumweight import SumWeightGossip
 from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.messages import InboundPush, ViewChange
+from gossipd.node.trainer.messages import InboundPush, ViewNotice
 from gossipd.node.trainer.replica import Replica
 
 
@@ -85,7 +85,7 @@ def test_a_barrier_resolves_with_the_summary_of_every_event_before_it():
     weight: the leave waited on a barrier, then read peers from a summary refreshed only
     at the end of the trainer's idle round, which did not list the new peer yet."""
     replica = _replica()
-    replica.post(ViewChange(frozenset({"r", "newcomer"})))
+    replica.post(ViewNotice(frozenset({"r", "newcomer"})))
     seen: list[frozenset[str]] = []
     replica.barrier().add_done_callback(lambda _: seen.append(replica.summary.peers))
     replica.idle(0)

@@ -3,7 +3,7 @@ change in it, shared by every part that talks to peers.
 
 Pushes, pulls and dials all report here (:meth:`PeerHealth.succeeded`,
 :meth:`PeerHealth.failed`); a peer that fails often enough is suspected, one that answers
-again is live, and each change reaches the replica as a ``ViewChange`` and wakes the
+again is live, and each change reaches the replica as a ``ViewNotice`` and wakes the
 pushes waiting out a backoff (:class:`Retries`).
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.errors import UnknownPeer
 from gossipd.node.net.membership import Change, Membership
-from gossipd.node.trainer.messages import ViewChange
+from gossipd.node.trainer.messages import ViewNotice
 
 if TYPE_CHECKING:
     from gossipd.node.net.metrics import NodeMetrics
@@ -73,7 +73,7 @@ class PeerHealth:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
             live = frozenset(p.node_id for p in self.membership.live())
-            self.replica.post(ViewChange(live | {self.node_id}))
+            self.replica.post(ViewNotice(live | {self.node_id}))
             if change.live:
                 self.retries.fire()  # pushes waiting for it need not wait out a backoff
         self.metrics.live_peers.set(len(self.membership.live()))

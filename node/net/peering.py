@@ -31,7 +31,7 @@ from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.net.channels import RPC_TIMEOUT_S
 from gossipd.node.net.membership import NodeInfo, PeerState
 from gossipd.node.shared.tls import IdentityMismatch, NotAllowed
-from gossipd.node.trainer.messages import PeerRestart
+from gossipd.node.trainer.messages import RestartNotice
 from gossipd.node.trainer.segments import check_fingerprint, check_protocol
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
@@ -188,7 +188,7 @@ class Peering:
             self.rejections.record(address, "PeerNotVerified", verdict.refused)
             return False
         if known is not None and known.incarnation != reply.node.incarnation:
-            self.replica.post(PeerRestart(reply.node.node_id, reply.node.incarnation))
+            self.replica.post(RestartNotice(reply.node.node_id, reply.node.incarnation))
             if known.address != address:
                 self.channels.forget(known.address)
         for info in reply.peers:

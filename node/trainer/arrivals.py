@@ -33,16 +33,16 @@ from gossipd.node.trainer.messages import (
     HandOffRequest,
     InboundPush,
     Inbox,
+    LoopMessage,
     OutboundPull,
     OutboundPush,
-    PeerRestart,
     Pulled,
     PullOutcome,
     PushOutcome,
     Rejected,
-    ViewChange,
+    RestartNotice,
+    ViewNotice,
 )
-from gossipd.node.trainer.messages import Event as LoopEvent
 from gossipd.node.trainer.report import PushRecord, Rejection, StepReport, Summary
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Arrivals:
         for outcome in self.due_pulls.release(self.steps, self.training_done):
             self._pulled(outcome.out, outcome.pulled, outcome.error, report)
 
-    def _apply(self, event: LoopEvent, report: StepReport) -> None:
+    def _apply(self, event: LoopMessage, report: StepReport) -> None:
         match event:
             case PushOutcome(out=out, acks=acks, error=error):
                 self.settle_push(out, acks, error, report)
@@ -115,9 +115,9 @@ class Arrivals:
                     self._pulled(out, event.pulled, event.error, report)
             case Granted(granted=granted):
                 self.dispatch.carry_out(self.core.handle(granted))
-            case ViewChange(members=members):
+            case ViewNotice(members=members):
                 self._handle(ViewChanged(members))
-            case PeerRestart(peer=peer, incarnation=incarnation):
+            case RestartNotice(peer=peer, incarnation=incarnation):
                 self._handle(PeerRestarted(peer, incarnation))
             case Rejected(peer=peer, reason=reason, detail=detail):
                 report.rejected.append(Rejection(peer, reason, detail))

@@ -113,14 +113,18 @@ class PullOutcome:
 
 
 @dataclass(frozen=True)
-class ViewChange:
-    """The live members as the network sees them now, this node included."""
+class ViewNotice:
+    """The live members as the network sees them now, this node included (the loop's
+    notice; the replica hands the core a ``ViewChanged`` event from it)."""
 
     members: frozenset[str]
 
 
 @dataclass(frozen=True)
-class PeerRestart:
+class RestartNotice:
+    """A verified peer came back in a new incarnation (the loop's notice; the core hears
+    ``PeerRestarted``)."""
+
     peer: str
     incarnation: int
 
@@ -157,11 +161,11 @@ class Granted:
     granted: PeerGranted
 
 
-Event = (
+LoopMessage = (
     PushOutcome
     | PullOutcome
-    | ViewChange
-    | PeerRestart
+    | ViewNotice
+    | RestartNotice
     | Rejected
     | HandOffRequest
     | Barrier
@@ -180,12 +184,12 @@ class EventQueue:
     """
 
     def __init__(self, capacity: int) -> None:
-        self._items: queue.Queue[Event] = queue.Queue(maxsize=capacity)
-        self._view: ViewChange | None = None
+        self._items: queue.Queue[LoopMessage] = queue.Queue(maxsize=capacity)
+        self._view: ViewNotice | None = None
         self._view_lock = threading.Lock()
 
-    def put(self, event: Event) -> None:
-        if isinstance(event, ViewChange):
+    def put(self, event: LoopMessage) -> None:
+        if isinstance(event, ViewNotice):
             with self._view_lock:
                 pending, self._view = self._view, event
             if pending is not None:
@@ -203,7 +207,7 @@ class EventQueue:
     def pending(self) -> int:
         return self._items.qsize()
 
-    def get(self, timeout_s: float | None = None) -> Event | None:
+    def get(self, timeout_s: float | None = None) -> LoopMessage | None:
         """The next event; None if there is none (after ``timeout_s``, if given)."""
         try:
             if timeout_s is None:
@@ -212,7 +216,7 @@ class EventQueue:
                 event = self._items.get(timeout=timeout_s)
         except queue.Empty:
             return None
-        if isinstance(event, ViewChange):
+        if isinstance(event, ViewNotice):
             with self._view_lock:
                 event, self._view = self._view or event, None
         return event

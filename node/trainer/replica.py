@@ -47,11 +47,11 @@ from gossipd.node.trainer.messages import (
     Inbox,
     LoopPort,
     OutboundPush,
-    PeerRestart,
     PullOutcome,
     PushOutcome,
     Rejected,
-    ViewChange,
+    RestartNotice,
+    ViewNotice,
 )
 from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
 from gossipd.node.trainer.report import StepReport, Summary, log_sinks
@@ -194,7 +194,7 @@ class Replica(Arrivals):
     # -- called from the event loop (any thread) -------------------------------------
     def post(
         self,
-        event: PushOutcome | PullOutcome | ViewChange | PeerRestart | Rejected,
+        event: PushOutcome | PullOutcome | ViewNotice | RestartNotice | Rejected,
     ) -> None:
         """Queue ``event`` for the trainer's next step boundary (never blocks)."""
         self.events.put(event)
