@@ -92,6 +92,9 @@ class Network:
                 f"tls.cert {config.tls.cert} is for node {self.tls.node_id!r}, but node_id is "
                 f"{self.node_id!r}; issue one with: gossipd certs issue {self.node_id} --dir CA_DIR"
             )
+        self.budget = CpuBudget(config.gossip.cpu_share)
+        self.metrics.gossip_cpu_budget.set(config.gossip.cpu_share)
+        self.metrics.gossip_cpu_share.set_function(self.budget.gossip_share)
         self._build_parts(config, replica)
         self.status = StatusReplies(
             node_id=config.node_id,
@@ -119,9 +122,6 @@ class Network:
             config.node_id, config.membership, replica, self.metrics, Retries()
         )
         self.membership = self.health.membership
-        self.budget = CpuBudget(config.gossip.cpu_share)
-        self.metrics.gossip_cpu_budget.set(config.gossip.cpu_share)
-        self.metrics.gossip_cpu_share.set_function(self.budget.gossip_share)
         self.outbound = Outbound(
             gossip=config.gossip,
             shutdown_timeout_s=config.shutdown_timeout_s,

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable
@@ -53,6 +54,16 @@ class Delivery(NamedTuple):
     acks: list[Ack]
     error: str | None
     exact: bool = True
+
+
+@dataclass
+class _Tries:
+    """What the attempts of one push have established so far."""
+
+    acked: list[Ack] = field(default_factory=list)  # final: never sent again
+    sent: set[int] = field(default_factory=set)  # segments some attempt carried
+    uncertain: bool = False  # some earlier attempt may yet be merged
+    last_error: str = "no attempt made"
 
 
 class Outbound:
@@ -149,59 +160,66 @@ class Outbound:
             return Delivery([], f"peer {peer} left the view")
         nbytes = sum(t.numel() * t.element_size() for t in out.snapshot.values())
         delay_s = min(0.5, gossip.retry_max_s)
-        last_error = "no attempt made"
-        uncertain = False  # some earlier attempt may yet be merged
-        acked: list[Ack] = []  # acknowledgements are final: never sent again
-        sent: set[int] = set()  # segments some attempt carried
+        tries = _Tries()
         while True:
             state = self.membership.peers.get(peer)
             if state is None:
                 return Delivery(
-                    acked,
+                    tries.acked,
                     f"{peer} was declared dead before acknowledging push "
-                    f"#{out.push.sequence}; last attempt: {last_error}",
-                    exact=not uncertain,
+                    f"#{out.push.sequence}; last attempt: {tries.last_error}",
+                    exact=not tries.uncertain,
                 )
-            remaining = sorted(set(out.push.weights) - {a.segment for a in acked})
-            never_sent = set(remaining) - sent
-            sent |= never_sent
-            try:
-                acks = await self.channels.client(state.address, peer).push(
-                    out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
-                )
-                self.metrics.messages.labels("sent", kind, "ok").inc()
-                self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
-                self.health.succeeded(peer)
-                return Delivery(acked + self._credible(out, acks, never_sent), None)
-            except OutcomeUnknown as err:
-                last_error, uncertain = str(err), True
-                self.health.failed(peer, err)
-            except PartialPush as err:
-                acked += self._credible(out, err.acks, never_sent)
-                last_error = str(err)
-                if any(isinstance(e, OutcomeUnknown) for e in err.errors):
-                    uncertain = True
-                elif not uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
-                    return self._refused(acked, nbytes, err, kind, uncertain)  # commit merged
-            except InvalidFrame as err:  # refused by validation, as any attempt would be
-                return self._refused(acked, nbytes, err, kind, uncertain)
-            except GossipdError as err:
-                if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
-                    self.health.failed(peer, err)
-                # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged
-                # nothing.
-                # That settles the push only if no earlier attempt is still unaccounted
-                # for: one may sit in the receiver's inbox and be merged after all.
-                if not uncertain:
-                    return self._refused(acked, nbytes, err, kind, uncertain)
-                last_error = str(err)
+            settled = await self._attempt(out, state.address, kind, nbytes, tries)
+            if settled is not None:
+                return settled
             self.metrics.messages.labels("sent", kind, "retry").inc()
             # While leaving, retry at once: a receiver that just came back answers
             # DUPLICATE for what it merged, and only an answer settles exactly.
             await self.retries.wait(0.1 if self.leaving else delay_s)
             if self.stopping.is_set():
-                return Delivery(acked, last_error, exact=not uncertain)
+                return Delivery(tries.acked, tries.last_error, exact=not tries.uncertain)
             delay_s = min(delay_s * 2, gossip.retry_max_s)
+
+    async def _attempt(
+        self, out: OutboundPush, address: str, kind: str, nbytes: int, tries: _Tries
+    ) -> Delivery | None:
+        """One attempt at what is not yet acknowledged: the delivery that settles the
+        push, or None to retry (``tries`` records what this attempt established)."""
+        peer, gossip = out.push.peer, self.gossip
+        remaining = sorted(set(out.push.weights) - {a.segment for a in tries.acked})
+        never_sent = set(remaining) - tries.sent
+        tries.sent |= never_sent
+        try:
+            acks = await self.channels.client(address, peer).push(
+                out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
+            )
+            self.metrics.messages.labels("sent", kind, "ok").inc()
+            self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)
+            self.health.succeeded(peer)
+            return Delivery(tries.acked + self._credible(out, acks, never_sent), None)
+        except OutcomeUnknown as err:
+            tries.last_error, tries.uncertain = str(err), True
+            self.health.failed(peer, err)
+        except PartialPush as err:
+            tries.acked += self._credible(out, err.acks, never_sent)
+            tries.last_error = str(err)
+            if any(isinstance(e, OutcomeUnknown) for e in err.errors):
+                tries.uncertain = True
+            elif not tries.uncertain or all(isinstance(e, InvalidFrame) for e in err.errors):
+                return self._refused(tries, nbytes, err, kind)  # commit what merged
+        except InvalidFrame as err:  # refused by validation, as any attempt would be
+            return self._refused(tries, nbytes, err, kind)
+        except GossipdError as err:
+            if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
+                self.health.failed(peer, err)
+            # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged
+            # nothing. That settles the push only if no earlier attempt is still
+            # unaccounted for: one may sit in the receiver's inbox and be merged after all.
+            if not tries.uncertain:
+                return self._refused(tries, nbytes, err, kind)
+            tries.last_error = str(err)
+        return None
 
     def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:
         """``acks`` less DUPLICATE answers for segments no earlier attempt carried."""
@@ -226,12 +244,10 @@ class Outbound:
             )
         return [a for a in acks if a.segment not in false]
 
-    def _refused(
-        self, acked: list[Ack], nbytes: int, err: GossipdError, kind: str, uncertain: bool
-    ) -> Delivery:
+    def _refused(self, tries: _Tries, nbytes: int, err: GossipdError, kind: str) -> Delivery:
         self.metrics.messages.labels("sent", kind, "failed").inc()
         self.metrics.bytes.labels("sent", kind, "failed").inc(nbytes)
-        return Delivery(acked, str(err), exact=not uncertain)
+        return Delivery(tries.acked, str(err), exact=not tries.uncertain)
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None:
         """Retry the pushes to ``peer`` at once and wait (bounded) for them to settle."""
@@ -260,10 +276,25 @@ class Outbound:
         # Whatever the core still wants to send (a timer, a last round) is folded back
         # at once (port.NetworkPort): only the hand-off below leaves this node now.
         self.leaving = True
-        replica = self.replica
         self.retry_now()
-        gossip, budget_s = self.gossip, self.shutdown_timeout_s
-        settle_s = min(gossip.progress_timeout_s + 1.0, budget_s / 3)
+        slow_peers = await self._settle_or_cancel()
+        # Every parameter write stays on the replica's own thread: these requests run
+        # there, after the outcomes the cancelled pushes just posted.
+        await asyncio.wrap_future(self.replica.barrier())
+        await self._hand_off(self._heirs(slow_peers))
+        clients = [self.channels.client(s.address, s.node_id) for s in self.membership.live()]
+        results = await asyncio.gather(
+            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
+        )
+        for client, result in zip(clients, results, strict=True):
+            if isinstance(result, BaseException):
+                log.debug("Leave to %s failed: %s", client.address, result)
+
+    async def _settle_or_cancel(self) -> set[str]:
+        """Let pushes in flight settle; cancel those to peers gone or too slow, which fold
+        back. Returns the peers whose pushes stalled."""
+        budget_s = self.shutdown_timeout_s
+        settle_s = min(self.gossip.progress_timeout_s + 1.0, budget_s / 3)
         peer_of = {task: peer for peer, tasks in self._pushes.items() for task in tasks}
         pending = set(peer_of)
         slow_peers: set[str] = set()
@@ -278,23 +309,32 @@ class Outbound:
                 task.cancel()
                 slow_peers.add(peer_of[task])
             await asyncio.gather(*stalled, return_exceptions=True)
-        # Every parameter write stays on the replica's own thread: these requests run
-        # there, after the outcomes the cancelled pushes just posted.
-        await asyncio.wrap_future(replica.barrier())
-        # The hand-off goes to a peer that answers: one that did not just stall a push
-        # and has no failure on record, then the others by fewest failures on record.
-        # A hand-off cut off by the shutdown deadline has an unknown outcome, and folding
-        # it back while the receiver merged it makes mass, so a slow receiver is the last
-        # choice. Ties are shuffled (seeded), so leavers do not all pick the same heir.
+        return slow_peers
+
+    def _heirs(self, slow_peers: set[str]) -> list[str]:
+        """Whom to hand the weight to, best first.
+
+        A peer that answers: one that did not just stall a push and has no failure on
+        record, then the others by fewest failures on record. A hand-off cut off by the
+        shutdown deadline has an unknown outcome, and folding it back while the receiver
+        merged it makes mass, so a slow receiver is the last choice. Ties are shuffled
+        (seeded), so leavers do not all pick the same heir.
+        """
         live = sorted(
-            (s for s in self.membership.live() if s.node_id in replica.summary.peers),
+            (s for s in self.membership.live() if s.node_id in self.replica.summary.peers),
             key=lambda s: s.node_id,
         )
         self.rng.shuffle(live)
         live.sort(key=lambda s: (s.node_id in slow_peers, s.failures))  # stable: ties shuffled
-        candidates = [s.node_id for s in live]
-        # A hand-off that surely merged nothing (the peer died since it was last heard
-        # from, say) goes to the next candidate; one that may have merged ends the tries.
+        return [s.node_id for s in live]
+
+    async def _hand_off(self, candidates: list[str]) -> None:
+        """Hand all weight to the first candidate that takes it.
+
+        A hand-off that surely merged nothing (the peer died since it was last heard
+        from, say) goes to the next candidate; one that may have merged ends the tries.
+        """
+        replica = self.replica
         for peer in candidates:
             out = await asyncio.wrap_future(replica.request_hand_off(peer))
             if out is None:
@@ -311,10 +351,3 @@ class Outbound:
             log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
             if not delivery.exact:
                 break
-        clients = [self.channels.client(s.address, s.node_id) for s in self.membership.live()]
-        results = await asyncio.gather(
-            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
-        )
-        for client, result in zip(clients, results, strict=True):
-            if isinstance(result, BaseException):
-                log.debug("Leave to %s failed: %s", client.address, result)
