@@ -1,19 +1,21 @@
 """The sending side of the bulk lane: a peer client's connections to one receiver's lane
-(:mod:`gossipd.node.net.bulk`), dialled when needed and reused push after push.
+(:mod:`gossipd.node.net.bulk`), dialled when needed and reused push after push, and
+when a payload goes there at all (:class:`PeerLane`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
-from gossipd.node.errors import BulkClosed
+from gossipd.node.errors import BulkClosed, GossipdError
 from gossipd.node.net.bulkconn import (
     MAGIC,
     MAGIC_SEALED,
@@ -29,9 +31,15 @@ from gossipd.node.net.sealing import SEED_BYTES, Seal, new_seed
 from gossipd.node.shared.tls import Credentials, IdentityMismatch
 from gossipd.node.trainer.torchthreads import worker_pool
 
+if TYPE_CHECKING:
+    from gossipd.proto import gossip_pb2 as pb
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 IDLE_S = 2.0  # a dialled connection unused this long is closed rather than reused
+BULK_RECHECK_S = 60.0  # a peer without a lane (or unreachable there) is asked again after this
+BULK_DIAL_S = 5.0  # the most a lane's Handshake or connection set-up may take
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
@@ -137,3 +145,80 @@ class BulkDialer:
             conn.abort()
         self._idle.clear()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class PeerLane:
+    """A peer client's way onto one peer's bulk lane, shared by its pushes and pulls: the
+    dialer, once the peer's Handshake named a lane port, and when to ask again."""
+
+    def __init__(
+        self,
+        address: str,
+        tls: Credentials,
+        expected: str | None,
+        workers: int,
+        *,
+        enabled: bool,
+        min_bytes: int,
+        handshake: Callable[[float], Awaitable[pb.HandshakeReply]],
+    ) -> None:
+        """``enabled``: the node's ``bulk``, and no ``[link]`` shaping (shaping paces chunk
+        frames, which the lane would bypass); a payload under ``min_bytes`` goes in chunk
+        frames; ``handshake``: the client's Handshake to the peer, which names its lane;
+        ``workers``: the dialer's worker threads."""
+        self.address = address
+        self.tls = tls
+        self.expected = expected
+        self.workers = workers
+        self.enabled = enabled
+        self.min_bytes = min_bytes
+        self._handshake = handshake
+        self.dialer: BulkDialer | None = None
+        self._asked_s = -BULK_RECHECK_S
+
+    async def conn(self, nbytes: int, timeout_s: float) -> BulkConn | None:
+        """A connection to the peer's bulk lane for ``nbytes`` of payload, or None: the
+        payload then goes in chunk frames (small, shaped, no lane, or the lane failed).
+
+        The lane's port comes from the peer's Handshake, asked once (again after
+        ``BULK_RECHECK_S`` when it had none or could not be reached).
+        """
+        if not self.enabled or nbytes < self.min_bytes:
+            return None  # shaping paces chunk frames
+        loop = asyncio.get_running_loop()
+        if self.dialer is None:
+            if loop.time() - self._asked_s < BULK_RECHECK_S:
+                return None
+            self._asked_s = loop.time()
+            try:
+                reply = await self._handshake(min(timeout_s, BULK_DIAL_S))
+            except GossipdError:
+                return None
+            if not reply.bulk_port:
+                return None
+            host = self.address.rpartition(":")[0]
+            self.dialer = BulkDialer(
+                host,
+                reply.bulk_port,
+                self.tls,
+                self.expected,
+                self.workers,
+                sealed=reply.bulk_sealed,
+            )
+        try:
+            return await self.dialer.take(min(timeout_s, BULK_DIAL_S))
+        except GossipdError as err:
+            log.info(
+                "bulk lane of %s: %s; this push goes in gRPC frames, the lane is tried "
+                "again in %.0f s",
+                self.address,
+                err,
+                BULK_RECHECK_S,
+            )
+            self.dialer.close()
+            self.dialer = None
+            return None
+
+    def close(self) -> None:
+        if self.dialer is not None:
+            self.dialer.close()
