@@ -86,9 +86,10 @@ SLOW_FILES_FIRST = (
     "test_crash_one_site.py", "test_crash_recovery.py", "test_insider_weight.py",
     "test_mqtt_outage.py", "test_coordinator_client.py", "test_demo.py",
     "test_bench_overlap.py", "test_bench_protocols.py", "test_bench_transport.py",
-    "test_liveness.py", "test_attacks.py", "test_mqtt.py", "test_overlap_daemon.py",
-    "test_operator.py", "test_sim.py", "test_clean_shutdown.py", "test_leaving_receiver.py",
-    "test_lost_ack.py", "test_mass_faults.py", "test_bulk_lane.py", "test_bulk_lane_hostile.py",
+    "test_liveness.py", "test_attacks.py", "test_attacks_membership.py", "test_mqtt.py",
+    "test_overlap_daemon.py", "test_operator.py", "test_sim.py", "test_clean_shutdown.py",
+    "test_leaving_receiver.py", "test_lost_ack.py", "test_mass_faults.py", "test_bulk_lane.py",
+    "test_bulk_lane_hostile.py",
 )  # fmt: skip
 
 
