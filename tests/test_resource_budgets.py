@@ -7,7 +7,8 @@ real sockets from an accepted sender (a FakePeer the daemon verified), then
 check that its peak RSS (VmHWM, reset just before the flood) stays within
 baseline + what the caps allow + a stated margin, that every refusal and
 cut-off is counted by reason, and that the daemon still serves afterwards.
-Nothing here asserts a duration: every wait polls a condition with a deadline.
+Nothing here asserts a duration: every wait polls a condition with a deadline. The
+budget and the slots alone, without a daemon, are ``tests/test_admission_limits.py``.
 """
 
 from __future__ import annotations
@@ -17,31 +18,33 @@ import contextlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from gossipd.node.errors import Busy, ConfigError, InvalidFrame
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.admission import ByteBudget, Slots
-from gossipd.node.net.servicer import GossipServicer
 from gossipd.node.net.status import query_status
 from gossipd.node.net.wire import Limits, SegmentAssembler
-from gossipd.node.shared.config import NodeConfig
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.segments import model_checksum
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, start_daemon, wait_until
-from tests.fakepeer import MESH, FakePeer, synthetic_plan
+from tests.fakepeer import FakePeer
+from tests.flood_frames import (
+    CHUNK_BYTES,
+    INCARNATION,
+    NUMEL,
+    PLAN,
+    SEGMENT_BYTES,
+    SENDER,
+    open_frame,
+    segment_frames,
+    stalling_head,
+)
+from tests.outsider import MESH
 
-NUMEL = 4_000_000  # segment 0: one 16 MB tensor; segment 1: the 33-parameter head
 JOB = {"options": {"numel": NUMEL}}
-PLAN = synthetic_plan(numel=NUMEL)
-SEGMENT_BYTES = PLAN.segments[0].nbytes
 IDLE_S = 3.0
 LIMITS = {
     "max_inbound_pushes": 16,
@@ -52,8 +55,6 @@ LIMITS = {
 # What a flood may add beyond its caps: gRPC's per-stream buffers and bookkeeping for
 # 200 streams, interpreter garbage. Without the caps the push flood below adds ~800 MB.
 MARGIN_BYTES = 64 << 20
-SENDER, INCARNATION = "attacker", 7
-CHUNK_BYTES = 1 << 20
 WAIT_S = 60.0
 LOST_STATUS = "Internal error from Core"
 PUSH = "/gossipd.v1.Gossip/PushSegments"
@@ -103,49 +104,6 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
             yield handle
         finally:
             assert handle.stop() == 0, handle.log()
-
-
-def _open(sequence: int, segment_count: int = 1) -> bytes:
-    opened = pb.PushOpen(
-        mesh_id=MESH,
-        sender=SENDER,
-        fingerprint=PLAN.fingerprint,
-        sequence=sequence,
-        segment_count=segment_count,
-        incarnation=INCARNATION,
-        sequence_base=1,
-    )
-    return pb.PushFrame(open=opened).SerializeToString()
-
-
-def _header(sequence: int, index: int, payload_bytes: int, checksum: int) -> bytes:
-    header = pb.SegmentHeader(
-        sender=SENDER,
-        segment=index,
-        sequence=sequence,
-        sum_weight=1.0,
-        dtype=pb.DTYPE_FLOAT32,
-        numel=PLAN.segments[index].numel,
-        codec=pb.CODEC_RAW,
-        payload_bytes=payload_bytes,
-        checksum=checksum,
-    )
-    return pb.PushFrame(header=header).SerializeToString()
-
-
-def _segment(sequence: int, index: int, values: torch.Tensor) -> list[bytes]:
-    data = bytes(wirecodec.encode(values, Codec.RAW))
-    chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
-    return [
-        _header(sequence, index, len(data), wirecodec.checksum(data)),
-        *(pb.PushFrame(chunk=c).SerializeToString() for c in chunks),
-    ]
-
-
-def _stalling_head(sequence: int) -> list[bytes]:
-    """Open, the header of the big segment, then 4 MiB of its 16 MB: a push that stalls."""
-    chunk = pb.PushFrame(chunk=b"\x01" * CHUNK_BYTES).SerializeToString()
-    return [_open(sequence), _header(sequence, 0, SEGMENT_BYTES, 0), *[chunk] * 4]
 
 
 async def _push(
@@ -207,7 +165,7 @@ async def _push_flood(address: str) -> tuple[list[tuple[grpc.StatusCode, str]], 
     try:
         written = [asyncio.Event(), asyncio.Event()]
         holders = [
-            asyncio.ensure_future(_push(channels[i], _stalling_head(1 + i), written=written[i]))
+            asyncio.ensure_future(_push(channels[i], stalling_head(1 + i), written=written[i]))
             for i in (0, 1)
         ]
         # 4 MiB cannot pass a fresh stream's flow control unless the daemon read it,
@@ -215,13 +173,13 @@ async def _push_flood(address: str) -> tuple[list[tuple[grpc.StatusCode, str]], 
         await _until(lambda: all(w.is_set() for w in written), "the holders' frames")
         probe: tuple[grpc.StatusCode, str] = (grpc.StatusCode.OK, "")
         for sequence in range(100, 100 + 5):
-            probe = await _push(channels[2], _stalling_head(sequence)[:2])
+            probe = await _push(channels[2], stalling_head(sequence)[:2])
             results.append(probe)
             if "limits.max_pending_bytes" in probe[1]:
                 break
         go = asyncio.get_running_loop().create_future()
         flood = [
-            asyncio.ensure_future(_push(channels[i % 10], _stalling_head(1000 + i), go))
+            asyncio.ensure_future(_push(channels[i % 10], stalling_head(1000 + i), go))
             for i in range(197)
         ]
         await _until(lambda: sum(t.done() for t in flood) >= 197 - 16, "the slot refusals")
@@ -262,7 +220,7 @@ def test_push_flood_is_bounded_by_caps_and_budget_then_a_push_merges(victim: Dae
 
     # The budget is free again: a whole push, big segment included, is merged.
     values = [torch.full((s.numel,), 0.25) for s in PLAN.segments]
-    frames = [_open(1, 2), *_segment(1, 0, values[0]), *_segment(1, 1, values[1])]
+    frames = [open_frame(1, 2), *segment_frames(1, 0, values[0]), *segment_frames(1, 1, values[1])]
 
     async def push_once() -> tuple[grpc.StatusCode, Any]:
         async with grpc.aio.insecure_channel(victim.address) as channel:
@@ -381,40 +339,3 @@ def test_unread_pulls_are_capped_and_cut_off_then_a_pull_completes(victim: Daemo
 
     wait_until(pulled, "a complete pull after the flood", WAIT_S)
     assert victim.proc.poll() is None, victim.log()
-
-
-def test_budget_below_the_largest_segment_is_refused_when_the_servicer_is_built() -> None:
-    """Nothing could ever be received, so the node refuses to start and names the key."""
-    limits = {"max_pending_bytes": SEGMENT_BYTES - 1}
-    node = SimpleNamespace(
-        config=NodeConfig(mesh_id=MESH, node_id="tight", limits=limits, tls={"insecure": True}),
-        new_assembler=lambda: SegmentAssembler(PLAN, Limits()),
-    )
-    with pytest.raises(ConfigError, match=r"limits\.max_pending_bytes = \d+ is below the largest"):
-        GossipServicer(node)
-
-
-def test_budget_is_charged_before_the_buffer_and_released_however_the_stream_ends() -> None:
-    budget = ByteBudget(2 * SEGMENT_BYTES, "limits.max_pending_bytes")
-    header = pb.PushFrame.FromString(_stalling_head(1)[1]).header
-    with pytest.raises(RuntimeError), budget.hold() as first, budget.hold() as second:
-        SegmentAssembler(PLAN, Limits(), first.reserve).header(header)
-        SegmentAssembler(PLAN, Limits(), second.reserve).header(header)
-        third = SegmentAssembler(PLAN, Limits(), budget.hold().reserve)
-        with pytest.raises(Busy, match=r"limits\.max_pending_bytes"):
-            third.header(header)
-        with pytest.raises(InvalidFrame, match="no segment header"):
-            third.chunk(b"\0")  # refused before its buffer existed
-        assert budget.in_use == 2 * SEGMENT_BYTES
-        raise RuntimeError("the stream failed")
-    assert budget.in_use == 0
-
-
-def test_slots_refuse_one_more_at_once_and_free_on_release() -> None:
-    slots = Slots(2, "inbound push streams", "limits.max_inbound_pushes")
-    with slots.take(), slots.take(), pytest.raises(Busy, match=r"limits\.max_inbound_pushes = 2"):
-        slots.take()
-    slot = slots.take()
-    slot.release()
-    slot.release()  # every exit path may release; only the first counts
-    assert slots.in_use == 0
