@@ -2,13 +2,12 @@
 
 No assertion on how fast anything is (the machine is shared and loopback numbers are
 noisy): only relationships that hold at any speed, and two sanity bounds far outside
-any real measurement. The frame tests protect the wire schema: PushFrames the client
-encodes by hand must be byte for byte what protobuf writes.
+any real measurement. The push frames it times are checked against protobuf in
+``tests/test_push_frames.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -23,16 +22,12 @@ import torch
 
 from gossipd.bench import trainer_overhead, transport, transport_cli
 from gossipd.node.errors import JobError
-from gossipd.node.net.transport import Identity, PeerClient
-from gossipd.node.net.wire import segment_frames
-from gossipd.node.protocols.sumweight import Push
-from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.codec import Codec
+from gossipd.node.net.transport import PeerClient
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import OutboundPush
-from gossipd.proto import gossip_pb2 as pb
 
 MODEL_MB = 8
+MODEL_BYTES = MODEL_MB << 20
 REPS = 3
 # Loopback goodput of 8 MiB can exceed no memory bus; anything faster is a timing bug.
 MAX_PLAUSIBLE_GBPS = 100.0
@@ -41,7 +36,6 @@ ABSURD_VS_RAW_TCP = 10.0
 COST_PUSHES = 50
 # Steps with pushes over steps without: no real run comes near this in either direction.
 ABSURD_STEP_RATIO = 10.0
-DEADLINE_S = 30.0  # the push deadline the open frame carries
 
 
 class _Recorder:
@@ -100,12 +94,24 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     assert transport.main([*argv, "--json", "--plot", str(png)]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
-    nbytes = MODEL_MB << 20
-    rows = result["rows"]
+    lines = captured.err.splitlines()
 
-    # What ran: every baseline (none fell over into a note), then plaintext and mutual
-    # TLS, each with two push settings and one pull, each on the bulk lane and then in
-    # gRPC frames.
+    _check_what_ran(result)
+    _check_bytes_moved(recorder)
+    _check_times(result["rows"], recorder)
+    _check_derived_columns(result, lines)
+    _check_table_and_plot(result["rows"], lines, png)
+    _check_push_cost(result["push_cost"], lines)
+
+
+def _rows(rows: list[dict[str, Any]], method: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r["method"] == method]
+
+
+def _check_what_ran(result: dict[str, Any]) -> None:
+    """Every baseline (none fell over into a note), then plaintext and mutual TLS, each
+    with two push settings and one pull, each on the bulk lane and then in gRPC frames."""
+
     def mode(tls: bool) -> list[str]:
         lane, framed = (" (mTLS)", " (mTLS, frames)") if tls else ("", " (frames)")
         return [
@@ -115,6 +121,7 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
             f"gossipd push{framed}",
         ]
 
+    rows = result["rows"]
     baselines = ["raw TCP", "gloo", "grpc.aio bare"]
     assert [r["method"] for r in rows] == [*baselines, *mode(False), *mode(True)]
     assert result["notes"] == ["hivemind: skipped (--skip-hivemind)"]
@@ -122,18 +129,20 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         "segment 16 MiB, chunk 1024 KiB, streams 1 (1 segments)",
         "segment 16 MiB, chunk 1024 KiB, streams 4 (1 segments)",
     ]
-    pushes = [r for r in rows if r["method"] == "gossipd push"]
-    tls_pushes = [r for r in rows if r["method"] == "gossipd push (mTLS)"]
+    pushes, tls_pushes = _rows(rows, "gossipd push"), _rows(rows, "gossipd push (mTLS)")
     assert [r["settings"] for r in pushes] == [r["settings"] for r in tls_pushes] == settings
     assert (result["model_bytes"], result["tensor_bytes"], result["reps"]) == (
-        nbytes,
+        MODEL_BYTES,
         4 << 20,
         REPS,
     )
 
-    # Bytes moved: each baseline was asked for the model's size (raw TCP first and last),
-    # each push carried the whole snapshot and had every segment merged, the pull
-    # returned the receiver's model.
+
+def _check_bytes_moved(recorder: _Recorder) -> None:
+    """Each baseline was asked for the model's size (raw TCP first and last), each push
+    carried the whole snapshot and had every segment merged, the pull returned the
+    receiver's model."""
+    nbytes = MODEL_BYTES
     for name in ("bench_gloo", "bench_grpc_bare", "bench_gossipd"):
         assert [size for _, size in recorder.calls[name]] == [nbytes], name
     assert [size for _, size in recorder.calls["bench_raw_tcp"]] == [nbytes, nbytes]
@@ -151,18 +160,19 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         assert sum(v.numel() * 4 for v in pulled.values()) == nbytes
         assert torch.equal(pulled[0], receiver.buffers[0])  # pushes of weight 0 merge nothing
 
-    # Times: REPS of them per row (raw TCP: REPS at each end), each inside the call that
-    # took it.
+
+def _check_times(rows: list[dict[str, Any]], recorder: _Recorder) -> None:
+    """REPS times per row (raw TCP: REPS at each end), each inside the call that took it."""
     for r in rows:
         reps = 2 * REPS if r["method"] == "raw TCP" else REPS
         assert len(r["times_s"]) == reps and all(0 < t < math.inf for t in r["times_s"]), r
-        assert r["nbytes"] == nbytes, r
+        assert r["nbytes"] == MODEL_BYTES, r
     for method, name in [
         ("raw TCP", "bench_raw_tcp"),
         ("gloo", "bench_gloo"),
         ("grpc.aio bare", "bench_grpc_bare"),
     ]:
-        [row] = [r for r in rows if r["method"] == method]
+        [row] = _rows(rows, method)
         ends = [row["times_s"][i : i + REPS] for i in range(0, len(row["times_s"]), REPS)]
         for times, (wall, _) in zip(ends, recorder.calls[name], strict=True):
             assert sum(times) <= wall, method
@@ -177,20 +187,25 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
     for r, mine in zip(push_rows, own, strict=True):
         assert all(t >= w for t, w in zip(r["times_s"], mine, strict=True)), (r, mine)
 
-    # Derived columns, from the row's own times and the raw TCP row.
+
+def _check_derived_columns(result: dict[str, Any], lines: list[str]) -> None:
+    """Rates and ratios from each row's own times and the raw TCP row; the summary's best
+    push, its ratios and the per-setting mTLS lines from those."""
+    rows = result["rows"]
     raw = rows[0]
     for r in rows:
-        rates = [nbytes / t / 1e9 for t in r["times_s"]]
+        rates = [MODEL_BYTES / t / 1e9 for t in r["times_s"]]
         assert r["gbps_best"] == pytest.approx(max(rates), rel=1e-12)
         assert r["gbps_median"] == pytest.approx(statistics.median(rates), rel=1e-12)
         assert r["gbps_median"] <= r["gbps_best"] < MAX_PLAUSIBLE_GBPS, r
         assert r["ratio_vs_raw_tcp"] == pytest.approx(r["gbps_best"] / raw["gbps_best"], rel=1e-12)
     assert raw["ratio_vs_raw_tcp"] == 1.0
+    pushes, tls_pushes = _rows(rows, "gossipd push"), _rows(rows, "gossipd push (mTLS)")
     best = max(pushes, key=lambda r: r["gbps_best"])
     assert result["best_push_settings"] == best["settings"]
     assert result["ratio_vs_raw_tcp"] == best["ratio_vs_raw_tcp"]
     assert result["ratio_vs_raw_tcp"] < ABSURD_VS_RAW_TCP
-    [bare] = [r for r in rows if r["method"] == "grpc.aio bare"]
+    [bare] = _rows(rows, "grpc.aio bare")
     assert result["ratio_vs_grpc_aio_bare"] == pytest.approx(
         best["gbps_best"] / bare["gbps_best"], rel=1e-12
     )
@@ -199,15 +214,17 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
         for m in {r["method"] for r in rows}
     }
     assert result["machine"]["cpu_count"] == os.cpu_count()
-    mtls_lines = [x for x in captured.err.splitlines() if x.startswith("mTLS push: ")]
+    mtls_lines = [x for x in lines if x.startswith("mTLS push: ")]
     assert mtls_lines == [
         f"mTLS push: {tls['gbps_best'] / plain['gbps_best']:.2f} x plaintext push "
         f"({plain['settings']})"
         for plain, tls in zip(pushes, tls_pushes, strict=True)
     ]
 
-    # The table a person reads (stderr under --json) shows the same rows, in order.
-    lines = captured.err.splitlines()
+
+def _check_table_and_plot(rows: list[dict[str, Any]], lines: list[str], png: Path) -> None:
+    """The table a person reads (stderr under --json) shows the same rows, in order; the
+    plot is a PNG of one bar per row (9 in wide, 0.6 in per row + 1.5 in, at 120 dpi)."""
     table = lines[lines.index(next(x for x in lines if x.startswith("---"))) + 1 :][: len(rows)]
     for line, r in zip(table, rows, strict=True):
         cells = line.split()
@@ -217,11 +234,9 @@ def test_bench_transport_moves_the_whole_model_and_its_table_adds_up(
             f"{r['gbps_median']:.2f}",
             f"{r['ratio_vs_raw_tcp']:.2f}",
         ], line
-    # The plot: a PNG of one bar per row (9 in wide, 0.6 in per row + 1.5 in, at 120 dpi).
     head = png.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", head[16:24]) == (9 * 120, round((0.6 * len(rows) + 1.5) * 120))
-    _check_push_cost(result["push_cost"], lines)
 
 
 def _check_push_cost(costs: list[dict[str, Any]], lines: list[str]) -> None:
@@ -252,40 +267,6 @@ def _check_push_cost(costs: list[dict[str, Any]], lines: list[str]) -> None:
             f"{c['latency_ms_p90']:.2f}",
             f"{c['pushes_per_s']:.0f}",
         ], line
-
-
-def _protobuf_frames(out: OutboundPush, identity: Identity, chunk_bytes: int) -> list[bytes]:
-    frames = [
-        pb.PushFrame(
-            open=pb.PushOpen(
-                mesh_id=identity.mesh_id,
-                sender=identity.node_id,
-                fingerprint=identity.fingerprint,
-                sequence=out.push.sequence,
-                segment_count=len(out.push.weights),
-                incarnation=identity.incarnation,
-                round=out.push.round,
-                sequence_base=out.push.sequence_base,
-                deadline_s=DEADLINE_S,
-            )
-        )
-    ]
-    for index in sorted(out.push.weights):
-        for part in segment_frames(
-            sender=identity.node_id,
-            sequence=out.push.sequence,
-            segment=index,
-            sum_weight=out.push.weights[index],
-            flat=out.snapshot[index],
-            codec=Codec.RAW,
-            chunk_bytes=chunk_bytes,
-        ):
-            frame = (
-                pb.PushFrame(chunk=part) if isinstance(part, bytes) else pb.PushFrame(header=part)
-            )
-            frames.append(frame)
-    frames.append(pb.PushFrame(end=pb.PushEnd()))
-    return [f.SerializeToString() for f in frames]
 
 
 def test_trainer_mode_trains_both_runs_the_same_time_and_only_the_second_pushes(
@@ -381,32 +362,3 @@ def test_an_unknown_trainer_job_fails_before_any_daemon_starts(
     captured = capsys.readouterr()
     assert "gossipd bench transport: unknown job 'no_such_job'" in captured.err
     assert "trainer overhead:" not in captured.out + captured.err  # not even digits' run began
-
-
-@pytest.mark.parametrize("chunk_bytes", [4, 124, 128, 1000, 16384, 1 << 20, 4 << 20])
-def test_push_frames_encoded_by_hand_equal_protobuf_serialization(chunk_bytes: int) -> None:
-    identity = Identity("mesh", "sender", "127.0.0.1:1", 7, "f" * 32, "sumweight")
-    gen = torch.Generator().manual_seed(0)
-    snapshot = {i: torch.randn(n, generator=gen) for i, n in enumerate([1, 33, 700, (5 << 18) + 3])}
-    out = OutboundPush(Push("peer", 3, {0: 0.5, 1: 0.25, 2: 0.0, 3: 1.0}), snapshot)
-
-    async def frames() -> list[bytes]:
-        client = PeerClient(
-            "127.0.0.1:1", identity, chunk_bytes=chunk_bytes, tls=Credentials(insecure=True)
-        )
-        try:
-            return [f async for f in client._frames(out, sorted(out.push.weights), DEADLINE_S)]
-        finally:
-            await client.close()
-
-    assert asyncio.run(frames()) == _protobuf_frames(out, identity, chunk_bytes)
-
-
-def test_segment_frames_views_hold_the_same_bytes_as_copies() -> None:
-    flat = torch.arange(1000, dtype=torch.float32)
-    kwargs = {"sender": "s", "sequence": 1, "segment": 0, "sum_weight": 1.0, "flat": flat}
-    copies = list(segment_frames(**kwargs, codec=Codec.RAW, chunk_bytes=512))
-    views = list(segment_frames(**kwargs, codec=Codec.RAW, chunk_bytes=512, copy=False))
-    assert copies[0] == views[0]
-    assert all(isinstance(v, memoryview) and v.readonly for v in views[1:])
-    assert [bytes(v) for v in views[1:]] == copies[1:]
