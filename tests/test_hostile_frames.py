@@ -147,12 +147,17 @@ def _values(wire: Wire, fill: float) -> torch.Tensor:
     return torch.full((wire.flat.plan.segments[0].numel,), fill)
 
 
-def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]]]:
+Cases = dict[str, tuple[str, Callable[[], list[bytes] | bytes]]]  # name -> (RPC, its frames)
+
+
+def _cases(wire: Wire) -> Cases:
+    """Every hostile case: the RPC it calls and the frames it sends (built when run)."""
     good = _values(wire, 0.5)
-    nan = good.clone()
-    nan[3] = math.nan
-    inf = good.clone()
-    inf[0] = math.inf
+    return {**_framing_cases(wire, good), **_open_cases(wire, good), **_segment_cases(wire, good)}
+
+
+def _framing_cases(wire: Wire, good: torch.Tensor) -> Cases:
+    """Frames that do not parse, come out of order, stop short or are too large."""
     half = bytes(wirecodec.encode(good, Codec.RAW))[: good.numel() * 2]
     return {
         "garbage push frame": ("PushSegments", lambda: [b"\xff\xff\xff\xff\x0fnot protobuf"]),
@@ -172,6 +177,25 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, chunk=half)],
         ),
+        "oversize chunk": (
+            "PushSegments",
+            lambda: [
+                wire.open_frame(),
+                wire.segment(good)[0],
+                pb.PushFrame(chunk=b"\0" * (MAX_CHUNK * 2)).SerializeToString(),
+            ],
+        ),
+        "oversize frame": (
+            "PushSegments",
+            lambda: [wire.open_frame(), _oversize_frame()],
+        ),
+    }
+
+
+def _open_cases(wire: Wire, good: torch.Tensor) -> Cases:
+    """A well-formed push whose open frame names the wrong model, mesh or sender, or
+    numbers its segments or sequences wrongly."""
+    return {
         "wrong fingerprint": (
             "PushSegments",
             lambda: [wire.open_frame(fingerprint="0" * 32), *wire.segment(good)],
@@ -184,6 +208,28 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
             "PushSegments",
             lambda: [wire.open_frame(sender="stranger"), *wire.segment(good, sender="stranger")],
         ),
+        "segment count lies": (
+            "PushSegments",
+            lambda: [wire.open_frame(segment_count=2), *wire.segment(good)],
+        ),
+        "no sequence base": (
+            "PushSegments",
+            lambda: [wire.open_frame(sequence_base=0), *wire.segment(good)],
+        ),
+        "sequence base above the sequence": (
+            "PushSegments",
+            lambda: [wire.open_frame(sequence_base=2), *wire.segment(good)],
+        ),
+    }
+
+
+def _segment_cases(wire: Wire, good: torch.Tensor) -> Cases:
+    """A segment whose values, checksum, size, index or sum-weight the receiver refuses."""
+    nan = good.clone()
+    nan[3] = math.nan
+    inf = good.clone()
+    inf[0] = math.inf
+    return {
         "NaN payload": ("PushSegments", lambda: [wire.open_frame(), *wire.segment(nan)]),
         "infinite payload": ("PushSegments", lambda: [wire.open_frame(), *wire.segment(inf)]),
         "checksum mismatch": (
@@ -210,30 +256,6 @@ def _cases(wire: Wire) -> dict[str, tuple[str, Callable[[], list[bytes] | bytes]
         "merge that would lift the weight over the cap": (
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, sum_weight=WEIGHT_CAP - 0.5)],
-        ),
-        "oversize chunk": (
-            "PushSegments",
-            lambda: [
-                wire.open_frame(),
-                wire.segment(good)[0],
-                pb.PushFrame(chunk=b"\0" * (MAX_CHUNK * 2)).SerializeToString(),
-            ],
-        ),
-        "oversize frame": (
-            "PushSegments",
-            lambda: [wire.open_frame(), _oversize_frame()],
-        ),
-        "segment count lies": (
-            "PushSegments",
-            lambda: [wire.open_frame(segment_count=2), *wire.segment(good)],
-        ),
-        "no sequence base": (
-            "PushSegments",
-            lambda: [wire.open_frame(sequence_base=0), *wire.segment(good)],
-        ),
-        "sequence base above the sequence": (
-            "PushSegments",
-            lambda: [wire.open_frame(sequence_base=2), *wire.segment(good)],
         ),
     }
 
