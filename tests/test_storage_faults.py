@@ -5,21 +5,16 @@ data_dir is a small tmpfs that a filler file fills up, giving ENOSPC; a
 read-only tmpfs gives EROFS. Without root, the daemon's RLIMIT_FSIZE is lowered
 below a checkpoint's size (Python ignores SIGXFSZ, so writes fail with EFBIG)
 and a read-only directory stands in for the read-only mount: the tests never
-skip. Daemon output goes through a pipe, which neither fault can touch.
+skip. Daemon output goes through a pipe, which neither fault can touch. The faults and
+the piped daemon are ``tests/disk_faults.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import functools
 import json
 import os
-import resource
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,146 +23,26 @@ import pytest
 import torch
 
 from gossipd.node.errors import CheckpointError, GossipdError
-from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.net.status import query_status
 from gossipd.node.trainer import checkpoint
 from tests.conftest import scrape_metrics, wait_until, write_node_config
+from tests.disk_faults import ROOT, TIMEOUT_S, Daemon, SmallDisk, read_only_at, small_disk_at
 
-ROOT = os.geteuid() == 0
-TIMEOUT_S = 120.0
 EVERY_STEPS = 200
 BAD_OUTPUT = ("Traceback", "Event loop is closed", "was never awaited", "Task was destroyed")
-# Below the size of any checkpoint of the synthetic job (about 2 KB), above node.json's.
-RLIMIT_BYTES = 1024
-CLI = [sys.executable, "-m", "gossipd.node.cli"]
-
-
-class SmallDisk:
-    """A directory whose writes can be made to fail with a real kernel error, and recover."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._filler: Any = None
-        self._limited: dict[int, tuple[int, int]] = {}
-
-    def fill(self, pid: int) -> None:
-        """Make writes by process ``pid`` fail: root fills the tmpfs, others lower its limit.
-
-        Idempotent; as root, a second call also takes what a write in progress freed.
-        """
-        if not ROOT:
-            if pid not in self._limited:
-                self._limited[pid] = resource.prlimit(pid, resource.RLIMIT_FSIZE)
-                hard = self._limited[pid][1]
-                resource.prlimit(pid, resource.RLIMIT_FSIZE, (RLIMIT_BYTES, hard))
-            return
-        if self._filler is None:
-            self._filler = open(self.path / "filler", "ab", buffering=0)  # noqa: SIM115
-        try:
-            while True:
-                self._filler.write(b"\0" * 4096)
-        except OSError as err:
-            assert err.errno == errno.ENOSPC, err
-
-    def full_at_start(self) -> Callable[[], None] | None:
-        """Fill now (root) or return a preexec_fn that limits the child before it runs."""
-        if ROOT:
-            self.fill(0)
-            return None
-        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (RLIMIT_BYTES, hard))
-
-    def free(self) -> None:
-        if self._filler is not None:
-            self._filler.close()
-            (self.path / "filler").unlink()
-            self._filler = None
-        for pid, limits in self._limited.items():
-            with contextlib.suppress(ProcessLookupError):
-                resource.prlimit(pid, resource.RLIMIT_FSIZE, limits)
-        self._limited.clear()
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
-    path = tmp_path / "disk"
-    path.mkdir()
-    if ROOT:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], check=True)
-    disk = SmallDisk(path)
-    try:
+    with small_disk_at(tmp_path / "disk") as disk:
         yield disk
-    finally:
-        disk.free()
-        if ROOT:  # lazy: a daemon still being reaped may hold a file open there
-            subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "ro"
-    path.mkdir()
-    if ROOT:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], check=True
-        )
-    else:
-        path.chmod(0o555)
-    try:
+    with read_only_at(tmp_path / "ro") as path:
         yield path
-    finally:
-        if ROOT:
-            subprocess.run(["umount", "--lazy", str(path)], check=True)
-        else:
-            path.chmod(0o755)
-
-
-class Daemon:
-    """`gossipd node` with its output read through a pipe into memory."""
-
-    def __init__(self, config: Path, preexec: Callable[[], None] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, "--log-level", "INFO", "node", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=preexec,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self._lines: list[str] = []
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._lock:
-                self._lines.append(line.rstrip("\n"))
-
-    def lines(self) -> list[str]:
-        with self._lock:
-            return list(self._lines)
-
-    def output(self) -> str:
-        return "\n".join(self.lines())
-
-    def alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.output()}")
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        code = stop_process(self.proc, timeout_s)
-        self._reader.join(30)
-        return code
-
-    def wait(self, timeout_s: float = TIMEOUT_S) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        finally:
-            stop_process(self.proc)
-        self._reader.join(30)
-        return code
 
 
 @pytest.fixture
@@ -251,16 +126,25 @@ def test_checkpoint_save_on_a_full_disk_raises_keeps_the_old_file_and_leaves_no_
     assert kept.weights == [1.0]
 
 
-def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_recovers(
-    tmp_path: Path, small_disk: SmallDisk, spawn: Callable[..., Daemon]
-) -> None:
-    """The fault: the disk fills after the first periodic checkpoint; later, space is freed."""
+SENT_OK = 'gossipd_gossip_messages_total{direction="sent",kind="push",result="ok"}'
+
+
+def _start_full_and_peer(
+    tmp_path: Path, full_dir: Path, spawn: Callable[..., Daemon]
+) -> tuple[Daemon, Daemon, str, int]:
+    """``full`` (data_dir on the small disk, a checkpoint every EVERY_STEPS) and ``peer``
+    gossiping at push probability 0.5, once ``full`` has checkpointed and pushed: both,
+    ``full``'s address and its metrics port."""
     ports = free_ports(2)
-    peer_dir, full_dir = tmp_path / "peer", small_disk.path
     gossip = {"push_probability": 0.5}
     peer = spawn(
         _config(
-            tmp_path, "peer", ports[0], peer_dir, seeds=[f"127.0.0.1:{ports[1]}"], gossip=gossip
+            tmp_path,
+            "peer",
+            ports[0],
+            tmp_path / "peer",
+            seeds=[f"127.0.0.1:{ports[1]}"],
+            gossip=gossip,
         )
     )
     full = spawn(
@@ -279,13 +163,21 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
     wait_until(target.exists, "the first periodic checkpoint", TIMEOUT_S, full.alive)
     # Written before training starts, so present once a periodic checkpoint is.
     metrics_port = json.loads((full_dir / "node.json").read_text())["metrics_port"]
-    sent_ok = 'gossipd_gossip_messages_total{direction="sent",kind="push",result="ok"}'
     wait_until(
-        lambda: scrape_metrics(metrics_port).get(sent_ok, 0) > 0,
+        lambda: scrape_metrics(metrics_port).get(SENT_OK, 0) > 0,
         "a first push",
         TIMEOUT_S,
         full.alive,
     )
+    return full, peer, address, metrics_port
+
+
+def _fill_until_three_checkpoints_failed(
+    small_disk: SmallDisk, full: Daemon, address: str, metrics_port: int
+) -> checkpoint.Checkpoint:
+    """Fill the disk until a checkpoint fails, then until three have while training and
+    gossip go on; returns the last good checkpoint, which still loads."""
+    target = small_disk.path / checkpoint.FILENAME
 
     def failing() -> bool:
         small_disk.fill(full.proc.pid)  # also takes what a write in progress held
@@ -299,18 +191,17 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
         lambda: (
             scrape_metrics(metrics_port)["gossipd_checkpoint_failures_total"] >= 3
             and _status(address)["step"] > step_at_failure + 2 * EVERY_STEPS
-            and scrape_metrics(metrics_port)[sent_ok] > at_failure[sent_ok]
+            and scrape_metrics(metrics_port)[SENT_OK] > at_failure[SENT_OK]
         ),
         "three failed intervals while training and gossip go on",
         TIMEOUT_S,
         full.alive,
     )
-    warnings = [line for line in full.lines() if "WARNING" in line and "checkpoint" in line]
-    assert len(warnings) == 1, full.output()
-    assert str(target) in warnings[0] and "free" in warnings[0]
-    assert checkpoint.load(target, fingerprint=_fingerprint()).step == kept.step
+    return kept
 
-    small_disk.free()
+
+def _wait_recovered(full: Daemon, target: Path, kept: checkpoint.Checkpoint) -> None:
+    """Until a checkpoint newer than ``kept`` is written and the recovery is logged."""
     wait_until(
         lambda: checkpoint.load(target, fingerprint=_fingerprint()).step > kept.step,
         "a checkpoint after space was freed",
@@ -325,6 +216,24 @@ def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_rec
         TIMEOUT_S,
         full.alive,
     )
+
+
+def test_full_disk_during_training_warns_once_keeps_training_and_gossip_then_recovers(
+    tmp_path: Path, small_disk: SmallDisk, spawn: Callable[..., Daemon]
+) -> None:
+    """The fault: the disk fills after the first periodic checkpoint; later, space is freed."""
+    full_dir = small_disk.path
+    target = full_dir / checkpoint.FILENAME
+    full, peer, address, metrics_port = _start_full_and_peer(tmp_path, full_dir, spawn)
+
+    kept = _fill_until_three_checkpoints_failed(small_disk, full, address, metrics_port)
+    warnings = [line for line in full.lines() if "WARNING" in line and "checkpoint" in line]
+    assert len(warnings) == 1, full.output()
+    assert str(target) in warnings[0] and "free" in warnings[0]
+    assert checkpoint.load(target, fingerprint=_fingerprint()).step == kept.step
+
+    small_disk.free()
+    _wait_recovered(full, target, kept)
     after = scrape_metrics(metrics_port)
     assert after["gossipd_checkpoint_last_success_timestamp_seconds"] > 0
     assert after["gossipd_checkpoint_write_seconds_count"] > 0
