@@ -7,10 +7,14 @@ one model on every site, so each run checks that the sites' model checksums agre
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import signal
 import subprocess
+import threading
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,22 +141,92 @@ def test_latency_knob_delays_every_bucket_2_n_minus_1_times(tmp_path: Path, grou
         assert 0.0 < s["wait_fraction"] <= 1.0
 
 
-def test_a_site_tears_the_group_down_before_run_returns(tmp_path: Path) -> None:
-    """A one-site group in this process: once run returns, DDP (whose reducer holds the
-    gloo group) is gone and SIGTERM/SIGINT are this process's handlers again. Left for
-    interpreter exit, the handler's closure kept DDP and the group alive into
-    finalization, where freeing gloo's threads aborted one exit in several with SIGABRT."""
+# Threads a group starts (gloo's workers and its TCP loop, rank 0's store server) as
+# /proc names them, and the heartbeat's Python thread.
+GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+HEARTBEAT_THREAD = "allreduce-heartbeat"
+
+
+def group_threads() -> list[str]:
+    """This process's threads that a group, its store or its heartbeat started."""
+    names = [t.name for t in threading.enumerate() if t.name == HEARTBEAT_THREAD]
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if (name := (task / "comm").read_text().strip()) in GROUP_THREADS:
+                names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("end", ["max_steps", "sigterm", "error"])
+def test_a_site_tears_the_group_down_before_run_returns_however_it_ends(
+    tmp_path: Path, end: str
+) -> None:
+    """A one-site group in this process, ended by max_steps, by SIGTERM, or by an error in a
+    step. Once run returns (or raises, its error still held here, traceback and all), DDP
+    and the gloo group are gone, no thread of the group, its store or its heartbeat is left,
+    and SIGTERM/SIGINT are this process's handlers again. A thread or an owner of one left
+    for interpreter exit aborted an exit now and then with SIGABRT ("terminate called
+    without an active exception")."""
     handlers = [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)]
+    before = group_threads()
     master = f"127.0.0.1:{free_ports(1)[0]}"
-    site = AllreduceSite(load_config(site_config(tmp_path, 0, 1, master, job={"max_steps": 10})))
-    site.run()
-    assert summary(tmp_path, 0)["steps"] == 10
+    steps = 10 if end == "max_steps" else 0  # else only the injected end stops it
+    site = AllreduceSite(load_config(site_config(tmp_path, 0, 1, master, job={"max_steps": steps})))
+    step = site.job.train_step
+
+    def train_step() -> float:  # the end, injected at step 3
+        if site.steps == 3 and end == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if site.steps == 3 and end == "error":
+            raise RuntimeError("injected at step 3")
+        return step()
+
+    site.job.train_step = train_step  # type: ignore[method-assign]
+    with contextlib.ExitStack() as stack:
+        if end == "error":
+            held = stack.enter_context(pytest.raises(RuntimeError, match="injected"))
+        site.run()
+    if end == "error":
+        assert "train_step" in "".join(traceback.format_tb(held.tb))  # still says where
+    else:  # SIGTERM stops the group at the next check, step 10
+        assert summary(tmp_path, 0)["steps"] == 10
+        assert summary(tmp_path, 0)["training_done"] is (end == "max_steps")
     assert [signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)] == handlers
     assert not torch.distributed.is_initialized()
+    assert group_threads() == before
     assert site.job.model is site.model
     gc.collect()
     ddp = torch.nn.parallel.DistributedDataParallel
     assert not [o for o in gc.get_objects() if type(o) is ddp]
+
+
+RUNS = 3
+
+
+def test_finished_sites_exit_0_not_sigabrt_run_after_run(tmp_path: Path) -> None:
+    """Three groups of two sites in a row, each trained to max_steps: every site exits 0.
+
+    An exit used to abort now and then under load (-6, "terminate called without an active
+    exception") when a thread of the group, of its store or of the heartbeat, or an object
+    owning one, was still alive as the interpreter finalized. Bounded: each site has
+    ``EXIT_SLACK_S`` past a generous start-up to finish."""
+    for run in range(RUNS):
+        workdir = tmp_path / f"run-{run}"
+        workdir.mkdir()
+        master = f"127.0.0.1:{free_ports(1)[0]}"
+        configs = [site_config(workdir, i, 2, master, job={"max_steps": 5}) for i in range(2)]
+        procs = [spawn_node(c, workdir / f"site-{i}" / "node.log") for i, c in enumerate(configs)]
+        try:
+            codes = [
+                wait_exit(p, 120.0 + EXIT_SLACK_S, f"run {run} site-{i}")
+                for i, p in enumerate(procs)
+            ]
+        finally:
+            for proc in procs:
+                stop_process(proc, 30.0)
+        logs = [log_of(workdir, i) for i in range(2)]
+        assert codes == [0, 0], (run, codes, logs)
+        assert not [log for log in logs if "terminate called" in log], logs
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0-store-host", "rank2"])

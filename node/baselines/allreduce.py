@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -61,6 +62,20 @@ def run_allreduce(config: NodeConfig) -> int:
         print(f"gossipd: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of every finished frame ``err`` (and the errors it chains) passed
+    through; its traceback still prints every line.
+
+    A traceback keeps those frames, and what their locals hold, alive as long as the error
+    is: to the end of the handler that catches it, or to interpreter exit for one that
+    nobody catches. Cleared, they no longer hold DDP, the group or the store.
+    """
+    chained: BaseException | None = err
+    while chained is not None:
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__context__
 
 
 def resolve_backend(backend: str, model: nn.Module) -> str:
@@ -121,7 +136,14 @@ class AllreduceSite:
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> None:
-        """Join, train until rank 0 says stop (or a site was signalled), write files."""
+        """Join, train until rank 0 says stop (or a site was signalled), write files, leave.
+
+        Whichever way it ends (stopped together, a site left, an error, a signal), the
+        group is gone when this returns or raises: no thread of gloo, of rank 0's store
+        server or of the heartbeat is left for interpreter exit, where one that is still
+        alive, or an object that owns one, aborted an exit now and then with SIGABRT
+        ("terminate called without an active exception").
+        """
         self._write_node_json()
         master = self.config.allreduce.master  # type: ignore[union-attr]
         log.info(
@@ -139,14 +161,15 @@ class AllreduceSite:
             # a Python signal handler would only run once it ends: SIGTERM and SIGINT end it.
             for sig in handlers:
                 signal.signal(sig, signal.SIG_DFL)
-            # Rank 0's store is the server every site's clients talk to: dropped last,
-            # when run returns, after everything that uses it.
-            store = rendezvous(master, self.rank, self.world, self.config.join_timeout_s)
-            self._catch_signals()
-            self._in_group(store)
+            # Rank 0's store is the server every site's clients talk to. Only _in_group's
+            # frame holds it, so it goes when that frame does: last, after the group.
+            self._in_group(rendezvous(master, self.rank, self.world, self.config.join_timeout_s))
+        except BaseException as err:
+            drop_frame_locals(err)  # _in_group's frame, and with it the store, goes now
+            raise
         finally:
             # The handler closes over this site, and through it DDP and the group: left
-            # installed, it would keep them alive into interpreter exit (see _leave).
+            # installed, it kept them alive into interpreter exit (see _leave).
             for sig, handler in handlers.items():
                 if handler is not None:  # None: set outside Python, not ours to restore
                     signal.signal(sig, handler)
@@ -155,6 +178,7 @@ class AllreduceSite:
         """Form the process group on ``store``, train, write files, leave in order."""
         master = self.config.allreduce.master  # type: ignore[union-attr]
         ranks = self.config.ranks
+        self._catch_signals()
         beats = Heartbeats(master, self.rank, self.world)
         try:
             dist.init_process_group(
@@ -178,6 +202,11 @@ class AllreduceSite:
                 self._lost(beats, err)  # raises GroupLost if a site left; else re-raises
                 raise
             self._finish(done)
+        except BaseException as err:
+            # The frames the error passed through (the step's, the job's) hold DDP, and
+            # DDP's reducer holds the group: without them _leave frees both now.
+            drop_frame_locals(err)
+            raise
         finally:
             self._leave(beats)
 
@@ -185,11 +214,11 @@ class AllreduceSite:
         """Tear the group down now, in order, while the interpreter is whole.
 
         Left to interpreter exit, the group's last holder (DDP's reducer) went only in
-        finalization, where joining gloo's worker threads, whose work can hold tensors
-        that need the GIL to be freed, aborted one exit in several under load with
-        SIGABRT ("terminate called without an active exception"). So: the heartbeat
-        thread stops and its store clients go, then DDP, then the group itself, whose
-        destructor joins gloo's threads here.
+        finalization, where gloo's worker threads, whose work can hold tensors that need
+        the GIL to be freed, aborted one exit in several under load with SIGABRT
+        ("terminate called without an active exception"). So: the heartbeat thread stops
+        and its store clients go, then DDP, then the group itself, whose destructor joins
+        gloo's threads here.
         """
         beats.close()
         self.job.model = self.model

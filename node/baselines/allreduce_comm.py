@@ -174,7 +174,11 @@ class Heartbeats:
         self._stop = threading.Event()
         self._probe: dist.TCPStore | None = None  # the diagnosis's own client
         self._store: dist.TCPStore | None = self._client()
-        self._thread = threading.Thread(target=self._beat, name="allreduce-heartbeat", daemon=True)
+        # Not a daemon: interpreter exit waits for it. A daemon thread still inside a store
+        # call when the interpreter finalizes is ended there by pthread_exit, which C++
+        # cannot unwind through (pybind11 takes the GIL back in a noexcept destructor):
+        # std::terminate, SIGABRT, "terminate called without an active exception".
+        self._thread = threading.Thread(target=self._beat, name="allreduce-heartbeat")
         self._thread.start()
 
     def _client(self) -> dist.TCPStore:
@@ -198,18 +202,16 @@ class Heartbeats:
     def close(self) -> None:
         """Stop and join the beat thread, then drop the store clients.
 
-        Bounded: a beat in flight ends within the store timeout. A thread still inside a
-        store call at interpreter exit, or a client left for finalization to free, is
-        what must not happen: the site tears down before it returns.
+        Bounded: a beat in flight ends within the store timeout. Should the join still
+        time out, the thread, not a daemon, ends before the interpreter finalizes.
         """
         self._stop.set()
         self._thread.join(timeout=STORE_PROBE_TIMEOUT_S + BEAT_INTERVAL_S)
         if self._thread.is_alive():
             log.warning(
-                "the heartbeat thread did not stop within %g s; its store client is left to exit",
+                "the heartbeat thread did not stop within %g s; exit waits for its last beat",
                 STORE_PROBE_TIMEOUT_S + BEAT_INTERVAL_S,
             )
-            return
         self._store = None
         self._probe = None
 
