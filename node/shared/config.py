@@ -6,33 +6,17 @@ person reading it is an operator at another site with no access to our logs.
 
 from __future__ import annotations
 
-import logging
 import tomllib
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from pydantic import (
-    BaseModel,
-    Field,
-    ModelWrapValidatorHandler,
-    PrivateAttr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.protocols import (
-    DEFAULT_PROTOCOL,
-    PROTOCOLS,
-    ProtocolSettings,
-    protocol_settings,
-    settings_class,
-)
+from gossipd.node.protocols import PROTOCOLS, settings_class
 from gossipd.node.protocols.settings import did_you_mean
-from gossipd.node.shared.config_ranks import ALLREDUCE, AllreduceConfig, RanksConfig
+from gossipd.node.shared.config_gossip import DEPRECATED_FLAT_KEYS, GossipConfig
+from gossipd.node.shared.config_ranks import BASELINE_SECTIONS, AllreduceConfig, RanksConfig
 from gossipd.node.shared.config_sections import (
     CheckpointConfig,
     LimitsConfig,
@@ -45,9 +29,8 @@ from gossipd.node.shared.config_sections import (
     check_address,
 )
 
-log = logging.getLogger(__name__)
-
 __all__ = [
+    "DEPRECATED_FLAT_KEYS",
     "CheckpointConfig",
     "GossipConfig",
     "JobConfig",
@@ -64,10 +47,6 @@ __all__ = [
     "parse_config",
     "read_toml",
 ]
-
-# Protocol settings that sat flat in [gossip] before each protocol had its own table.
-# Deprecated: still read for one release, into the selected protocol's table.
-DEPRECATED_FLAT_KEYS = ("push_probability", "round_steps", "average_every_steps")
 
 
 class JobConfig(_Section):
@@ -102,151 +81,6 @@ class JobConfig(_Section):
                 f"{self.num_shards}; shards are numbered 0..num_shards-1"
             )
         return self
-
-
-class GossipConfig(_Section):
-    """``[gossip]``: what every protocol shares. Each protocol's own settings are in its
-    ``[gossip.<protocol>]`` table, validated by its class (:attr:`options`); a table for a
-    protocol other than the selected one is allowed, and checked all the same."""
-
-    protocol: str = Field(
-        DEFAULT_PROTOCOL, description="the gossip protocol; every node of a mesh must use the same"
-    )
-    codec: Literal["raw", "fp16", "bf16"] = "raw"
-    segment_bytes: int = Field(4 << 20, ge=1024)
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
-    push_timeout_s: float = Field(
-        30.0, gt=0, description="deadline of one push attempt, from open to acknowledgement"
-    )
-    progress_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="a push with no chunk taken and no reply for this long is abandoned and "
-        "retried later with the same sequence; the peer counts one failure",
-    )
-    retry_max_s: float = Field(
-        10.0, gt=0, description="longest wait between retries of an unacknowledged push"
-    )
-    max_pushes_in_flight: int = Field(
-        4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
-    )
-    seed: int = Field(0, description="seed of this node's peer choices")
-    cpu_share: float = Field(
-        0.03,
-        gt=0,
-        le=1,
-        description="most of the node's cores' time gossip may take while the trainer steps; "
-        "pushes wait (and so come less often) while it is in debt; 1: never wait",
-    )
-    _tables: dict[str, ProtocolSettings] = PrivateAttr(default_factory=dict)
-
-    @property
-    def options(self) -> ProtocolSettings:
-        """The selected protocol's own settings: its table, defaults filled in."""
-        return self.options_for(self.protocol)
-
-    def options_for(self, protocol: str) -> ProtocolSettings:
-        """``protocol``'s settings: its ``[gossip.<protocol>]`` table as validated, or defaults."""
-        if protocol == ALLREDUCE:
-            return ProtocolSettings()
-        table = self._tables.get(protocol)
-        return table if table is not None else protocol_settings(protocol)
-
-    @field_validator("protocol")
-    @classmethod
-    def _known_protocol(cls, value: str) -> str:
-        if value not in PROTOCOLS and value != ALLREDUCE:
-            raise ValueError(
-                f"unknown protocol {value!r}; choose one of {', '.join(sorted(PROTOCOLS))} "
-                f"(or {ALLREDUCE}, the synchronous baseline)"
-            )
-        return value
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _protocol_tables(
-        cls, data: Any, handler: ModelWrapValidatorHandler[GossipConfig]
-    ) -> GossipConfig:
-        """Each ``[gossip.<protocol>]`` table through its protocol's class, the deprecated flat
-        keys into the selected protocol's table; every error of the section at once."""
-        if not isinstance(data, Mapping):
-            return handler(data)
-        tables = {k: v for k, v in data.items() if k in PROTOCOLS}
-        flat = {k: v for k, v in data.items() if k in DEPRECATED_FLAT_KEYS}
-        rest = {k: v for k, v in data.items() if k not in tables and k not in flat}
-        errors: list[InitErrorDetails] = []
-        try:
-            gossip: GossipConfig | None = handler(rest)
-        except ValidationError as err:
-            gossip = None
-            errors += [_again(e, e["loc"]) for e in err.errors()]
-        selected = rest.get("protocol", DEFAULT_PROTOCOL)
-        moved: set[str] = set()
-        if flat and selected in PROTOCOLS:
-            moved = _move_flat_keys(flat, selected, tables, errors)
-        validated: dict[str, ProtocolSettings] = {}
-        for name, table in tables.items():
-            try:
-                validated[name] = protocol_settings(name, table)
-            except ValidationError as err:
-                for e in err.errors():
-                    flat_key = name == selected and bool(e["loc"]) and e["loc"][0] in moved
-                    errors.append(_again(e, e["loc"] if flat_key else (name, *e["loc"])))
-        if errors or gossip is None:
-            raise ValidationError.from_exception_data(cls.__name__, errors)
-        gossip._tables = validated
-        for key in flat:
-            if key in moved:
-                log.warning("gossip.%s is deprecated: write it in [gossip.%s]", key, selected)
-            else:
-                log.warning(
-                    "gossip.%s is ignored: protocol %r has no such setting (and protocol "
-                    "settings in [gossip] are deprecated: use [gossip.<protocol>] tables)",
-                    key,
-                    selected,
-                )
-        return gossip
-
-
-def _move_flat_keys(
-    flat: Mapping[str, Any],
-    protocol: str,
-    tables: dict[str, Any],
-    errors: list[InitErrorDetails],
-) -> set[str]:
-    """Moves the deprecated flat keys that ``protocol`` has into its table and returns them;
-    one also set in the table is refused (which was meant?) with an error in ``errors``."""
-    table = tables.get(protocol, {})
-    if not isinstance(table, Mapping):
-        return set()  # not a table: its own error says so
-    table = dict(table)
-    takes = settings_class(protocol).model_fields
-    moved: set[str] = set()
-    for key, value in flat.items():
-        if key not in takes:
-            continue
-        if key in table:
-            message = (
-                f"set here and in [gossip.{protocol}]; keep only the one in [gossip.{protocol}] "
-                "(the flat key is deprecated)"
-            )
-            error = PydanticCustomError("flat_and_table", message)
-            errors.append({"type": error, "loc": (key,), "input": value})
-            continue
-        table[key] = value
-        moved.add(key)
-    if moved:
-        tables[protocol] = table
-    return moved
-
-
-def _again(error: Any, loc: tuple[Any, ...]) -> InitErrorDetails:
-    """A pydantic error, as it was, at ``loc``: to raise it again with others."""
-    return {
-        "type": PydanticCustomError(error["type"], error["msg"]),
-        "loc": loc,
-        "input": error["input"],
-    }
 
 
 class NodeConfig(_Section):
@@ -309,25 +143,14 @@ class NodeConfig(_Section):
         return [check_address(s) for s in v]
 
     @model_validator(mode="after")
-    def _allreduce_needs_master(self) -> NodeConfig:
-        if (self.gossip.protocol == ALLREDUCE) != (self.allreduce is not None):
-            raise ValueError(
-                "gossip.protocol = allreduce needs an [allreduce] section with master = "
-                '"HOST:PORT" (the rendezvous, the same on every site), and [allreduce] '
-                "is only for that protocol"
-            )
-        check_address(self.ranks.master)
-        master = self.allreduce.master if self.allreduce is not None else None
-        try:
-            port_0 = master is not None and int(check_address(master).rpartition(":")[2]) == 0
-        except ValueError as err:
-            raise ValueError(f"allreduce.master: {err}") from None
-        if port_0:
-            raise ValueError(
-                f"allreduce.master = {master!r}: port 0 cannot work here, every "
-                "site must dial the same rendezvous; give a fixed free port, the same on every "
-                'site (for example "10.0.0.1:29500")'
-            )
+    def _baseline_has_its_section(self) -> NodeConfig:
+        for name in BASELINE_SECTIONS:
+            if (self.gossip.protocol == name) != (getattr(self, name) is not None):
+                raise ValueError(
+                    f"gossip.protocol = {name} needs an [{name}] section with master = "
+                    f'"HOST:PORT" (the rendezvous, the same on every site), and [{name}] '
+                    "is only for that protocol"
+                )
         return self
 
     @model_validator(mode="after")

@@ -1,15 +1,22 @@
-"""``[ranks]`` and ``[allreduce]``: how a site's processes talk to each other with
-torch.distributed, kept apart from the gossip settings because nothing here crosses
-a site boundary except the all-reduce baseline, which has no gossip at all."""
+"""``[ranks]`` and the baselines' sections (``[allreduce]``): how processes talk to each
+other with torch.distributed, kept apart from the gossip settings because nothing here
+crosses a site boundary except a baseline, which has no gossip at all.
+
+A baseline is chosen like a protocol (``gossip.protocol = "allreduce"``) so every tool
+that compares protocols can name it, but it is not a gossip core: its settings are a
+section of its own, ``[<its name>]``, listed in :data:`BASELINE_SECTIONS`. How a
+baseline's site runs is :mod:`gossipd.node.baselines`' registry, which this room may not
+import; the two lists name the same baselines (a test checks).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-# The all-reduce baseline is chosen like a protocol (``gossip.protocol = "allreduce"``)
-# so every tool that compares protocols can name it, but it is not a gossip core.
+from gossipd.node.shared.config_sections import check_address
+
 ALLREDUCE = "allreduce"
 
 
@@ -38,16 +45,45 @@ class RanksConfig(BaseModel):
         "torchrun gives its own",
     )
 
+    @field_validator("master")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)
 
-class AllreduceConfig(BaseModel):
-    """``[allreduce]``: the synchronous DDP baseline, one process group across all sites.
 
-    For benchmarks and comparisons only: every site waits for the slowest each step.
-    """
+class BaselineSection(BaseModel):
+    """A baseline's own section, ``[<its name>]``: where its sites meet. Every site of a
+    baseline is one rank of one process group across all sites."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    summary: ClassVar[str]  # what the baseline is, for the error naming every protocol
 
     master: str = Field(
         description="HOST:PORT where the site with job.shard_index = 0 hosts the rendezvous; "
         "the same on every site"
     )
+
+    @field_validator("master")
+    @classmethod
+    def _fixed_port(cls, value: str) -> str:
+        if int(check_address(value).rpartition(":")[2]) == 0:
+            raise ValueError(
+                "port 0 cannot work here, every site must dial the same rendezvous; give a "
+                'fixed free port, the same on every site (for example "10.0.0.1:29500")'
+            )
+        return value
+
+
+class AllreduceConfig(BaselineSection):
+    """``[allreduce]``: the synchronous DDP baseline, one process group across all sites.
+
+    For benchmarks and comparisons only: every site waits for the slowest each step.
+    """
+
+    summary: ClassVar[str] = "the synchronous baseline"
+
+
+# Each baseline's section by the name ``gossip.protocol`` selects it with; NodeConfig has
+# an optional field of that name and type for each.
+BASELINE_SECTIONS: dict[str, type[BaselineSection]] = {ALLREDUCE: AllreduceConfig}
