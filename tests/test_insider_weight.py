@@ -94,6 +94,69 @@ def _metric(h: DaemonHandle, name: str) -> float:
     return scrape_metrics(h.node_json()["metrics_port"]).get(name, 0.0)
 
 
+def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, founding: float) -> None:
+    """Every honest site pushes to the sink until it suspects it: each gave at most
+    STATED_PUSHES, and the honest Σw accounts for all but what the sink took."""
+    started = time.monotonic()
+    acked_at_join = acked(mesh)
+    wait_until(
+        lambda: all(_metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
+        "every honest site to suspect the sink",
+        120.0,
+        lambda: check_alive(mesh),
+    )
+    during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
+    after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
+    taken = dict(insider.pushes_taken)
+    assert set(taken) <= set(IDS)
+    assert max(taken.values()) <= STATED_PUSHES, taken
+    free, held = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
+    assert free > 0
+    print(
+        f"\nweight sink: before {before:.1f}/s, during {during / before:.2f}x, after "
+        f"{after / before:.2f}x; pushes taken per site {taken} (stated at most "
+        f"{STATED_PUSHES}); honest Σw in [{free:.4f}, {held:.4f}] of {founding:g}"
+    )
+
+
+def _inflate(
+    mesh: list[DaemonHandle], insider: WeightInsider, before: float, founding: float
+) -> None:
+    """Pushes of INFLATE_WEIGHT while the mesh gossips: each refused on the weight it would
+    leave, no site over its cap, and the honest Σw still accounted for."""
+    outcomes: list[grpc.StatusCode] = []
+    stop = threading.Event()
+
+    def inflate() -> None:
+        while not stop.is_set() and len(outcomes) < 600:
+            for h in mesh:
+                outcome = insider.push(h.address, weight=INFLATE_WEIGHT)
+                outcomes.append(outcome.code)
+                assert "WeightOverCap" in outcome.details or "max_sum_weight" in outcome.details
+
+    attacker = threading.Thread(target=inflate)
+    attacker.start()
+    try:
+        inflating = ack_rate(mesh, PROGRESS, "while the insider inflates weight", WINDOW_TIMEOUT_S)
+    finally:
+        stop.set()
+        attacker.join(60.0)
+    assert len(outcomes) >= 60
+    assert set(outcomes) == {grpc.StatusCode.INVALID_ARGUMENT}
+    after_inflation = ack_rate(mesh, PROGRESS, "after the inflation", WINDOW_TIMEOUT_S)
+    for h in mesh:
+        cap = _metric(h, "gossipd_sum_weight_cap")
+        assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
+        assert max(status_of(h)["sum_weights"]) <= cap
+        assert status_of(h)["rejected"]["WeightOverCap"] >= 1
+    free2, held2 = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
+    print(
+        f"weight inflation: before {before:.1f}/s, during {inflating / before:.2f}x, after "
+        f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} all "
+        f"refused; honest Σw in [{free2:.4f}, {held2:.4f}] of {founding:g}"
+    )
+
+
 def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amount(
     mesh: list[DaemonHandle], pki: Pki
 ) -> None:
@@ -105,58 +168,6 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
         for h in mesh:
             insider.introduce_to(h.address)
         # -- the sink: every honest site pushes to it until it suspects it --------------
-        started = time.monotonic()
-        acked_at_join = acked(mesh)
-        wait_until(
-            lambda: all(_metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
-            "every honest site to suspect the sink",
-            120.0,
-            lambda: check_alive(mesh),
-        )
-        during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
-        after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
-        taken = dict(insider.pushes_taken)
-        assert set(taken) <= set(IDS)
-        assert max(taken.values()) <= STATED_PUSHES, taken
-        free, held = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
-        assert free > 0
-        print(
-            f"\nweight sink: before {before:.1f}/s, during {during / before:.2f}x, after "
-            f"{after / before:.2f}x; pushes taken per site {taken} (stated at most "
-            f"{STATED_PUSHES}); honest Σw in [{free:.4f}, {held:.4f}] of {founding:g}"
-        )
-
+        _sink(mesh, insider, before, founding)
         # -- inflation: pushes of 1e6, each refused on the weight it would leave ---------
-        outcomes: list[grpc.StatusCode] = []
-        stop = threading.Event()
-
-        def inflate() -> None:
-            while not stop.is_set() and len(outcomes) < 600:
-                for h in mesh:
-                    outcome = insider.push(h.address, weight=INFLATE_WEIGHT)
-                    outcomes.append(outcome.code)
-                    assert "WeightOverCap" in outcome.details or "max_sum_weight" in outcome.details
-
-        attacker = threading.Thread(target=inflate)
-        attacker.start()
-        try:
-            inflating = ack_rate(
-                mesh, PROGRESS, "while the insider inflates weight", WINDOW_TIMEOUT_S
-            )
-        finally:
-            stop.set()
-            attacker.join(60.0)
-        assert len(outcomes) >= 60
-        assert set(outcomes) == {grpc.StatusCode.INVALID_ARGUMENT}
-        after_inflation = ack_rate(mesh, PROGRESS, "after the inflation", WINDOW_TIMEOUT_S)
-        for h in mesh:
-            cap = _metric(h, "gossipd_sum_weight_cap")
-            assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
-            assert max(status_of(h)["sum_weights"]) <= cap
-            assert status_of(h)["rejected"]["WeightOverCap"] >= 1
-        free2, held2 = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
-        print(
-            f"weight inflation: before {before:.1f}/s, during {inflating / before:.2f}x, after "
-            f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} all "
-            f"refused; honest Σw in [{free2:.4f}, {held2:.4f}] of {founding:g}"
-        )
+        _inflate(mesh, insider, before, founding)
