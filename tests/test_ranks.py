@@ -105,6 +105,73 @@ def _rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
+def _start_two_sites(mesh: LocalMesh, spec: MeshSpec) -> None:
+    """Both sites started and ready, site 0 training. Only the faulty site needs a short
+    collective timeout; the healthy site gets the default, or a loaded machine that
+    starves one of its ranks for 5 s ends it too."""
+    healthy = mesh.configs[1]
+    healthy.write_text(
+        healthy.read_text().replace(
+            f"collective_timeout_s = {spec.collective_timeout_s}", "collective_timeout_s = 60.0"
+        )
+    )
+    assert "collective_timeout_s = 60.0" in healthy.read_text()
+    for i in range(2):
+        mesh.start(i)
+    asyncio.run(mesh.wait_ready())
+    wait_until(
+        lambda: asyncio.run(mesh.status(0))["step"] > 50, "site 0 to train", 120,
+        also=mesh.check_alive,
+    )  # fmt: skip
+
+
+def _site_0_ends_after_its_rank_1(
+    mesh: LocalMesh, spec: MeshSpec, tmp_path: Path, fault: signal.Signals
+) -> None:
+    """``fault`` to site 0's rank 1. Rank 0's next collective fails at once (the dead
+    rank's sockets close) or, for a hung rank, at the collective timeout: the site leaves,
+    checkpoints and exits non-zero. (The launcher would kill a hung rank after its grace;
+    the test does, once rank 0 is gone, rather than wait for that.)"""
+    victim = _rank_pid(mesh.procs[0].pid, 1)
+    assert victim is not None
+    os.kill(victim, fault)
+    site_log = tmp_path / "node-0" / "node.log"
+    if fault == signal.SIGSTOP:
+        wait_until(
+            lambda: "rank 0 of site node-0 exited" in site_log.read_text(),
+            "rank 0 to give up on the hung rank", 10.0 + spec.collective_timeout_s + 60,
+        )  # fmt: skip
+        os.kill(victim, signal.SIGKILL)
+    code = mesh.procs[0].wait(timeout=10.0 + spec.collective_timeout_s + 60)
+    mesh.procs.pop(0)
+    assert code != 0
+    log = site_log.read_text()
+    assert "a rank of this site died" in log
+    assert "wrote the final checkpoint" in log
+
+
+def _site_1_holds_all_weight_and_trains_on(mesh: LocalMesh, tmp_path: Path) -> None:
+    """The other site saw the leave, holds the whole mesh's weight and trains on, both of
+    its ranks, rank 0 broadcasting what merges moved."""
+    wait_until(
+        lambda: asyncio.run(mesh.status(1))["sum_weights"] == pytest.approx([2.0]),
+        "site 1 to hold all the weight", 60, also=mesh.check_alive,
+    )  # fmt: skip
+    before = asyncio.run(mesh.status(1))["step"]
+    wait_until(
+        lambda: asyncio.run(mesh.status(1))["step"] > before + 50, "site 1 to go on", 60,
+        also=mesh.check_alive,
+    )  # fmt: skip
+    ranks = read_records(tmp_path / "node-1")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    port = json.loads((tmp_path / "node-1" / "node.json").read_text())["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    assert "gossipd_site_ranks 2.0" in metrics
+    broadcasts = re.search(r"^gossipd_rank_broadcasts_total (\S+)$", metrics, re.M)
+    assert broadcasts is not None and float(broadcasts.group(1)) > 0  # merges reached rank 1
+
+
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_dead_or_hung_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_weight(
     tmp_path: Path, fault: signal.Signals
@@ -114,60 +181,9 @@ def test_dead_or_hung_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_we
         ranks=2, collective_timeout_s=5.0 if fault == signal.SIGSTOP else 10.0, quiet=True,
     )  # fmt: skip
     with LocalMesh(spec, tmp_path) as mesh:
-        # Only the faulty site needs a short collective timeout; the healthy site gets the
-        # default, or a loaded machine that starves one of its ranks for 5 s ends it too.
-        healthy = mesh.configs[1]
-        healthy.write_text(
-            healthy.read_text().replace(
-                f"collective_timeout_s = {spec.collective_timeout_s}", "collective_timeout_s = 60.0"
-            )
-        )
-        assert "collective_timeout_s = 60.0" in healthy.read_text()
-        for i in range(2):
-            mesh.start(i)
-        asyncio.run(mesh.wait_ready())
-        wait_until(
-            lambda: asyncio.run(mesh.status(0))["step"] > 50, "site 0 to train", 120,
-            also=mesh.check_alive,
-        )  # fmt: skip
-        victim = _rank_pid(mesh.procs[0].pid, 1)
-        assert victim is not None
-        os.kill(victim, fault)
-        # Rank 0's next collective fails at once (the dead rank's sockets close) or, for a
-        # hung rank, at the collective timeout: the site leaves, checkpoints and exits
-        # non-zero. (The launcher would kill a hung rank after its grace; the test does,
-        # once rank 0 is gone, rather than wait for that.)
-        site_log = tmp_path / "node-0" / "node.log"
-        if fault == signal.SIGSTOP:
-            wait_until(
-                lambda: "rank 0 of site node-0 exited" in site_log.read_text(),
-                "rank 0 to give up on the hung rank", 10.0 + spec.collective_timeout_s + 60,
-            )  # fmt: skip
-            os.kill(victim, signal.SIGKILL)
-        code = mesh.procs[0].wait(timeout=10.0 + spec.collective_timeout_s + 60)
-        mesh.procs.pop(0)
-        assert code != 0
-        log = (tmp_path / "node-0" / "node.log").read_text()
-        assert "a rank of this site died" in log
-        assert "wrote the final checkpoint" in log
-        # The other site saw the leave, holds the whole mesh's weight and trains on.
-        wait_until(
-            lambda: asyncio.run(mesh.status(1))["sum_weights"] == pytest.approx([2.0]),
-            "site 1 to hold all the weight", 60, also=mesh.check_alive,
-        )  # fmt: skip
-        before = asyncio.run(mesh.status(1))["step"]
-        wait_until(
-            lambda: asyncio.run(mesh.status(1))["step"] > before + 50, "site 1 to go on", 60,
-            also=mesh.check_alive,
-        )  # fmt: skip
-        ranks = read_records(tmp_path / "node-1")
-        assert [r["rank"] for r in ranks] == [0, 1]
-        port = json.loads((tmp_path / "node-1" / "node.json").read_text())["metrics_port"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
-        assert "gossipd_site_ranks 2.0" in metrics
-        broadcasts = re.search(r"^gossipd_rank_broadcasts_total (\S+)$", metrics, re.M)
-        assert broadcasts is not None and float(broadcasts.group(1)) > 0  # merges reached rank 1
+        _start_two_sites(mesh, spec)
+        _site_0_ends_after_its_rank_1(mesh, spec, tmp_path, fault)
+        _site_1_holds_all_weight_and_trains_on(mesh, tmp_path)
 
 
 def test_torch_environment_is_read_and_checked() -> None:
