@@ -43,6 +43,57 @@ def _wait_statuses(mesh: LocalMesh, ok: Any, what: str) -> list[dict[str, Any]]:
     return seen[-1]
 
 
+def _train_without_then_with_the_coordinator(mesh: LocalMesh) -> None:
+    """Nodes started before their coordinator train alone, found through their seeds; once
+    it is up, it schedules their pulls."""
+    for i in range(NODES):  # started while their coordinator is not up yet
+        mesh.start(i)
+    asyncio.run(mesh.wait_ready())
+    _wait_statuses(
+        mesh,
+        lambda ss: all(s["scheduling"] == "decentralized" and s["step"] > 100 for s in ss),
+        "every node training with no coordinator, found through its seeds",
+    )
+    mesh.start_coordinator()
+    _wait_statuses(
+        mesh,
+        lambda ss: all(s["scheduling"] == "coordinator" and s["step"] > 0 for s in ss),
+        "every node training with pulls scheduled by the coordinator",
+    )
+
+
+def _train_on_while_the_coordinator_is_dead(mesh: LocalMesh) -> None:
+    """SIGKILL to the coordinator: every node takes STEPS_WHILE_DOWN more steps, scheduling
+    alone, with every peer still live."""
+    mesh.kill_coordinator()
+    before = {s["node_id"]: s["step"] for s in _statuses(mesh)}
+    down = _wait_statuses(
+        mesh,
+        lambda ss: all(
+            s["step"] >= before[s["node_id"]] + STEPS_WHILE_DOWN
+            and s["scheduling"] == "decentralized"
+            for s in ss
+        ),
+        f"{STEPS_WHILE_DOWN} more steps on every node, scheduled alone, coordinator dead",
+    )
+    assert all(len(s["live_peers"]) == NODES - 1 for s in down), down
+
+
+def _schedule_through_the_restarted_coordinator(mesh: LocalMesh, tmp_path: Path) -> None:
+    """Restarted on its data dir, the coordinator has every node registered again and
+    writes its state at its next persist interval after they registered."""
+    mesh.start_coordinator()
+    _wait_statuses(
+        mesh,
+        lambda ss: all(s["scheduling"] == "coordinator" for s in ss),
+        "every node registered again and scheduling through the restarted coordinator",
+    )
+    saved = tmp_path / "coordinator" / "state.json"
+    wait_until(saved.exists, "the restarted coordinator to write its state", 60)
+    state = json.loads(saved.read_text())
+    assert state, "the coordinator wrote no state"
+
+
 @pytest.mark.timeout(600)
 def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path: Path) -> None:
     spec = MeshSpec(
@@ -54,47 +105,9 @@ def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path:
         eval_every_steps=100,
     )
     with LocalMesh(spec, tmp_path) as mesh:
-        for i in range(NODES):  # started while their coordinator is not up yet
-            mesh.start(i)
-        asyncio.run(mesh.wait_ready())
-        _wait_statuses(
-            mesh,
-            lambda ss: all(s["scheduling"] == "decentralized" and s["step"] > 100 for s in ss),
-            "every node training with no coordinator, found through its seeds",
-        )
-
-        mesh.start_coordinator()
-        _wait_statuses(
-            mesh,
-            lambda ss: all(s["scheduling"] == "coordinator" and s["step"] > 0 for s in ss),
-            "every node training with pulls scheduled by the coordinator",
-        )
-
-        mesh.kill_coordinator()
-        before = {s["node_id"]: s["step"] for s in _statuses(mesh)}
-        down = _wait_statuses(
-            mesh,
-            lambda ss: all(
-                s["step"] >= before[s["node_id"]] + STEPS_WHILE_DOWN
-                and s["scheduling"] == "decentralized"
-                for s in ss
-            ),
-            f"{STEPS_WHILE_DOWN} more steps on every node, scheduled alone, coordinator dead",
-        )
-        assert all(len(s["live_peers"]) == NODES - 1 for s in down), down
-
-        mesh.start_coordinator()
-        _wait_statuses(
-            mesh,
-            lambda ss: all(s["scheduling"] == "coordinator" for s in ss),
-            "every node registered again and scheduling through the restarted coordinator",
-        )
-        # It writes its state at its next persist interval after the nodes registered.
-        saved = tmp_path / "coordinator" / "state.json"
-        wait_until(saved.exists, "the restarted coordinator to write its state", 60)
-        state = json.loads(saved.read_text())
-        assert state, "the coordinator wrote no state"
-
+        _train_without_then_with_the_coordinator(mesh)
+        _train_on_while_the_coordinator_is_dead(mesh)
+        _schedule_through_the_restarted_coordinator(mesh, tmp_path)
         _wait_statuses(
             mesh,
             lambda ss: all(s["step"] >= 2000 for s in ss),
