@@ -26,7 +26,7 @@ from gossipd.bench import push_cost, trainer_overhead
 from gossipd.bench import transport_report as report
 from gossipd.bench.baselines import bench_gloo, bench_grpc_bare, bench_hivemind, bench_raw_tcp
 from gossipd.bench.transport import MiB, Setting, bench_gossipd
-from gossipd.node.cli.mesh import cpu_share
+from gossipd.node.cli.mesh_flags import cpu_share
 from gossipd.node.errors import GossipdError
 
 DEFAULT_SETTINGS = ("4:1024:1", "4:1024:4", "16:1024:4", "16:4096:4", "64:4096:4")

@@ -25,7 +25,8 @@ import torch
 from gossipd.node.baselines.allreduce import AllreduceSite, resolve_backend
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.launcher import run_mesh
-from gossipd.node.launch.localmesh import MeshSpec, free_ports, spawn_node, stop_process
+from gossipd.node.launch.meshspec import MeshSpec
+from gossipd.node.launch.processes import free_ports, spawn_node, stop_process
 from gossipd.node.shared.config import load_config, parse_config
 from tests.conftest import wait_until, write_config
 

@@ -310,7 +310,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     between the pick and the bind ("address already in use" in the suite)."""
     import socket
 
-    from gossipd.node.launch.localmesh import EPHEMERAL_RANGE, free_ports
+    from gossipd.node.launch.processes import EPHEMERAL_RANGE, free_ports
 
     ports = free_ports(8)
     assert len(set(ports)) == 8

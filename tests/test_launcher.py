@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
+from gossipd.node.launch.localmesh import LocalMesh
+from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.trainer import checkpoint
 from tests.conftest import left_running
 

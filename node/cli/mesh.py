@@ -1,9 +1,10 @@
 """gossipd mesh up and gossipd demo: local meshes of real daemons, their flags and runners.
 
-Both commands start N daemons on loopback with the same flags (:func:`_add_mesh_args`)
-and differ in what they run: ``mesh up`` one mesh with optional link shaping, ``demo``
-each site alone and then with gossip. They live apart from :mod:`gossipd.node.cli.main` so
-that the top-level parser reads as a list of commands.
+Both commands start N daemons on loopback with the same flags
+(:mod:`gossipd.node.cli.mesh_flags`) and differ in what they run: ``mesh up`` one mesh
+with optional link shaping, ``demo`` each site alone and then with gossip. They live
+apart from :mod:`gossipd.node.cli.main` so that the top-level parser reads as a list of
+commands.
 """
 
 from __future__ import annotations
@@ -11,32 +12,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 
+from gossipd.node.cli.mesh_flags import add_mesh_args
 from gossipd.node.errors import GossipdError
 from gossipd.node.launch.joboptions import parse_job_options
-from gossipd.node.protocols import DEFAULT_PROTOCOL, PROTOCOLS
-from gossipd.node.shared.config_ranks import ALLREDUCE
-
-
-def cpu_share(text: str) -> float:
-    """``--cpu-share``: a share of the cores' time, as ``gossip.cpu_share`` takes it."""
-    try:
-        share = float(text)
-    except ValueError:
-        share = math.nan
-    if not 0 < share <= 1:
-        raise argparse.ArgumentTypeError(
-            f"--cpu-share {text!r}: give a share of the cores' time over 0 and at most 1 "
-            "(0.03 is gossip.cpu_share's default; 1 never holds a push)"
-        )
-    return share
+from gossipd.node.protocols import DEFAULT_PROTOCOL
 
 
 def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
-    from gossipd.node.launch.localmesh import MeshSpec
+    from gossipd.node.launch.meshspec import MeshSpec
 
     fields = {
         "nodes": args.nodes,
@@ -172,153 +158,6 @@ def _run_mesh(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _add_mesh_args(
-    p: argparse.ArgumentParser, *, nodes: int, duration_s: float, job: str, baseline: bool = False
-) -> None:
-    """``baseline``: --protocol also offers allreduce, the synchronous DDP baseline."""
-    p.add_argument(
-        "--nodes",
-        type=int,
-        default=nodes,
-        help="daemons to start, at least 2 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=1,
-        help="processes per site: rank 0 gossips, all ranks all-reduce gradients (gloo) every "
-        "step; the --json summary lists every rank's test accuracy (default: %(default)s)",
-    )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="job.device of every site: cpu, cuda (one GPU per rank) or cuda:N "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--node-based",
-        type=int,
-        default=None,
-        metavar="K",
-        help="node-based mode (with --ranks): persyn between sites every K steps and at each "
-        "epoch end of a rank's data (default: off)",
-    )
-    p.add_argument(
-        "--job",
-        default=job,
-        help="training job of every node: digits, synthetic or module:factory "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--protocol",
-        default=DEFAULT_PROTOCOL,
-        choices=sorted(PROTOCOLS) + ([ALLREDUCE] if baseline else []),
-        help="gossip protocol of every node"
-        + ("; allreduce: the synchronous DDP baseline, no gossip" if baseline else "")
-        + " (default: %(default)s)",
-    )
-    p.add_argument(
-        "--round-steps", type=int, default=1, help="local steps per round (default: %(default)s)"
-    )
-    p.add_argument(
-        "--coordinator",
-        choices=("none", "local"),
-        default="none",
-        help="local: start a gossipd coordinator beside the nodes (it schedules the overlap "
-        "protocol's pulls; a node that loses it schedules alone); none: decentralized "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--overlap-mode",
-        choices=("scheduled", "naive", "none"),
-        default=None,
-        help="overlap protocol: when a pull starts (scheduled: to land as the period ends; "
-        "naive: at its start; none: after it) (default: the protocol's, scheduled)",
-    )
-    p.add_argument(
-        "--period-steps",
-        type=int,
-        default=None,
-        help="overlap protocol: local steps between averages, T (default: the protocol's, 16)",
-    )
-    p.add_argument(
-        "--duration-s",
-        type=float,
-        default=duration_s,
-        help="seconds each node trains once all are in touch; 0: until --max-steps "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-steps",
-        type=int,
-        default=0,
-        help="stop each node after this many steps; 0: no limit (default: %(default)s)",
-    )
-    p.add_argument(
-        "--push-probability",
-        type=float,
-        default=None,
-        help="sumweight: chance of a push per step (default: the config's, 0.5)",
-    )
-    p.add_argument(
-        "--cpu-share",
-        type=cpu_share,
-        default=None,
-        help="gossip.cpu_share of every node: most of its cores' time gossip may take "
-        "while it trains, over 0 and at most 1 (default: the config's, 0.03; for demo 0.1)",
-    )
-    p.add_argument(
-        "--codec",
-        default="raw",
-        choices=["raw", "fp16", "bf16"],
-        help="how segments travel: raw float32, or halved to fp16 or bf16 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--learning-rate",
-        type=float,
-        default=None,
-        help="SGD learning rate of every node (default: the job's own)",
-    )
-    p.add_argument(
-        "--job-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of the job, as in a node's [job.options] table, repeatable, e.g. "
-        "--job-option model=cnn; the value is a TOML scalar, a bare word a string "
-        "(default: none for mesh up, partition=by_label for demo with job digits)",
-    )
-    p.add_argument(
-        "--workdir",
-        default=None,
-        help="keep configs, node state, logs and certificates here; one that holds an "
-        "earlier run's nodes is refused (default: a temporary directory, removed at the end)",
-    )
-    p.add_argument(
-        "--plot",
-        default=None,
-        help="write a PNG of loss, test accuracy and consensus distance over time "
-        "(default: none for mesh up, gossipd-demo.png for demo)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of node 0's job; node i uses seed + i (default: %(default)s)",
-    )
-    p.add_argument(
-        "--insecure",
-        action="store_true",
-        help="plaintext gRPC (default: a throwaway CA in the work dir and mutual TLS)",
-    )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object as the last stdout line; progress and table go to stderr "
-        "(default: progress and table on stdout)",
-    )
-
-
 def add_mesh_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``mesh`` (with ``up``) and ``demo`` subcommands, in that order in ``--help``."""
     mesh = sub.add_parser("mesh", help="local multi-process meshes")
@@ -329,7 +168,7 @@ def add_mesh_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Spawn N gossipd daemons on loopback, train, print progress and a "
         "per-node table, stop them.",
     )
-    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits", baseline=True)
+    add_mesh_args(p, nodes=4, duration_s=30.0, job="digits", baseline=True)
     p.add_argument(
         "--link-latency-ms",
         metavar="MS[,MS...]",
@@ -353,7 +192,7 @@ def add_mesh_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "sites with gossip, 30 s each; prints progress, each site's final accuracy alone and "
         "with gossip, and writes gossipd-demo.png with both runs.",
     )
-    _add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
+    add_mesh_args(p, nodes=4, duration_s=30.0, job="digits")
     p.add_argument(
         "--discovery",
         choices=("seeds", "mqtt"),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gossipd.node.launch.launcher import check_spec, print_table, run_mesh_in
-from gossipd.node.launch.localmesh import MeshSpec
+from gossipd.node.launch.meshspec import MeshSpec
 
 # The options the demo gives a job unless --job-option says otherwise.
 DEMO_JOB_OPTIONS: dict[str, dict[str, Any]] = {"digits": {"partition": "by_label"}}

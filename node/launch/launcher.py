@@ -17,21 +17,25 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
-
+from gossipd.node.baselines import BASELINES
 from gossipd.node.errors import GossipdError
 from gossipd.node.launch.localmesh import (
     STARTUP_TIMEOUT_S,
     LocalMesh,
-    MeshSpec,
     as_vector,
     consensus_distance,
 )
-from gossipd.node.shared.config_ranks import ALLREDUCE
+from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.site.rank_launcher import MAX_RANKS
 from gossipd.node.trainer.ranks import read_records
+
+if TYPE_CHECKING:
+    import torch
+
+    from gossipd.node.launch.progress import MeshProgress
+    from gossipd.node.trainer import checkpoint
 
 SAMPLE_PATIENCE_S = 10.0  # a progress sample is skipped, not waited for, past this
 DONE_POLL_S = 0.2  # how often a wait between samples looks for the end of training
@@ -45,79 +49,23 @@ def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
 async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     from gossipd.node.launch.progress import MeshProgress
 
-    timeline: list[dict[str, float]] = []
     display = MeshProgress(progress, spec, root)
     display.starting()  # before the CA and the processes: a person sees at once what runs
     with display, LocalMesh(spec, root) as mesh:
         t0 = display.t0 = time.monotonic()
         start_unix_s = time.time()
-        if spec.coordinator:
-            mesh.start_coordinator()
-        for i in range(spec.nodes):
-            mesh.start(i)
-        watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
-        try:
-            # Building the job takes seconds of CPU: off the loop, so progress keeps coming.
-            await asyncio.gather(asyncio.to_thread(mesh.load_plan), mesh.wait_ready())
-        finally:
-            watcher.cancel()
-        initial = mesh.initial()
+        initial = await _start(mesh, display)
         distance_start = consensus_distance([as_vector(c.segments) for c in initial])
-        sum_weight_start = _mean_weight_sum(c.weights for c in initial)
-        timeline.append({"t": 0.0, "consensus_distance": distance_start})
+        timeline: list[dict[str, float]] = [{"t": 0.0, "consensus_distance": distance_start}]
         display.ready(distance_start)
-        skipped = 0
-        while True:
-            mesh.check_alive()
-            states = await mesh.statuses()
-            if all(s["training_done"] for s in states):
-                break
-            try:
-                dist = consensus_distance(await mesh.pull_all(SAMPLE_PATIENCE_S))
-            except GossipdError:
-                mesh.check_alive()  # a node that died fails the run; a lost sample does not
-                skipped += 1
-                dist = None
-            t = time.monotonic() - t0
-            if dist is not None:
-                timeline.append({"t": t, "consensus_distance": dist})
-                display.sample(t, states, dist)
-            if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
-                raise GossipdError("nodes did not finish training in time; see node logs")
-            await _sleep_unless_done(mesh, spec.sample_interval_s)
+        skipped = await _watch(mesh, display, timeline)
         display.training_done()
-        states = await mesh.wait_settled()
-        try:
-            end_models: list[torch.Tensor] | None = await mesh.pull_all()
-        except GossipdError as err:
-            mesh.check_alive()
-            end_models = None  # read from the final checkpoints once the nodes have stopped
-            progress.write(f"final pull failed ({err}); reading the nodes' final checkpoints\n")
+        states, end_models = await _settle(mesh, progress)
         end_t = time.monotonic() - t0
-        sum_weight_end = _mean_weight_sum(s["sum_weights"] for s in states)
         exit_codes = mesh.stop_all()
         distance_end = consensus_distance(end_models or mesh.final_models())
         timeline.append({"t": end_t, "consensus_distance": distance_end})
-        nodes = []
-        for i, state in enumerate(states):
-            summary = _summary(mesh, i)
-            entry = {
-                "node_id": state["node_id"],
-                "steps": state["step"],
-                "round": state["round"],
-                "loss": state["loss"],
-                # As training ended (the share falls while a node only serves afterwards).
-                "wait_fraction": summary.get("wait_fraction", state["wait_fraction"]),
-                "wait_s": summary.get("wait_s", state["wait_s"]),
-                "scheduling": state["scheduling"],
-            }
-            entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
-            if spec.ranks > 1:
-                entry["ranks"] = [
-                    {k: r[k] for k in ("rank", "step", "test_accuracy", "model_checksum") if k in r}
-                    for r in read_records(mesh.node_dir(i))
-                ]
-            nodes.append(entry)
+        nodes = [_node_entry(mesh, i, state) for i, state in enumerate(states)]
     result = {
         "mesh_id": mesh.mesh_id,
         "job": spec.job,
@@ -126,8 +74,8 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         "nodes": nodes,
         "consensus_distance_start": distance_start,
         "consensus_distance_end": distance_end,
-        "sum_weight_start": sum_weight_start,
-        "sum_weight_end": sum_weight_end,
+        "sum_weight_start": _mean_weight_sum(c.weights for c in initial),
+        "sum_weight_end": _mean_weight_sum(s["sum_weights"] for s in states),
         "wall_s": time.monotonic() - t0,
         "start_unix_s": start_unix_s,
         "ready_s": display.ready_s,
@@ -143,6 +91,83 @@ async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
         plot_mesh(result, [mesh.node_dir(i) for i in range(spec.nodes)], spec.plot_path)
         result["plot"] = str(spec.plot_path)
     return result
+
+
+async def _start(mesh: LocalMesh, display: MeshProgress) -> list[checkpoint.Checkpoint]:
+    """Start the coordinator (if any) and every node, wait until all are in touch; each
+    node's model and weights before its first step."""
+    if mesh.spec.coordinator:
+        mesh.start_coordinator()
+    for i in range(mesh.spec.nodes):
+        mesh.start(i)
+    watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
+    try:
+        # Building the job takes seconds of CPU: off the loop, so progress keeps coming.
+        await asyncio.gather(asyncio.to_thread(mesh.load_plan), mesh.wait_ready())
+    finally:
+        watcher.cancel()
+    return mesh.initial()
+
+
+async def _watch(mesh: LocalMesh, display: MeshProgress, timeline: list[dict[str, float]]) -> int:
+    """Sample the consensus distance into ``timeline`` until every node finished training;
+    the samples skipped because a pull failed while every node lived."""
+    spec = mesh.spec
+    skipped = 0
+    while True:
+        mesh.check_alive()
+        states = await mesh.statuses()
+        if all(s["training_done"] for s in states):
+            return skipped
+        try:
+            dist = consensus_distance(await mesh.pull_all(SAMPLE_PATIENCE_S))
+        except GossipdError:
+            mesh.check_alive()  # a node that died fails the run; a lost sample does not
+            skipped += 1
+            dist = None
+        t = display.elapsed_s()
+        if dist is not None:
+            timeline.append({"t": t, "consensus_distance": dist})
+            display.sample(t, states, dist)
+        if spec.duration_s and t > spec.duration_s + STARTUP_TIMEOUT_S:
+            raise GossipdError("nodes did not finish training in time; see node logs")
+        await _sleep_unless_done(mesh, spec.sample_interval_s)
+
+
+async def _settle(
+    mesh: LocalMesh, progress: TextIO
+) -> tuple[list[dict[str, Any]], list[torch.Tensor] | None]:
+    """Every node's status once none has a push in flight, and the models they end with
+    (None when the last pull failed: read from the final checkpoints once stopped)."""
+    states = await mesh.wait_settled()
+    try:
+        return states, await mesh.pull_all()
+    except GossipdError as err:
+        mesh.check_alive()
+        progress.write(f"final pull failed ({err}); reading the nodes' final checkpoints\n")
+        return states, None
+
+
+def _node_entry(mesh: LocalMesh, index: int, state: dict[str, Any]) -> dict[str, Any]:
+    """One node's row of the result: its last status, with what its summary adds."""
+    summary = _summary(mesh, index)
+    entry = {
+        "node_id": state["node_id"],
+        "steps": state["step"],
+        "round": state["round"],
+        "loss": state["loss"],
+        # As training ended (the share falls while a node only serves afterwards).
+        "wait_fraction": summary.get("wait_fraction", state["wait_fraction"]),
+        "wait_s": summary.get("wait_s", state["wait_s"]),
+        "scheduling": state["scheduling"],
+    }
+    entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
+    if mesh.spec.ranks > 1:
+        entry["ranks"] = [
+            {k: r[k] for k in ("rank", "step", "test_accuracy", "model_checksum") if k in r}
+            for r in read_records(mesh.node_dir(index))
+        ]
+    return entry
 
 
 async def _sleep_unless_done(mesh: LocalMesh, seconds: float) -> None:
@@ -163,10 +188,10 @@ def check_spec(spec: MeshSpec) -> None:
         raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
     if not 1 <= spec.ranks <= MAX_RANKS:
         raise GossipdError(f"--ranks {spec.ranks}: give 1..{MAX_RANKS} processes per site")
-    if spec.ranks > 1 and spec.protocol == ALLREDUCE:
+    if spec.ranks > 1 and spec.protocol in BASELINES:
         raise GossipdError(
-            "--ranks with --protocol allreduce: the baseline runs one process per site; "
-            "drop --ranks"
+            f"--ranks with --protocol {spec.protocol}: the baseline runs one process per "
+            "site; drop --ranks"
         )
     check_job_options(spec.job, spec.job_options)
 
@@ -187,10 +212,10 @@ def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
 def run_mesh_in(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
     """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
     caller owns and removes (the demo keeps its two runs side by side under one directory)."""
-    if spec.protocol == ALLREDUCE:
-        from gossipd.node.launch.allreduce_mesh import run_allreduce_mesh
+    if spec.protocol in BASELINES:
+        from gossipd.node.launch.baseline_mesh import run_baseline_mesh
 
-        return asyncio.run(run_allreduce_mesh(spec, root, progress))
+        return asyncio.run(run_baseline_mesh(spec, root, progress))
     return asyncio.run(_run(spec, root, progress))
 
 
