@@ -147,6 +147,16 @@ def feed_trickle(sock: socket.socket, data: bytes, piece: int, every_s: float) -
 async def push_by_hand(lane: Lane, frames: list[bytes], feed: Feed | None = None) -> PushOutcome:
     """``frames`` in one PushSegments call over the member's gRPC channel, then ``feed()``
     (what the member writes on its lane once the header is on the wire)."""
+    async with lane.tls.channel(lane.handle.address, []) as channel:
+        return await push_on(channel, frames, feed)
+
+
+async def push_on(
+    channel: grpc.aio.Channel, frames: list[bytes], feed: Feed | None = None
+) -> PushOutcome:
+    """:func:`push_by_hand` over a channel the caller opened (and made ready) first: a
+    lane connection dialled after it waits only for the frames, never for gRPC's own
+    handshake, however loaded the machine (its idle limit is a few seconds here)."""
 
     async def requests() -> AsyncIterator[bytes]:
         for frame in frames:
@@ -154,14 +164,13 @@ async def push_by_hand(lane: Lane, frames: list[bytes], feed: Feed | None = None
         if feed is not None:
             await feed()
 
-    async with lane.tls.channel(lane.handle.address, []) as channel:
-        rpc = channel.stream_unary(
-            PUSH_SEGMENTS, request_serializer=None, response_deserializer=pb.PushReply.FromString
-        )
-        try:
-            reply = await rpc(requests(), timeout=PUSH_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            return PushOutcome(err.code(), (), err.details() or "")
+    rpc = channel.stream_unary(
+        PUSH_SEGMENTS, request_serializer=None, response_deserializer=pb.PushReply.FromString
+    )
+    try:
+        reply = await rpc(requests(), timeout=PUSH_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        return PushOutcome(err.code(), (), err.details() or "")
     return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
 
 

@@ -70,12 +70,12 @@ from tests.bulk_lane_raw import (
     closed_within,
     dial_lane,
     feed_bytes,
-    push_by_hand,
+    push_on,
     push_sync,
     sealed_dial,
     send_hello,
 )
-from tests.outsider import pull_unchecked
+from tests.outsider import PushOutcome, pull_unchecked
 from tests.outsider_tls import handshake_tls
 from tests.test_sealing import sealed_bytes
 from tests.tls_mesh import Pki
@@ -243,20 +243,25 @@ def test_a_sealed_connection_by_hand_carries_pushes_and_a_bad_one_is_refused_and
     lane, weight = daemons.tls, 0.125
     reason = {"tampered record": "InvalidFrame", "NaN": "NonFinitePayload"}[fault]
     mine, refused = weight_of(lane.handle), rejected(lane.handle, reason)
-    sock, token, seal = sealed_dial(lane)
+    honest_values, values = seeded_values(12), seeded_values(13)
+    if fault == "NaN":
+        values[NUMEL // 3] = float("nan")
+
+    async def dial_and_push() -> tuple[socket.socket, PushOutcome, PushOutcome]:
+        async with lane.tls.channel(lane.handle.address, []) as channel:
+            await asyncio.wait_for(channel.channel_ready(), PUSH_TIMEOUT_S)
+            sock, token, seal = sealed_dial(lane)  # its idle limit starts now
+            frames, payload = bulk_frames(lane, next_sequence(), weight, honest_values, token=token)
+            honest = await push_on(channel, frames, feed_bytes(sock, sealed_bytes(seal, payload)))
+            frames, payload = bulk_frames(lane, next_sequence(), weight, values, token=token)
+            wire = bytearray(sealed_bytes(seal, payload))
+            if fault == "tampered record":
+                wire[LENGTH.size + 1000] ^= 0x01
+            bad = await push_on(channel, frames, feed_bytes(sock, bytes(wire)))
+            return sock, honest, bad
+
+    sock, honest, bad = asyncio.run(dial_and_push())
     with sock:
-        frames, payload = bulk_frames(lane, next_sequence(), weight, seeded_values(12), token=token)
-        honest = asyncio.run(
-            push_by_hand(lane, frames, feed_bytes(sock, sealed_bytes(seal, payload)))
-        )
-        values = seeded_values(13)
-        if fault == "NaN":
-            values[NUMEL // 3] = float("nan")
-        frames, payload = bulk_frames(lane, next_sequence(), weight, values, token=token)
-        wire = bytearray(sealed_bytes(seal, payload))
-        if fault == "tampered record":
-            wire[LENGTH.size + 1000] ^= 0x01
-        bad = asyncio.run(push_by_hand(lane, frames, feed_bytes(sock, bytes(wire))))
         assert closed_within(sock, IDLE_S) is not None, "the connection is still open"
     assert (honest.code, honest.results) == (grpc.StatusCode.OK, MERGED), honest
     assert bad.code == grpc.StatusCode.INVALID_ARGUMENT, bad
