@@ -127,7 +127,7 @@ class Arrivals:
                 # What the waiter reads next (the peers to hand off to) must include
                 # every event before the barrier, not the previous boundary's copy.
                 self.summary = Summary.of(self)
-                _resolve(reply, lambda: None)
+                _resolve(reply, lambda: len(self.dispatch.outstanding))
 
     def hand_off(self, peer: str | None = None) -> OutboundPush | None:
         """The push that hands all weight to ``peer`` when leaving; the caller delivers it."""

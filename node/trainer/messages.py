@@ -148,9 +148,10 @@ class HandOffRequest:
 
 @dataclass(frozen=True)
 class Barrier:
-    """Resolved once every event queued before it has been applied."""
+    """Resolved once every event queued before it has been applied, with the number of
+    this node's pushes still outstanding then (a leave hands off only once it is 0)."""
 
-    reply: concurrent.futures.Future[None]
+    reply: concurrent.futures.Future[int]
 
 
 @dataclass(frozen=True)

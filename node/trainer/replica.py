@@ -205,9 +205,10 @@ class Replica(Arrivals):
         self.events.put(HandOffRequest(peer, reply))
         return reply
 
-    def barrier(self) -> concurrent.futures.Future[None]:
-        """Resolves once every event queued before it was applied on the trainer's thread."""
-        reply: concurrent.futures.Future[None] = concurrent.futures.Future()
+    def barrier(self) -> concurrent.futures.Future[int]:
+        """Resolves once every event queued before it was applied on the trainer's thread,
+        with how many of this node's pushes were still outstanding then."""
+        reply: concurrent.futures.Future[int] = concurrent.futures.Future()
         self.events.put(Barrier(reply))
         return reply
 
