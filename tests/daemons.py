@@ -1,5 +1,6 @@
-"""Real daemons for tests: one ``gossipd node`` (or ``gossipd coordinator``) as a subprocess
-on a loopback port, its config written with the test defaults, always reaped.
+"""Real daemons for tests: one ``gossipd node`` (or ``gossipd coordinator``) in a process of
+its own (forked by :mod:`tests.forked`) on a loopback port, its config written with the
+test defaults, always reaped.
 
 The :func:`~tests.conftest.daemons` fixture starts these; :mod:`tests.meshes` starts several
 at once and reads and disturbs them.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.launch.localmesh import spawn_node, stop_process
+from gossipd.node.launch.localmesh import stop_process
+from gossipd.node.launch.processes import NodeProcess
 from gossipd.node.net.status import query_status
 from gossipd.node.shared.tls import Credentials
+from tests.forked import fork_node
 
 START_TIMEOUT_S = 120.0
 TEST_STEPS_PER_S = 100.0
@@ -33,7 +35,7 @@ class DaemonHandle:
     address: str
     data_dir: Path
     config_path: Path
-    proc: subprocess.Popen[bytes]
+    proc: NodeProcess
     tls: Credentials | None = None  # what this test presents to it (None: plaintext)
 
     def status(self, *, checksum: bool = False) -> dict[str, Any]:
@@ -102,7 +104,7 @@ def coordinator_process(config: dict[str, Any], workdir: Path) -> Iterator[dict[
     path = workdir / "coord.toml"
     write_config(path, config)
     log_path = workdir / "coord.log"
-    proc = spawn_node(path, log_path, "coordinator")
+    proc = fork_node(path, log_path, "coordinator")
     try:
         info = Path(config["data_dir"]) / INFO_FILE
 
@@ -161,7 +163,7 @@ def start_daemon(
     data_dir = tmp_path / node_id
     data_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_node_config(tmp_path, node_id, port, data_dir, **config)
-    proc = spawn_node(config_path, data_dir / "node.log")
+    proc = fork_node(config_path, data_dir / "node.log")
     return answering(
         DaemonHandle(node_id, f"127.0.0.1:{port}", data_dir, config_path, proc, client_tls)
     )
@@ -194,7 +196,7 @@ def restart_daemon(handle: DaemonHandle) -> DaemonHandle:
     """Start ``handle``'s daemon again from its config and data dir (it resumes from its
     checkpoint); the old process must have exited. Returns the new handle."""
     assert handle.proc.poll() is not None, f"{handle.node_id} is still running"
-    proc = spawn_node(handle.config_path, handle.data_dir / "node.log")
+    proc = fork_node(handle.config_path, handle.data_dir / "node.log")
     return answering(replace(handle, proc=proc))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
 from tests.conftest import wait_until
+from tests.forked import fork_node
 
 CHECKPOINT_EVERY = 100
 TIMEOUT_S = 180.0
@@ -28,7 +29,7 @@ def test_killed_node_others_continue_and_restart_resumes_from_checkpoint(tmp_pat
         eval_every_steps=0,
     )
     status = lambda mesh, i: asyncio.run(mesh.status(i))  # noqa: E731
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         for i in range(3):
             mesh.start(i)
         mesh.load_plan()

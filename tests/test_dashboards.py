@@ -38,6 +38,7 @@ from gossipd.node.shared import certs
 from gossipd.node.shared.tls import Credentials
 from tests.conftest import coordinator_process, scrape_metrics, wait_until
 from tests.fakepeer import dead_address, handshake_tls, node_info
+from tests.forked import fork_node
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"
@@ -315,7 +316,7 @@ def test_every_dashboard_query_returns_series_from_a_live_mesh(tmp_path: Path) -
         checkpoint_every_steps=50,  # checkpoint age and write-time panels
         quiet=True,
     )
-    with LocalMesh(spec, tmp_path / "mesh") as mesh:
+    with LocalMesh(spec, tmp_path / "mesh", fork_node) as mesh:
         try:
             for i in range(spec.nodes):
                 mesh.start(i)

@@ -27,6 +27,7 @@ from gossipd.node.launch.localmesh import LocalMesh
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.trainer import checkpoint
 from tests.conftest import left_running
+from tests.forked import fork_node
 
 
 class FlakyProxy:
@@ -84,7 +85,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> LocalMesh:
         eval_every_steps=0,
         checkpoint_every_steps=0,
     )
-    with LocalMesh(spec, tmp_path_factory.mktemp("launcher")) as mesh:
+    with LocalMesh(spec, tmp_path_factory.mktemp("launcher"), fork_node) as mesh:
         for i in range(spec.nodes):
             mesh.start(i)
         mesh.load_plan()
@@ -129,7 +130,7 @@ def test_a_pull_that_keeps_failing_says_so_after_its_patience(mesh: LocalMesh) -
 
 def test_final_models_come_from_the_checkpoints_nodes_write_at_exit(tmp_path: Path) -> None:
     spec = MeshSpec(nodes=2, job="synthetic", learning_rate=0.0, push_probability=0.0)
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         mesh.load_plan()
         with pytest.raises(GossipdError, match="the run's result is unknown: node-0"):
             mesh.final_models()

@@ -18,6 +18,7 @@ import torch
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
+from tests.forked import fork_node
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
@@ -39,7 +40,7 @@ def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(
         eval_every_steps=0,
         checkpoint_every_steps=0,
     )
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         for i in range(spec.nodes):
             mesh.start(i)
         mesh.load_plan()

@@ -20,6 +20,7 @@ import pytest
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from tests.conftest import wait_until
+from tests.forked import fork_node
 
 NODES = 3
 STEPS_WHILE_DOWN = 300  # steps every node must take while the coordinator is dead
@@ -104,7 +105,7 @@ def test_overlap_trains_through_a_coordinator_that_dies_and_comes_back(tmp_path:
         duration_s=0.0,  # trains until stopped: the phases below decide how long
         eval_every_steps=100,
     )
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         _train_without_then_with_the_coordinator(mesh)
         _train_on_while_the_coordinator_is_dead(mesh)
         _schedule_through_the_restarted_coordinator(mesh, tmp_path)

@@ -31,6 +31,7 @@ from gossipd.node.site.rank_launcher import launch
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.ranks import RankEnv, backend_for, read_records
 from tests.conftest import wait_until
+from tests.forked import fork_node
 
 
 def _lines(path: Path) -> list[dict[str, object]]:
@@ -180,7 +181,7 @@ def test_dead_or_hung_rank_ends_its_site_cleanly_and_the_other_site_keeps_all_we
         nodes=2, job="digits", protocol="sumweight", insecure=True, duration_s=600,
         ranks=2, collective_timeout_s=5.0 if fault == signal.SIGSTOP else 10.0, quiet=True,
     )  # fmt: skip
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         _start_two_sites(mesh, spec)
         _site_0_ends_after_its_rank_1(mesh, spec, tmp_path, fault)
         _site_1_holds_all_weight_and_trains_on(mesh, tmp_path)

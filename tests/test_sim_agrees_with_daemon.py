@@ -32,6 +32,7 @@ import torch
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.sim import SimSpec, run_sim
+from tests.forked import fork_node
 
 NODES = 5
 ROUNDS = 8
@@ -98,7 +99,7 @@ def _run_daemons(
         insecure=True,
     )
     samples: list[tuple[int, int, float]] = []
-    with LocalMesh(spec, tmp_path) as mesh:
+    with LocalMesh(spec, tmp_path, fork_node) as mesh:
         for i in range(NODES):
             mesh.start(i)
         mesh.load_plan()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,14 @@ from gossipd.node.launch.meshconfigs import (
     node_toml,
 )
 from gossipd.node.launch.meshspec import MeshSpec
-from gossipd.node.launch.processes import free_ports, spawn_node, stop_process, stop_processes
+from gossipd.node.launch.processes import (
+    NodeProcess,
+    Spawner,
+    free_ports,
+    spawn_node,
+    stop_process,
+    stop_processes,
+)
 from gossipd.node.net.status import query_status
 from gossipd.node.net.transport import Identity, PeerClient
 from gossipd.node.net.wire import Limits
@@ -46,9 +52,11 @@ STATUS_PATIENCE_S = 60.0
 class LocalMesh:
     """Processes of one local mesh; always use as a context manager so every child is reaped."""
 
-    def __init__(self, spec: MeshSpec, root: Path) -> None:
+    def __init__(self, spec: MeshSpec, root: Path, spawn: Spawner = spawn_node) -> None:
+        """``spawn`` starts each site's process (and the coordinator's)."""
         self.spec = spec
         self.root = root
+        self.spawn = spawn
         self.mesh_id = f"local-{secrets.token_hex(3)}"
         # A baseline's sites meet at one more port, the rendezvous node-0 hosts.
         baseline = spec.protocol in BASELINES
@@ -56,10 +64,10 @@ class LocalMesh:
         self.ports = ports[: spec.nodes]
         self.rendezvous = f"127.0.0.1:{ports[-1]}" if baseline else None
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, NodeProcess] = {}
         self.configs: list[Path] = []
         self.tls = make_mesh_ca(spec, self.mesh_id, root)
-        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.coordinator: NodeProcess | None = None
         self.coordinator_address: str | None = None
         if spec.coordinator:
             if spec.insecure:
@@ -90,9 +98,8 @@ class LocalMesh:
     def start_coordinator(self) -> None:
         """The local coordinator (``spec.coordinator``); started again after a kill, it
         reloads what it learned from its data dir."""
-        self.coordinator = spawn_node(
-            self.coordinator_config, self.root / COORDINATOR_ID / "coordinator.log", "coordinator"
-        )
+        log_path = self.root / COORDINATOR_ID / "coordinator.log"
+        self.coordinator = self.spawn(self.coordinator_config, log_path, "coordinator", ())
 
     def kill_coordinator(self) -> None:
         """SIGKILL, as a crash would."""
@@ -103,7 +110,7 @@ class LocalMesh:
 
     def start(self, index: int) -> None:
         extra = ("--ranks", str(self.spec.ranks)) if self.spec.ranks > 1 else ()
-        proc = spawn_node(self.configs[index], self.node_dir(index) / "node.log", extra=extra)
+        proc = self.spawn(self.configs[index], self.node_dir(index) / "node.log", "node", extra)
         if self.spec.pin_cores:
             cores = sorted(os.sched_getaffinity(0))
             # The child has just started the interpreter: no thread of it exists yet, and

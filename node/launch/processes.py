@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from gossipd.node.errors import GossipdError
 
@@ -57,6 +59,30 @@ def _listen_range() -> tuple[int, int]:
     return (10_000, ephemeral_low) if ephemeral_low > 11_000 else (0, 0)
 
 
+class NodeProcess(Protocol):
+    """What the launcher does with a site's process (a :class:`subprocess.Popen` is one)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+#: Starts ``gossipd COMMAND --config CONFIG EXTRA`` with its output appended to a log:
+#: (config, log_path, command, extra) -> the process. :func:`spawn_node` runs the
+#: executable; the test suite forks its daemons from a process that imported torch once.
+Spawner = Callable[[Path, Path, str, tuple[str, ...]], NodeProcess]
+
+
 def spawn_node(
     config: Path, log_path: Path, command: str = "node", extra: tuple[str, ...] = ()
 ) -> subprocess.Popen[bytes]:
@@ -82,9 +108,7 @@ def spawn_node(
         )
 
 
-def stop_process(
-    proc: subprocess.Popen[bytes], timeout_s: float = 30.0, *, signalled: bool = False
-) -> int:
+def stop_process(proc: NodeProcess, timeout_s: float = 30.0, *, signalled: bool = False) -> int:
     """SIGTERM (unless ``signalled``: sent already), wait up to ``timeout_s``, then
     SIGKILL: a child is always reaped. SIGTERM goes once: a second one that lands after
     the node's event loop has ended (its handler gone) kills it mid-exit with -15."""
@@ -98,7 +122,7 @@ def stop_process(
         return -9
 
 
-def stop_processes(procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> list[int]:
+def stop_processes(procs: list[NodeProcess], timeout_s: float = 30.0) -> list[int]:
     """SIGTERM every one at once, then reap each (:func:`stop_process`): their shutdowns
     overlap instead of queueing. Exit codes in the order given."""
     for proc in procs:
