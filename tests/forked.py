@@ -25,13 +25,12 @@ from typing import Any
 
 # Imported once in the fork server. torch._dynamo is not imported by ``import torch`` but
 # by the first optimizer a job builds (and sympy by the first ``to_empty``): another 2 s of
-# CPU per daemon. None of them starts a thread of its own at import but NumPy's and SciPy's
-# BLAS pools, which re-create themselves in a forked child; gRPC starts its threads on
+# CPU per daemon. None of them starts a thread of its own at import but NumPy's BLAS pool,
+# which re-creates itself in a forked child; gRPC starts its threads on
 # first use, in the daemon.
 PRELOAD = [
     "torch",
     "torch._dynamo",
-    "sklearn.datasets",
     "gossipd.node.cli.main",
     "gossipd.node.site.site",
 ]

@@ -43,7 +43,7 @@ class _Batches:
         return idx
 
 
-class _SupervisedJob:
+class SupervisedJob:
     """One loop for every built-in job: a batch, a loss, a step; frozen when all lrs are 0."""
 
     model: nn.Module
@@ -117,7 +117,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-class DigitsJob(_SupervisedJob):
+class DigitsJob(SupervisedJob):
     """Classify 8x8 digits; each node trains on one shard of the 1437-image train split.
 
     Options: ``model`` ("mlp" or "cnn"), ``partition`` ("iid" or "by_label").
@@ -140,7 +140,7 @@ class DigitsJob(_SupervisedJob):
         self._start_training(spec, len(self.sample_ids), momentum=0.9)
 
 
-class SyntheticJob(_SupervisedJob):
+class SyntheticJob(SupervisedJob):
     """Noisy linear regression y = x . w* + noise: fast and exact, for tests and transport benches.
 
     Options: ``dim`` (features, default 32), ``numel`` (total float32 parameters;

@@ -17,7 +17,7 @@ def init_seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     """Build a model whose initial weights depend on ``seed`` alone.
 
     Modules are created on the meta device (no RNG drawn, no memory touched),
-    then Linear/Conv weights are drawn from a private generator with torch's
+    then Linear and Conv weights are drawn from a private generator with torch's
     default distributions, and other modules (BatchNorm) reset to their fixed
     defaults. The global RNG is neither read nor moved, so building a job on one
     thread cannot shift another thread's random numbers.
@@ -28,7 +28,7 @@ def init_seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, nn.Linear | nn.Conv2d):
+            if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d):
                 nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5), generator=gen)
                 if module.bias is not None:
                     bound = 1.0 / math.sqrt(module.weight[0].numel())

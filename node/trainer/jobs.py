@@ -3,7 +3,8 @@
 A job bundles a model, its optimizer, this node's data shard and a held-out test
 set behind two verbs, ``train_step`` and ``evaluate``, so the trainer thread and
 the simulator can drive any workload the same way. Built-in jobs need no
-download (``digits`` uses scikit-learn's bundled copy) and are deterministic:
+download (``digits`` reads scikit-learn's bundled copy, ``mnist1d`` runs the mnist1d
+package's generator) and are deterministic:
 the data split depends only on the job, the initial model and data order only on
 ``JobSpec.seed``. Users plug their own job in as ``"package.module:factory"``.
 
@@ -27,6 +28,7 @@ from torch import nn
 from gossipd.node.errors import JobError
 from gossipd.node.trainer.builtin_jobs import DigitsJob, SyntheticJob
 from gossipd.node.trainer.job_data import stratified_split
+from gossipd.node.trainer.job_mnist1d import Mnist1dJob
 from gossipd.node.trainer.job_spec import BUILTIN_JOBS, PLUGIN_SYNTAX, Job, JobSpec, check_spec
 
 __all__ = [
@@ -46,7 +48,11 @@ def build_job(spec: JobSpec) -> Job:
     check_spec(spec)
     if ":" in spec.name:
         return _build_plugin(spec)
-    builders: dict[str, Callable[[JobSpec], Job]] = {"digits": DigitsJob, "synthetic": SyntheticJob}
+    builders: dict[str, Callable[[JobSpec], Job]] = {
+        "digits": DigitsJob,
+        "mnist1d": Mnist1dJob,
+        "synthetic": SyntheticJob,
+    }
     if spec.name not in builders:
         raise JobError(
             f"unknown job {spec.name!r}: use one of {', '.join(BUILTIN_JOBS)}, "

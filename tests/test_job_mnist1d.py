@@ -1,0 +1,77 @@
+"""The ``mnist1d`` job: the package's own generator, nothing downloaded, shards by label."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from gossipd.node.errors import JobError
+from gossipd.node.trainer.job_mnist1d import mnist1d_data
+from gossipd.node.trainer.jobs import JobSpec, build_job
+
+
+def test_the_data_is_make_datasets_default_split_and_no_global_rng_moves() -> None:
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    random.seed(7)
+    np.random.seed(7)
+    expected_draws = (random.random(), np.random.rand())
+    random.seed(7)
+    np.random.seed(7)
+    x, y, test_x, test_y = mnist1d_data()
+    assert (random.random(), np.random.rand()) == expected_draws
+
+    reference = make_dataset(get_dataset_args())  # moves the global RNGs: a test may
+    assert x.shape == (4000, 40) and test_x.shape == (1000, 40)
+    assert np.array_equal(x, reference["x"].astype(np.float32))
+    assert np.array_equal(y, reference["y"])
+    assert np.array_equal(test_x, reference["x_test"].astype(np.float32))
+    assert np.array_equal(test_y, reference["y_test"])
+
+
+def test_by_label_shards_hold_few_classes_and_together_cover_the_training_set() -> None:
+    jobs = [build_job(JobSpec("mnist1d", shard_index=i, num_shards=4)) for i in range(4)]
+    ids = np.concatenate([job.sample_ids for job in jobs])
+    assert sorted(ids.tolist()) == list(range(4000))
+    for job in jobs:
+        assert len(torch.unique(job.train_y)) <= 4  # ten classes over four sites
+        assert torch.equal(job.test_y, jobs[0].test_y)  # all ten classes, the same everywhere
+    assert len(torch.unique(jobs[0].test_y)) == 10
+
+
+@pytest.mark.parametrize(("model", "parameters"), [("cnn", 5210), ("mlp", 15210)])
+def test_models_are_the_papers_sizes_and_depend_on_the_seed_alone(
+    model: str, parameters: int
+) -> None:
+    a, b, c = (build_job(JobSpec("mnist1d", seed=s, options={"model": model})) for s in (3, 3, 4))
+    assert sum(p.numel() for p in a.model.parameters()) == parameters
+    triples = zip(a.model.parameters(), b.model.parameters(), c.model.parameters(), strict=True)
+    for pa, pb, pc in triples:
+        assert torch.equal(pa, pb)
+        assert not torch.equal(pa, pc)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"model": "resnet"}, "option 'model' must be 'cnn' or 'mlp', got 'resnet'"),
+        ({"partition": "by_site"}, "option 'partition' must be 'iid' or 'by_label'"),
+        ({"classes": 3}, "job 'mnist1d' has no option(s) classes"),
+    ],
+)
+def test_a_bad_option_is_a_clear_error(options: dict[str, object], message: str) -> None:
+    with pytest.raises(JobError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_job(JobSpec("mnist1d", options=options))
+
+
+def test_training_lowers_the_loss_and_reports_accuracy_over_all_classes() -> None:
+    job = build_job(JobSpec("mnist1d", seed=1, options={"partition": "iid"}))
+    before = job.evaluate()
+    for _ in range(300):
+        job.train_step()
+    after = job.evaluate()
+    assert after["test_loss"] < before["test_loss"]
+    assert 0.0 <= after["test_accuracy"] <= 1.0
