@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import random
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from gossipd.node.cli.main import main
 from gossipd.node.errors import JobError
+from gossipd.node.launch.launcher import check_spec
+from gossipd.node.launch.meshspec import MeshSpec
+from gossipd.node.launch.processes import free_ports
 from gossipd.node.trainer.job_mnist1d import mnist1d_data
 from gossipd.node.trainer.jobs import JobSpec, build_job
+from tests.daemons import write_node_config
 
 
 def test_the_data_is_make_datasets_default_split_and_no_global_rng_moves() -> None:
@@ -75,3 +83,27 @@ def test_training_lowers_the_loss_and_reports_accuracy_over_all_classes() -> Non
     after = job.evaluate()
     assert after["test_loss"] < before["test_loss"]
     assert 0.0 <= after["test_accuracy"] <= 1.0
+
+
+MISSING = (
+    "job 'mnist1d' takes its data from the mnist1d package, which is not installed here: "
+    "pip install mnist1d==0.0.2.post1"
+)
+
+
+def test_a_missing_package_is_one_line_from_the_node_and_mesh_up_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "mnist1d", None)  # as if it were not installed
+    config = write_node_config(
+        tmp_path, "a", free_ports(1)[0], tmp_path / "a", job={"name": "mnist1d"}
+    )
+    assert main(["node", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gossipd: error: {MISSING}") and err.count("\n") == 1, err
+    assert not (tmp_path / "a" / "node.json").exists()  # nothing started
+
+    with pytest.raises(JobError, match=re.escape(MISSING)):
+        check_spec(MeshSpec(nodes=2, job="mnist1d"))
+    with pytest.raises(JobError, match=re.escape(MISSING)):
+        build_job(JobSpec("mnist1d"))

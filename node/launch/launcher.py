@@ -181,8 +181,10 @@ async def _sleep_unless_done(mesh: LocalMesh, seconds: float) -> None:
 
 
 def check_spec(spec: MeshSpec) -> None:
-    """What can be found wrong before any node starts: too few nodes, a bad job option."""
+    """What can be found wrong before any node starts: too few nodes, a missing package,
+    a bad job option."""
     from gossipd.node.launch.joboptions import check_job_options
+    from gossipd.node.trainer.job_packages import check_job_package
 
     if spec.nodes < 2:
         raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")
@@ -193,6 +195,7 @@ def check_spec(spec: MeshSpec) -> None:
             f"--ranks with --protocol {spec.protocol}: the baseline runs one process per "
             "site; drop --ranks"
         )
+    check_job_package(spec.job)
     check_job_options(spec.job, spec.job_options)
 
 

@@ -4,8 +4,9 @@ Loading torch and building the job takes seconds on an idle machine and minutes 
 busy one; a wrong certificate path found only after that wastes each attempt of an
 operator fixing a config (and each restart of a supervisor). So everything a site's
 files decide is checked here first: the config (already parsed), the TLS files, the
-ports it will listen on and its data directory. Each failure raises a GossipdError
-that names the key, the value and the fix; ``gossipd node`` exits 2 with it.
+ports it will listen on, its data directory and the package its job's data comes from.
+Each failure raises a GossipdError that names the key, the value and the fix; ``gossipd
+node`` exits 2 with it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from gossipd.node.errors import ConfigError
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.job_packages import check_job_package
 
 
 def check_site(config: NodeConfig) -> None:
@@ -33,6 +35,7 @@ def check_site(config: NodeConfig) -> None:
     if config.metrics.listen:
         check_port("metrics.listen", config.metrics.listen)
     check_data_dir(Path(config.data_dir))
+    check_job_package(config.job.name)
     if config.mqtt is not None:
         from gossipd.node.net.mqtt import BrokerLogin
 

@@ -20,6 +20,7 @@ from gossipd.node.errors import JobError
 from gossipd.node.trainer.builtin_jobs import SupervisedJob
 from gossipd.node.trainer.job_data import shard_positions
 from gossipd.node.trainer.job_models import init_seeded
+from gossipd.node.trainer.job_packages import check_job_package
 from gossipd.node.trainer.job_spec import JobSpec, job_options
 
 SIGNAL_LENGTH = 40
@@ -34,13 +35,9 @@ def mnist1d_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     The generator seeds Python's and NumPy's global generators; their states are put back
     after, so building this job moves no other code's random numbers.
     """
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as err:
-        raise JobError(
-            "job 'mnist1d' needs the mnist1d package (pip install mnist1d==0.0.2.post1; "
-            f"it is a dependency of gossipd, so reinstall gossipd): {err}"
-        ) from None
+    check_job_package("mnist1d")
+    from mnist1d.data import get_dataset_args, make_dataset
+
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         data = make_dataset(get_dataset_args())
