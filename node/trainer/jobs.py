@@ -29,6 +29,7 @@ from gossipd.node.errors import JobError
 from gossipd.node.trainer.builtin_jobs import DigitsJob, SyntheticJob
 from gossipd.node.trainer.job_data import stratified_split
 from gossipd.node.trainer.job_mnist1d import Mnist1dJob
+from gossipd.node.trainer.job_packages import check_job_package
 from gossipd.node.trainer.job_spec import BUILTIN_JOBS, PLUGIN_SYNTAX, Job, JobSpec, check_spec
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
 def build_job(spec: JobSpec) -> Job:
     """Build the job ``spec`` names, after checking the fields every job relies on."""
     check_spec(spec)
+    check_job_package(spec.name)
     if ":" in spec.name:
         return _build_plugin(spec)
     builders: dict[str, Callable[[JobSpec], Job]] = {
