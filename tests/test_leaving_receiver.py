@@ -165,3 +165,19 @@ def test_a_barrier_counts_pushes_outstanding_so_a_leave_hands_off_only_after_fol
     handed = replica.request_hand_off("r")
     replica.idle(0)
     assert handed.result(timeout=5.0).push.weights == {0: 1.0}
+
+
+def test_a_push_accepted_before_the_leave_merges_before_the_hand_off_not_after():
+    """A site told to leave over MQTT kept 0.77 in its final checkpoint (CI): a peer's push,
+    accepted just before the leave, still waited in the inbox when the hand-off request was
+    applied (events apply before merges), and merged after all weight had left."""
+    replica = _replica()
+    replica.post(ViewNotice(frozenset({"r", "s"})))
+    replica.idle(0)
+    values = torch.full((replica.flat.plan.segments[0].numel,), 7.0)
+    accepted = InboundPush("s", 1, 1, [ReceivedSegment(0, 0.75, values)])
+    replica.inbox.put(accepted)
+    handed = replica.request_hand_off("s")
+    replica.idle(0)
+    assert [a.segment for a in accepted.reply.result(timeout=5.0)] == [0]
+    assert handed.result(timeout=5.0).push.weights == {0: 1.75}  # all of it, merge included

@@ -86,13 +86,16 @@ class Arrivals:
         with self.core_lock:
             self.dispatch.send_deferred()
         self._apply_events(report)
+        self._merge_queued(report)
+        self._apply_events(report)
+        self._release_held(report)
+        self.dispatch.fire_due(self.clock(), mid_step=False)
+
+    def _merge_queued(self, report: StepReport) -> None:
         item = self.inbox.get()
         while item is not None:
             self._merge(item, report)
             item = self.inbox.get()
-        self._apply_events(report)
-        self._release_held(report)
-        self.dispatch.fire_due(self.clock(), mid_step=False)
 
     def _apply_events(self, report: StepReport) -> None:
         while (event := self.events.get()) is not None:
@@ -122,6 +125,11 @@ class Arrivals:
             case Rejected(peer=peer, reason=reason, detail=detail):
                 report.rejected.append(Rejection(peer, reason, detail))
             case HandOffRequest(peer=peer, reply=reply):
+                # A push accepted before the node began leaving may still wait in the
+                # inbox (events apply first): merged after the hand-off, its weight
+                # would stay here in the final checkpoint. Nothing accepted after that
+                # moment merges (merge_new is False), so this empties what could.
+                self._merge_queued(report)
                 _resolve(reply, lambda: self.hand_off(peer))
             case Barrier(reply=reply):
                 # What the waiter reads next (the peers to hand off to) must include
