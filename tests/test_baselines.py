@@ -73,7 +73,7 @@ def test_an_unknown_protocol_lists_the_protocols_and_the_baselines() -> None:
         parse_config({**config, "gossip": {"protocol": "ddp"}})
     message = str(err.value)
     assert all(name in message for name in [*PROTOCOLS, *BASELINES])
-    assert "(or allreduce, the synchronous baseline)" in message
+    assert "(or allreduce, the synchronous baseline, or diloco, the low-communication" in message
 
 
 def test_gossipd_node_refuses_ranks_for_a_baseline_site(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """Baselines that share gossipd's harness but not its gossip: synchronous all-reduce (torch
-DDP across sites), each run as a site process of its own.
+DDP across sites) and DiLoCo (local steps, then an averaged outer step), each run as a
+site process of its own.
 
 :data:`BASELINES` is the one list of them, and every place that treats a baseline apart
 from the gossip protocols asks it:
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gossipd.node.shared.config_ranks import ALLREDUCE
+from gossipd.node.shared.config_ranks import ALLREDUCE, DILOCO
 
 if TYPE_CHECKING:
     from gossipd.node.shared.config import NodeConfig
@@ -60,6 +61,11 @@ BASELINES: dict[str, Baseline] = {
             ALLREDUCE,
             "the synchronous DDP baseline, no gossip",
             "gossipd.node.baselines.allreduce:run_allreduce",
+        ),
+        Baseline(
+            DILOCO,
+            "DiLoCo: H local steps, then one all-reduce and an outer Nesterov step",
+            "gossipd.node.baselines.diloco:run_diloco",
         ),
     )
 }

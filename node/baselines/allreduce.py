@@ -29,7 +29,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +43,7 @@ from gossipd.node.baselines.allreduce_comm import (
 )
 from gossipd.node.errors import ConfigError
 from gossipd.node.shared.config import NodeConfig
+from gossipd.node.shared.config_ranks import ALLREDUCE
 from gossipd.node.shared.statefiles import write_json
 from gossipd.node.trainer.jobs import build_job
 from gossipd.node.trainer.ranks import site_spec
@@ -108,12 +109,20 @@ def _check_link(config: NodeConfig) -> None:
     if link.jitter_ms or link.rate_mbit:
         raise ConfigError(
             f"link.jitter_ms = {link.jitter_ms:g}, link.rate_mbit = {link.rate_mbit:g}: the "
-            "allreduce baseline models only link.latency_ms; remove the others"
+            f"{config.gossip.protocol} baseline models only link.latency_ms; remove the others "
+            "(shape bandwidth on the real link, as bench wan does)"
         )
 
 
 class AllreduceSite:
-    """One site of the baseline: joins the group, trains in lockstep, writes its files."""
+    """One site of the baseline: joins the group, trains in lockstep, writes its files.
+
+    A baseline that trains another way (:mod:`gossipd.node.baselines.diloco`) keeps the
+    group's lifecycle, signals and files and replaces :meth:`_train`.
+    """
+
+    protocol: ClassVar[str] = ALLREDUCE
+    summary_name: ClassVar[str] = "synchronous"  # "the synchronous baseline cannot continue"
 
     def __init__(self, config: NodeConfig) -> None:
         _check_link(config)
@@ -134,6 +143,11 @@ class AllreduceSite:
         self.last_eval_step: int | None = None
         self.started: float | None = None  # perf_counter at the first step
 
+    @property
+    def master(self) -> str:
+        """``[<protocol>] master``: where the site with rank 0 hosts the rendezvous."""
+        return str(getattr(self.config, self.protocol).master)
+
     # -- lifecycle ---------------------------------------------------------------------
     def run(self) -> None:
         """Join, train until rank 0 says stop (or a site was signalled), write files, leave.
@@ -145,7 +159,7 @@ class AllreduceSite:
         ("terminate called without an active exception").
         """
         self._write_node_json()
-        master = self.config.allreduce.master  # type: ignore[union-attr]
+        master = self.master
         log.info(
             "site %s: joining the all-reduce group at %s as rank %d of %d (waiting up to %g s "
             "for every site)",
@@ -176,7 +190,7 @@ class AllreduceSite:
 
     def _in_group(self, store: dist.TCPStore) -> None:
         """Form the process group on ``store``, train, write files, leave in order."""
-        master = self.config.allreduce.master  # type: ignore[union-attr]
+        master = self.master
         ranks = self.config.ranks
         self._catch_signals()
         beats = Heartbeats(master, self.rank, self.world)
@@ -226,13 +240,17 @@ class AllreduceSite:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def check_every_steps(self) -> int:
+        """Steps between the collectives where every site learns whether to stop."""
+        return CHECK_EVERY_STEPS
+
     def _catch_signals(self) -> None:
         def stop(signum: int, frame: FrameType | None) -> None:
             if not self.signalled.is_set():
                 log.info(
                     "%s: every site stops at the next check (within %d steps)",
                     signal.Signals(signum).name,
-                    CHECK_EVERY_STEPS,
+                    self.check_every_steps(),
                 )
             self.signalled.set()
 
@@ -283,8 +301,9 @@ class AllreduceSite:
         why = "rank 0's max_steps or duration_s reached" if done else "a site was signalled"
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(self.last_eval.items()))
         log.info(
-            "all-reduce training ended at step %d (%s): %s; waited %.1f s in all-reduce "
+            "%s training ended at step %d (%s): %s; waited %.1f s in all-reduce "
             "(%.0f%% of the time); wrote %s",
+            self.protocol,
             self.steps,
             why,
             metrics or "no evaluation",
@@ -308,7 +327,7 @@ class AllreduceSite:
             else f"sites with ranks {', '.join(map(str, crashed))}"
         )
         message = (
-            f"{who} left the all-reduce group: {first_line(err)}; the synchronous baseline "
+            f"{who} left the all-reduce group: {first_line(err)}; the {self.summary_name} baseline "
             "cannot continue without it (stopped at step "
             f"{self.steps}; restart every site to train again)"
         )
@@ -334,10 +353,14 @@ class AllreduceSite:
         with open(self.data_dir / "history.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def own_summary(self) -> dict[str, Any]:
+        """What this baseline adds to ``summary.json``."""
+        return {}
+
     def _write_summary(self, *, training_done: bool) -> None:
         summary: dict[str, Any] = {
             "node_id": self.config.node_id,
-            "protocol": "allreduce",
+            "protocol": self.protocol,
             "rank": self.rank,
             "world": self.world,
             "steps": self.steps,
@@ -347,6 +370,7 @@ class AllreduceSite:
             "wait_fraction": self.wait_fraction(),
             "training_done": training_done,
             "model_checksum": model_checksum(self.model),
+            **self.own_summary(),
             **self.last_eval,
         }
         write_json(self.data_dir / "summary.json", summary)

@@ -137,17 +137,25 @@ class Collectives:
         self, state: object, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         """DDP communication hook: delay, all-reduce, average; blocking, so it is timed whole."""
-        tensor = bucket.buffer()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(self.average(bucket.buffer()))
+        return done
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` averaged over every site, in place, after the ring's latency."""
         with self._timed():
             if self.bucket_delay_s:
                 time.sleep(self.bucket_delay_s)
             dist.all_reduce(tensor)
             if tensor.is_cuda:
                 torch.cuda.synchronize(tensor.device)
-        tensor.div_(self.world)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(tensor)
-        return done
+        return tensor.div_(self.world)
+
+    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` with rank 0's, in place (one start for every site)."""
+        with self._timed():
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
 
     def stop_flags(self, done: bool, signalled: bool) -> tuple[bool, bool]:
         """(training done, a site was signalled), the maximum over all sites."""

@@ -44,7 +44,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "quiet": args.json,
         "job_options": parse_job_options(args.job_option),
         "coordinator": args.coordinator == "local",
-        "protocol_options": _overlap_options(args),
+        "protocol_options": _protocol_options(args),
     }
     if args.node_based is not None:
         fields.update(_node_based(args))
@@ -99,13 +99,21 @@ def _node_based(args: argparse.Namespace) -> dict[str, object]:
     return {"protocol": "persyn", "protocol_options": options}
 
 
-def _overlap_options(args: argparse.Namespace) -> dict[str, object]:
-    options = {"mode": args.overlap_mode, "period_steps": args.period_steps}
-    given = {k: v for k, v in options.items() if v is not None}
-    if given and args.protocol != "overlap":
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
-        raise GossipdError(f"{flags}: only for --protocol overlap, not {args.protocol}")
-    return given
+def _protocol_options(args: argparse.Namespace) -> dict[str, object]:
+    """The flags that set one protocol's (or baseline's) own settings, refused with another."""
+    own = {
+        "overlap": {"mode": args.overlap_mode, "period_steps": args.period_steps},
+        "diloco": {"inner_steps": getattr(args, "inner_steps", None)},  # mesh up only
+    }
+    chosen: dict[str, object] = {}
+    for protocol, options in own.items():
+        given = {k: v for k, v in options.items() if v is not None}
+        if given and args.protocol != protocol:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise GossipdError(f"{flags}: only for --protocol {protocol}, not {args.protocol}")
+        if protocol == args.protocol:
+            chosen = given
+    return chosen
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -65,7 +65,8 @@ MESH_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "--job",
         {
-            "help": "training job of every node: digits, synthetic or module:factory "
+            "help": "training job of every node: digits, mnist1d, shakespeare, synthetic or "
+            "module:factory "
             "(default: %(default)s)",
         },
     ),
@@ -219,6 +220,14 @@ def add_mesh_args(
     }
     for flag, options in MESH_ARGS:
         p.add_argument(flag, **options, **own.get(flag, {}))
+    if baseline:
+        p.add_argument(
+            "--inner-steps",
+            type=int,
+            default=None,
+            metavar="H",
+            help="diloco: local steps between outer steps (default: the config's, 100)",
+        )
 
 
 def _protocol_options(baseline: bool) -> dict[str, Any]:

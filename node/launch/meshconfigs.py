@@ -59,7 +59,7 @@ def node_toml(
                 f"node_toml for baseline {spec.protocol!r} without a rendezvous: pass the "
                 "HOST:PORT node-0 hosts (LocalMesh picks a free one)"
             )
-        lines += _table(spec.protocol, {"master": rendezvous})
+        lines += _table(spec.protocol, {"master": rendezvous, **spec.protocol_options})
     return "\n".join(lines) + "\n"
 
 

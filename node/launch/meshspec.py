@@ -42,4 +42,5 @@ class MeshSpec:
     mqtt_broker: str | None = None
     # `--coordinator local`: a `gossipd coordinator` process beside the nodes (mutual TLS).
     coordinator: bool = False
-    protocol_options: dict[str, Any] = field(default_factory=dict)  # [gossip.<protocol>] keys
+    # Keys of [gossip.<protocol>], or of a baseline's own [<name>] section.
+    protocol_options: dict[str, Any] = field(default_factory=dict)

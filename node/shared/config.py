@@ -16,7 +16,12 @@ from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import PROTOCOLS, settings_class
 from gossipd.node.protocols.settings import did_you_mean
 from gossipd.node.shared.config_gossip import DEPRECATED_FLAT_KEYS, GossipConfig
-from gossipd.node.shared.config_ranks import BASELINE_SECTIONS, AllreduceConfig, RanksConfig
+from gossipd.node.shared.config_ranks import (
+    BASELINE_SECTIONS,
+    AllreduceConfig,
+    DilocoConfig,
+    RanksConfig,
+)
 from gossipd.node.shared.config_sections import (
     CheckpointConfig,
     LimitsConfig,
@@ -125,6 +130,11 @@ class NodeConfig(_Section):
     ranks: RanksConfig = RanksConfig()
     allreduce: AllreduceConfig | None = Field(
         None, description="the DDP baseline's rendezvous; required with gossip.protocol = allreduce"
+    )
+    diloco: DilocoConfig | None = Field(
+        None,
+        description="the DiLoCo baseline's rendezvous and outer step; required with "
+        "gossip.protocol = diloco",
     )
     # No silent default: a site states how it is secured (certificates, or insecure).
     tls: TlsConfig = Field(default=TlsConfig.model_construct(), validate_default=True)

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gossipd.node.shared.config_sections import check_address
 
 ALLREDUCE = "allreduce"
+DILOCO = "diloco"
 
 
 class RanksConfig(BaseModel):
@@ -84,6 +85,31 @@ class AllreduceConfig(BaselineSection):
     summary: ClassVar[str] = "the synchronous baseline"
 
 
+class DilocoConfig(BaselineSection):
+    """``[diloco]``: DiLoCo (Douillard et al., 2023), the low-communication baseline.
+
+    Every site takes ``inner_steps`` steps of its job's own optimizer, then the sites
+    average their pseudo-gradients (the change since the last outer step) in one all-reduce
+    and take one outer Nesterov step. The defaults are the paper's outer settings; H is
+    INTELLECT-1's 100 (the paper's 500 is for steps of seconds, not milliseconds).
+    """
+
+    summary: ClassVar[str] = "the low-communication baseline"
+
+    inner_steps: int = Field(
+        100, ge=1, description="H: local steps between outer steps (one all-reduce each)"
+    )
+    outer_learning_rate: float = Field(
+        0.7, gt=0, allow_inf_nan=False, description="the outer Nesterov step's learning rate"
+    )
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, allow_inf_nan=False, description="the outer Nesterov step's momentum"
+    )
+
+
 # Each baseline's section by the name ``gossip.protocol`` selects it with; NodeConfig has
 # an optional field of that name and type for each.
-BASELINE_SECTIONS: dict[str, type[BaselineSection]] = {ALLREDUCE: AllreduceConfig}
+BASELINE_SECTIONS: dict[str, type[BaselineSection]] = {
+    ALLREDUCE: AllreduceConfig,
+    DILOCO: DilocoConfig,
+}
