@@ -351,7 +351,8 @@ class Outbound:
         """Hand all weight to the first candidate that takes it.
 
         A hand-off that surely merged nothing (the peer died since it was last heard
-        from, say) goes to the next candidate; one that may have merged ends the tries.
+        from, or answered that it is leaving too, as when a whole mesh stops at once)
+        goes to the next candidate; one that may have merged ends the tries.
         """
         replica = self.replica
         for peer in candidates:
@@ -364,9 +365,28 @@ class Outbound:
             finally:
                 replica.post(PushOutcome(out, tuple(delivery.acks), delivery.error))
             await asyncio.wrap_future(replica.barrier())
-            if delivery.error is None:
+            took = len(delivery.acks)
+            if delivery.error is None and took == len(out.push.weights):
                 log.info("handed weight to %s", out.push.peer)
                 break
+            if delivery.error is None:
+                # Answered without merging (it is leaving too): exact, so the weight folded
+                # back here and may go to the next candidate.
+                log.info(
+                    "%s took %d of %d segments of the weight hand-off (it is leaving too); "
+                    "the rest goes to the next live peer",
+                    out.push.peer,
+                    took,
+                    len(out.push.weights),
+                )
+                continue
             log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
             if not delivery.exact:
                 break
+        else:
+            if candidates and any(replica.summary.weights):
+                log.info(
+                    "no live peer took the weight (%s): it stays in this node's final "
+                    "checkpoint, and comes back to the mesh when this node restarts",
+                    ", ".join(f"{w:.6g}" for w in replica.summary.weights),
+                )
