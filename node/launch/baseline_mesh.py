@@ -19,6 +19,7 @@ from gossipd.node.baselines import BASELINES
 from gossipd.node.errors import GossipdError
 from gossipd.node.launch.localmesh import STARTUP_TIMEOUT_S, LocalMesh
 from gossipd.node.launch.meshspec import MeshSpec
+from gossipd.node.launch.processes import Spawner, spawn_node
 
 POLL_S = 0.2
 
@@ -33,7 +34,9 @@ def _log_tail(mesh: LocalMesh, index: int) -> str:
     return path.read_text()[-2000:] if path.exists() else ""
 
 
-async def run_baseline_mesh(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+async def run_baseline_mesh(
+    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = spawn_node
+) -> dict[str, Any]:
     """Start the sites, wait until each has exited, summarise as ``run_mesh`` does."""
     baseline = BASELINES[spec.protocol]
     length = f"{spec.duration_s:g} s of training" if spec.duration_s else f"{spec.max_steps} steps"
@@ -41,7 +44,7 @@ async def run_baseline_mesh(spec: MeshSpec, root: Path, progress: TextIO) -> dic
         f"gossipd: starting {spec.nodes} sites of {baseline.name} ({baseline.description}) "
         f"on loopback (job {spec.job}, {length}); files in {root}\n"
     )
-    with LocalMesh(spec, root) as mesh:
+    with LocalMesh(spec, root, spawn) as mesh:
         t0 = time.monotonic()
         start_unix_s = time.time()
         for i in range(spec.nodes):

@@ -28,6 +28,7 @@ from gossipd.node.launch.localmesh import (
     consensus_distance,
 )
 from gossipd.node.launch.meshspec import MeshSpec
+from gossipd.node.launch.processes import Spawner, spawn_node
 from gossipd.node.site.rank_launcher import MAX_RANKS
 from gossipd.node.trainer.ranks import read_records
 
@@ -46,12 +47,12 @@ def _summary(mesh: LocalMesh, index: int) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-async def _run(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+async def _run(spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner) -> dict[str, Any]:
     from gossipd.node.launch.progress import MeshProgress
 
     display = MeshProgress(progress, spec, root)
     display.starting()  # before the CA and the processes: a person sees at once what runs
-    with display, LocalMesh(spec, root) as mesh:
+    with display, LocalMesh(spec, root, spawn) as mesh:
         t0 = display.t0 = time.monotonic()
         start_unix_s = time.time()
         initial = await _start(mesh, display)
@@ -199,27 +200,33 @@ def check_spec(spec: MeshSpec) -> None:
     check_job_options(spec.job, spec.job_options)
 
 
-def run_mesh(spec: MeshSpec, progress: TextIO | None = None) -> dict[str, Any]:
+def run_mesh(
+    spec: MeshSpec, progress: TextIO | None = None, spawn: Spawner = spawn_node
+) -> dict[str, Any]:
+    """``mesh up``: check ``spec``, run it, return the result ``--json`` prints; ``spawn``
+    starts each node (the executable; tests pass a faster one)."""
     check_spec(spec)
     progress = progress or (sys.stderr if spec.quiet else sys.stdout)
     if spec.workdir is not None:
         spec.workdir.mkdir(parents=True, exist_ok=True)
-        return run_mesh_in(spec, spec.workdir, progress)
+        return run_mesh_in(spec, spec.workdir, progress, spawn)
     root = Path(tempfile.mkdtemp(prefix="gossipd-mesh-"))
     try:
-        return run_mesh_in(spec, root, progress)
+        return run_mesh_in(spec, root, progress, spawn)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_mesh_in(spec: MeshSpec, root: Path, progress: TextIO) -> dict[str, Any]:
+def run_mesh_in(
+    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = spawn_node
+) -> dict[str, Any]:
     """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
     caller owns and removes (the demo keeps its two runs side by side under one directory)."""
     if spec.protocol in BASELINES:
         from gossipd.node.launch.baseline_mesh import run_baseline_mesh
 
-        return asyncio.run(run_baseline_mesh(spec, root, progress))
-    return asyncio.run(_run(spec, root, progress))
+        return asyncio.run(run_baseline_mesh(spec, root, progress, spawn))
+    return asyncio.run(_run(spec, root, progress, spawn))
 
 
 def print_table(result: dict[str, Any], file: TextIO) -> None:
