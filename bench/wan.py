@@ -1,5 +1,5 @@
-"""`gossipd bench wan`: time to accuracy of every protocol against the DDP baseline on a
-shaped wide-area network.
+"""`gossipd bench wan`: time to target of every protocol against the DDP and DiLoCo
+baselines on a shaped wide-area network.
 
 For each protocol, one after another (side by side they would share the cores and
 time each other), N `gossipd node` sites run on a fresh wide-area testbed
@@ -7,8 +7,11 @@ time each other), N `gossipd node` sites run on a fresh wide-area testbed
 ``tc tbf`` both ways, latency injected by each site's ``[link] latency_ms``; without
 root, every site on loopback shaped by ``[link]`` alone, labelled so). Each row: the
 time from the moment every site had started until every site had evaluated at or
-past the target, the final metric, the bytes each site sent, the trainer's wait and
-the speedup over ``allreduce`` (plain torch DDP across all sites). A last pair of
+past the target, the final metric, the bytes each site sent in all and until the
+target (the interfaces' counters, sampled through the run), the trainer's wait, the
+spread of the sites' weight shares (gossip protocols) and the speedup over
+``allreduce`` (plain torch DDP across all sites) and ``diloco`` (H local steps, then
+an averaged outer step). A last pair of
 runs measures what gossip costs the trainer: the same N sites with ``sumweight`` on,
 then with no seeds (each trains alone, the same CPU contention).
 
@@ -34,7 +37,7 @@ from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS
-from gossipd.node.shared.config_ranks import ALLREDUCE
+from gossipd.node.shared.config_ranks import ALLREDUCE, BASELINE_SECTIONS, DILOCO
 
 log = logging.getLogger("gossipd.bench.wan")
 
@@ -48,14 +51,18 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
     """One protocol's numbers (speedup filled in once allreduce's time is known)."""
     t0 = run.t0_unix_s
     steps = [s.get("steps") for s in run.summaries]
+    to_target = None if t0 is None else results.time_to_target_s(run.histories, target, t0)
     return {
-        "time_to_target_s": None
-        if t0 is None
-        else results.time_to_target_s(run.histories, target, t0),
+        "time_to_target_s": to_target,
         "final_accuracy": results.final_metric(run.histories, target.metric),
         "bytes_per_site": results.mean(run.tx_bytes) if run.tx_bytes is not None else None,
+        "bytes_per_site_to_target": None
+        if t0 is None or to_target is None
+        else results.bytes_at(run.tx_samples, t0 + to_target),
+        "weight_shares": results.weight_shares(run.summaries),
         "wait_fraction": results.mean([s.get("wait_fraction") for s in run.summaries]),
         "speedup_vs_allreduce": None,
+        "speedup_vs_diloco": None,
         "steps_per_site": results.mean(steps),
         "steps_per_s": None if results.mean(steps) is None else results.mean(steps) / budget_s,
         "load_average": run.load_average,
@@ -65,10 +72,11 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
 
 
 def add_speedups(rows: dict[str, dict[str, Any]]) -> None:
-    """Each row's speedup over allreduce's time to target (None without that run)."""
-    base = rows.get(ALLREDUCE, {}).get("time_to_target_s")
-    for row in rows.values():
-        row["speedup_vs_allreduce"] = results.speedup(base, row["time_to_target_s"])
+    """Each row's speedup over each baseline's time to target (None without that run)."""
+    for baseline in (ALLREDUCE, DILOCO):
+        base = rows.get(baseline, {}).get("time_to_target_s")
+        for row in rows.values():
+            row[f"speedup_vs_{baseline}"] = results.speedup(base, row["time_to_target_s"])
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -85,20 +93,27 @@ def print_table(result: dict[str, Any], file: IO[str]) -> None:
     )
     metric = "final loss" if target["lower_is_better"] else "final acc"
     head = (
-        f"{'protocol':<17} {'to target':>9} {'vs allreduce':>12} {metric:>10} "
-        f"{'MB/site':>8} {'wait':>6} {'steps/site':>10} {'load':>5}"
+        f"{'protocol':<17} {'to target':>9} {'vs DDP':>8} {'vs DiLoCo':>9} {metric:>10} "
+        f"{'MB/site':>8} {'MB to tgt':>9} {'wait':>6} {'steps/site':>10} {'shares':>11} "
+        f"{'load':>5}"
     )
     print(head, file=file)
     print("-" * len(head), file=file)
     for name, row in result["protocols"].items():
         mb = None if row["bytes_per_site"] is None else row["bytes_per_site"] / 1e6
+        to_target = row.get("bytes_per_site_to_target")
+        mb_target = None if to_target is None else to_target / 1e6
         wait = None if row["wait_fraction"] is None else 100 * row["wait_fraction"]
+        shares = row.get("weight_shares")
+        spread = "-" if not shares else f"{min(shares):.2f}-{max(shares):.2f}"
         print(
             f"{name:<17} {_num(row['time_to_target_s'], '8.1f') + 's':>9} "
-            f"{_num(row['speedup_vs_allreduce'], '11.2f') + '×':>12} "
+            f"{_num(row['speedup_vs_allreduce'], '7.2f') + '×':>8} "
+            f"{_num(row.get('speedup_vs_diloco'), '8.2f') + '×':>9} "
             f"{_num(row['final_accuracy'], '10.4f'):>10} {_num(mb, '8.1f'):>8} "
+            f"{_num(mb_target, '9.1f'):>9} "
             f"{_num(wait, '5.1f') + '%':>6} {_num(row['steps_per_site'], '10.0f'):>10} "
-            f"{row['load_average']:>5.1f}",
+            f"{spread:>11} {row['load_average']:>5.1f}",
             file=file,
         )
     tp = result.get("throughput")
@@ -115,7 +130,11 @@ def print_table(result: dict[str, Any], file: IO[str]) -> None:
             f"{_num(tp['alone_final_accuracy'], '.4f')}",
             file=file,
         )
-    print("'-': never reached (or no allreduce run to compare with)", file=file)
+    print(
+        "'-': never reached (or no baseline run to compare with); shares: each site's share "
+        "of the weight times the number of sites, lowest-highest (1.00: its fair share)",
+        file=file,
+    )
 
 
 def plot(runs: list[SitesRun], target: results.Target, title: str, path: Path) -> Path:
@@ -136,7 +155,7 @@ def plot(runs: list[SitesRun], target: results.Target, title: str, path: Path) -
     if target.lower_is_better:
         ax.set_yscale("log")
     else:
-        ax.set_ylim(0.5, 1.0)
+        ax.set_ylim(min(0.5, target.value - 0.2), 1.0)
     # Gossip reaches the bar in seconds, DDP at 50 ms in a minute: linear up to 1 s, then log.
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_xlim(left=0.0)
@@ -148,8 +167,8 @@ def plot(runs: list[SitesRun], target: results.Target, title: str, path: Path) -
 
 
 DESCRIPTION = (
-    "Time to accuracy of every gossip protocol against plain DDP (allreduce) on a shaped "
-    "wide-area network: a network namespace per site with tc tbf (root), else loopback with "
+    "Time to target of every gossip protocol against plain DDP (allreduce) and DiLoCo on a "
+    "shaped wide-area network: a network namespace per site with tc tbf (root), else loopback with "
     "gossipd's own [link] shaping. One protocol after another, then the trainer's throughput "
     "with gossip on and off."
 )
@@ -163,12 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--job",
         choices=sorted(results.DEFAULT_TARGETS),
         default="digits",
-        help=f"digits, or synthetic padded to {SYNTHETIC_NUMEL:,} parameters (default: "
-        "%(default)s)",
+        help=f"the job every site trains (synthetic: padded to {SYNTHETIC_NUMEL:,} "
+        "parameters) (default: %(default)s)",
     )
     p.add_argument(
         "--protocols",
-        default=",".join([*PROTOCOLS, ALLREDUCE]),
+        default=",".join([*PROTOCOLS, *BASELINE_SECTIONS]),
         help="comma-separated protocols to run, in order (default: %(default)s)",
     )
     p.add_argument(
@@ -181,8 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--target",
         type=float,
         default=None,
-        help="digits: test_accuracy to reach (default 0.90); synthetic: test_loss to get "
-        "under (default 0.02)",
+        help="the bar every site must reach: "
+        + "; ".join(f"{job}: {t.describe()}" for job, t in results.DEFAULT_TARGETS.items()),
+    )
+    p.add_argument(
+        "--inner-steps",
+        type=int,
+        default=100,
+        metavar="H",
+        help="diloco: local steps between outer steps (default: %(default)s)",
     )
     p.add_argument(
         "--no-throughput",
@@ -200,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _protocols(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = [*PROTOCOLS, ALLREDUCE]
+    known = [*PROTOCOLS, *BASELINE_SECTIONS]
     unknown = [n for n in names if n not in known]
     if not names or unknown or len(set(names)) != len(names):
         raise ConfigError(
@@ -218,6 +244,8 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
             f"--sites {args.sites} --budget-s {args.budget_s:g}: a wide-area run needs at "
             "least 2 sites and a budget above 0 s"
         )
+    if args.inner_steps < 1:
+        raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
     chosen = scenario(args.scenario)  # an unknown name stops here, before any directory
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gossipd-bench-wan-"))
     spec = WanSpec(
@@ -228,6 +256,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         workdir=workdir,
         loopback=args.loopback,
         job_options={"numel": SYNTHETIC_NUMEL} if args.job == "synthetic" else {},
+        inner_steps=args.inner_steps,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
@@ -255,6 +284,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         },
         "testbed": runs[0].testbed,
         "budget_s": args.budget_s,
+        "inner_steps": args.inner_steps,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from gossipd.bench.wan_results import History, eval_every_steps
 from gossipd.bench.wan_scenarios import Scenario
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.launch.plot import read_history
-from gossipd.node.shared.config_ranks import ALLREDUCE
+from gossipd.node.shared.config_ranks import BASELINE_SECTIONS
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class WanSpec:
     workdir: Path
     loopback: bool = False
     job_options: dict[str, Any] = field(default_factory=dict)
+    inner_steps: int = 100  # the diloco baseline's H
 
 
 @dataclass
@@ -65,6 +67,7 @@ class SitesRun:
     summaries: list[dict[str, Any]]
     t0_unix_s: float | None  # the last site's node.json: every site had started
     tx_bytes: list[int] | None  # per site, from the testbed's counters; None on loopback
+    tx_samples: list[tuple[float, float]]  # (unix_s, mean bytes sent per site) in the run
     exit_codes: list[int | None]
     load_average: float
     finished: bool  # every site wrote training_done (or exited) before the deadline
@@ -80,11 +83,12 @@ def site_toml(
     data_dir: Path,
     *,
     gossip: bool = True,
-    allreduce_master: str | None = None,
+    master: str | None = None,
 ) -> str:
     """Site ``index``'s config: ``rate_mbit`` only where gossipd must shape the rate itself
-    (the loopback fallback; the all-reduce baseline models latency only); ``gossip``
-    False: no seeds, the site trains alone."""
+    (the loopback fallback; the baselines model latency only); ``gossip`` False: no
+    seeds, the site trains alone; ``master``: a baseline's rendezvous."""
+    baseline = protocol in BASELINE_SECTIONS
     n = len(addresses)
     seeds = [a for i, a in enumerate(addresses) if i != index] if gossip else []
     top = {
@@ -96,19 +100,23 @@ def site_toml(
         "progress_interval_s": 10,
     }
     link: dict[str, Any] = {"latency_ms": latency_ms}
-    if rate_mbit is not None and protocol != ALLREDUCE:
+    if rate_mbit is not None and not baseline:
         link["rate_mbit"] = rate_mbit
     tables: dict[str, dict[str, Any]] = {
         "job": _site_job(spec, protocol, index, n, latency_ms),
         "job.options": spec.job_options,
         "gossip": {"protocol": protocol, "seed": index},
-        "membership": {"start_after_peers": n - 1 if gossip and protocol != ALLREDUCE else 0},
+        "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
         "link": link,
         "tls": {"insecure": True},
     }
-    if allreduce_master is not None:
-        tables["allreduce"] = {"master": allreduce_master}
+    if baseline:
+        if master is None:
+            raise ValueError(f"site_toml for baseline {protocol!r} needs its rendezvous")
+        tables[protocol] = {"master": master}
+        if protocol == "diloco":
+            tables[protocol]["inner_steps"] = spec.inner_steps
     lines = _toml_keys(top)
     for name, values in tables.items():
         lines += ["", f"[{name}]", *_toml_keys(values)]
@@ -125,7 +133,7 @@ def _site_job(
         "shard_index": index,
         "num_shards": n,
         "duration_s": spec.budget_s,
-        "eval_every_steps": eval_every_steps(protocol, n, latency_ms),
+        "eval_every_steps": eval_every_steps(protocol, n, latency_ms, spec.inner_steps),
     }
 
 
@@ -154,7 +162,8 @@ def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = 
         )
         dirs = [root / f"site-{i}" for i in range(spec.sites)]
         procs = _start(spec, bed, protocol, gossip, root, dirs)
-        finished = _wait(spec, procs, dirs)
+        samples: list[tuple[float, float]] = []
+        finished = _wait(spec, procs, dirs, lambda: _sample(bed, spec.sites, samples))
         wan_cleanup.stop_processes(procs)
         counters = [bed.counters(i) for i in range(spec.sites)]
     codes = [p.returncode for p in procs]
@@ -173,6 +182,7 @@ def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = 
         if all(p.exists() for p in starts)
         else None,
         tx_bytes=None if any(c is None for c in counters) else [c[0] for c in counters if c],
+        tx_samples=samples,
         exit_codes=codes,
         load_average=load,
         finished=finished,
@@ -194,7 +204,7 @@ def _start(
 ) -> list[Any]:
     ports = free_ports(spec.sites + 1)
     addresses = [f"{bed.address(i)}:{ports[i]}" for i in range(spec.sites)]
-    master = f"{bed.address(0)}:{ports[-1]}" if protocol == ALLREDUCE else None
+    master = f"{bed.address(0)}:{ports[-1]}" if protocol in BASELINE_SECTIONS else None
     procs = []
     for i, data_dir in enumerate(dirs):
         data_dir.mkdir(parents=True)
@@ -210,7 +220,7 @@ def _start(
                 rate,
                 data_dir,
                 gossip=gossip,
-                allreduce_master=master,
+                master=master,
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -225,10 +235,19 @@ def _start(
     return procs
 
 
-def _wait(spec: WanSpec, procs: list[Any], dirs: list[Path]) -> bool:
-    """Until every site is done or exited; False if the deadline came first."""
+def _sample(bed: Testbed | LoopbackTestbed, sites: int, samples: list[tuple[float, float]]) -> None:
+    """Append (now, mean bytes sent per site) where the testbed counts bytes per site."""
+    counts = [bed.counters(i) for i in range(sites)]
+    if all(c is not None for c in counts):
+        samples.append((time.time(), sum(c[0] for c in counts if c) / sites))
+
+
+def _wait(spec: WanSpec, procs: list[Any], dirs: list[Path], sample: Callable[[], None]) -> bool:
+    """Until every site is done or exited, sampling the byte counters each poll; False
+    if the deadline came first."""
     deadline = time.monotonic() + STARTUP_S + spec.budget_s + FINISH_S
     while time.monotonic() < deadline:
+        sample()
         if all(p.poll() is not None or _done(d) for p, d in zip(procs, dirs, strict=True)):
             return True
         time.sleep(POLL_S)

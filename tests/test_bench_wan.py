@@ -23,6 +23,7 @@ from gossipd.bench.wan import add_speedups
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
+    bytes_at,
     eval_every_steps,
     final_metric,
     first_reached_unix_s,
@@ -30,6 +31,7 @@ from gossipd.bench.wan_results import (
     speedup,
     target_for,
     time_to_target_s,
+    weight_shares,
 )
 from gossipd.node.errors import ConfigError
 from tests.conftest import left_running
@@ -42,7 +44,10 @@ ROW_FIELDS = {
     "bytes_per_site",
     "wait_fraction",
     "speedup_vs_allreduce",
+    "speedup_vs_diloco",
     "steps_per_site",
+    "bytes_per_site_to_target",
+    "weight_shares",
 }
 TOP_FIELDS = {"scenario", "sites", "job", "target", "testbed", "protocols", "throughput"}
 ACCURACY = Target("test_accuracy", 0.9, lower_is_better=False)
@@ -102,7 +107,8 @@ def test_each_job_has_its_target_and_a_bad_bar_is_refused() -> None:
     assert target_for("digits") == Target("test_accuracy", 0.90, lower_is_better=False)
     assert target_for("synthetic") == Target("test_loss", 0.02, lower_is_better=True)
     assert target_for("digits", 0.95).value == 0.95
-    assert set(DEFAULT_TARGETS) == {"digits", "synthetic"}
+    assert target_for("mnist1d") == Target("test_accuracy", 0.80, lower_is_better=False)
+    assert set(DEFAULT_TARGETS) == {"digits", "mnist1d", "synthetic"}
     with pytest.raises(ConfigError, match=r"--target 1\.5 .* 0 to 1"):
         target_for("digits", 1.5)
     with pytest.raises(ConfigError, match="no target known for job 'mnist'"):
@@ -121,6 +127,23 @@ def test_allreduce_evaluates_every_step_at_50ms_and_gossip_less_often() -> None:
     assert eval_every_steps("allreduce", 8, 50.0) == 1  # 0.7 s a step
     assert eval_every_steps("allreduce", 8, 5.0) == 6  # 72 ms a step
     assert eval_every_steps("sumweight", 8, 50.0) > eval_every_steps("allreduce", 8, 5.0)
+    assert eval_every_steps("diloco", 8, 50.0, inner_steps=40) == 40  # at each outer step
+
+
+def test_bytes_to_target_interpolate_the_counters_sampled_during_the_run() -> None:
+    samples = [(10.0, 0.0), (12.0, 200.0), (14.0, 600.0)]
+    assert bytes_at(samples, 11.0) == pytest.approx(100.0)
+    assert bytes_at(samples, 13.5) == pytest.approx(500.0)
+    assert bytes_at(samples, 9.0) == 0.0  # before the first sample: its count
+    assert bytes_at(samples, 15.0) is None  # past the last: unknown, not extrapolated
+    assert bytes_at([], 11.0) is None and bytes_at(samples, None) is None
+
+
+def test_weight_shares_are_each_sites_share_times_the_number_of_sites() -> None:
+    summaries = [{"sum_weights": [0.5, 1.5]}, {"sum_weights": [1.0, 1.0]}, {"sum_weights": [0, 0]}]
+    assert weight_shares(summaries) == pytest.approx([1.5, 1.5, 0.0])
+    assert weight_shares([{"sum_weights": []}, {"sum_weights": [1.0]}]) is None  # a baseline
+    assert weight_shares([{}, {"sum_weights": [1.0]}]) is None  # a site wrote nothing
 
 
 # -- real runs ---------------------------------------------------------------------------
@@ -148,7 +171,7 @@ def check_fields(result: dict[str, Any], protocols: list[str]) -> None:
 
 
 @pytest.mark.skipif(not ROOT, reason=f"the testbed needs namespaces: {WHY_NOT}")
-def test_namespace_run_compares_sumweight_with_allreduce_and_leaves_nothing(
+def test_namespace_run_compares_sumweight_with_both_baselines_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     result, proc, err = bench(
@@ -158,12 +181,14 @@ def test_namespace_run_compares_sumweight_with_allreduce_and_leaves_nothing(
         "--sites",
         "3",
         "--protocols",
-        "sumweight,allreduce",
+        "sumweight,allreduce,diloco",
         "--budget-s",
         "6",
+        "--inner-steps",
+        "20",
         "--no-throughput",
     )
-    check_fields(result, ["sumweight", "allreduce"])
+    check_fields(result, ["sumweight", "allreduce", "diloco"])
     assert result["testbed"].startswith("network namespaces on ")
     assert result["sites"] == 3 and result["job"] == "digits"
     assert result["throughput"] is None
@@ -174,6 +199,12 @@ def test_namespace_run_compares_sumweight_with_allreduce_and_leaves_nothing(
         assert row["steps_per_site"] > 0, name
         assert 0.0 <= row["wait_fraction"] <= 1.0, name
         assert 0.0 < row["final_accuracy"] <= 1.0, name
+        if row["time_to_target_s"] is not None:
+            assert 0 <= row["bytes_per_site_to_target"] <= row["bytes_per_site"], name
+    assert sum(rows_["sumweight"]["weight_shares"]) == pytest.approx(3.0)
+    assert rows_["allreduce"]["weight_shares"] is None and rows_["diloco"]["weight_shares"] is None
+    # DiLoCo all-reduces the model once per 20 steps, DDP its gradient every step.
+    assert rows_["diloco"]["bytes_per_site"] < rows_["allreduce"]["bytes_per_site"]
     # DDP waits on the 5 ms latency hook every step; gossip never waits for the network.
     assert rows_["allreduce"]["wait_fraction"] > rows_["sumweight"]["wait_fraction"]
     assert "running allreduce" in err and str(tmp_path / "work" / "allreduce") in err
