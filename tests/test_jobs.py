@@ -209,7 +209,7 @@ def test_synthetic_numel_pads_the_model_and_bulk_takes_no_gradient_memory() -> N
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
-        (JobSpec("mnist"), "digits, mnist1d, synthetic"),
+        (JobSpec("mnist"), "digits, mnist1d, shakespeare, synthetic"),
         (JobSpec("digits", shard_index=4, num_shards=4), "shard_index 4"),
         (JobSpec("digits", num_shards=0), "num_shards must be >= 1"),
         (JobSpec("digits", num_shards=5000), "num_shards=5000 exceeds"),

@@ -13,7 +13,7 @@ from torch import nn
 
 from gossipd.node.errors import JobError
 
-BUILTIN_JOBS: tuple[str, ...] = ("digits", "mnist1d", "synthetic")
+BUILTIN_JOBS: tuple[str, ...] = ("digits", "mnist1d", "shakespeare", "synthetic")
 PLUGIN_SYNTAX = "package.module:factory"
 
 

@@ -30,6 +30,7 @@ from gossipd.node.trainer.builtin_jobs import DigitsJob, SyntheticJob
 from gossipd.node.trainer.job_data import stratified_split
 from gossipd.node.trainer.job_mnist1d import Mnist1dJob
 from gossipd.node.trainer.job_packages import check_job_package
+from gossipd.node.trainer.job_shakespeare import ShakespeareJob
 from gossipd.node.trainer.job_spec import BUILTIN_JOBS, PLUGIN_SYNTAX, Job, JobSpec, check_spec
 
 __all__ = [
@@ -53,6 +54,7 @@ def build_job(spec: JobSpec) -> Job:
     builders: dict[str, Callable[[JobSpec], Job]] = {
         "digits": DigitsJob,
         "mnist1d": Mnist1dJob,
+        "shakespeare": ShakespeareJob,
         "synthetic": SyntheticJob,
     }
     if spec.name not in builders:
