@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         + "; ".join(f"{job}: {t.describe()}" for job, t in results.DEFAULT_TARGETS.items()),
     )
     p.add_argument(
+        "--cpu-share",
+        type=float,
+        default=None,
+        help="gossip.cpu_share of every gossip site, over 0 and at most 1 (default: the "
+        "config's, 0.03)",
+    )
+    p.add_argument(
         "--inner-steps",
         type=int,
         default=100,
@@ -244,6 +251,8 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
             f"--sites {args.sites} --budget-s {args.budget_s:g}: a wide-area run needs at "
             "least 2 sites and a budget above 0 s"
         )
+    if args.cpu_share is not None and not 0 < args.cpu_share <= 1:
+        raise ConfigError(f"--cpu-share {args.cpu_share:g}: give a share over 0 and at most 1")
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
     chosen = scenario(args.scenario)  # an unknown name stops here, before any directory
@@ -257,6 +266,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         loopback=args.loopback,
         job_options={"numel": SYNTHETIC_NUMEL} if args.job == "synthetic" else {},
         inner_steps=args.inner_steps,
+        cpu_share=args.cpu_share,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
@@ -285,6 +295,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "testbed": runs[0].testbed,
         "budget_s": args.budget_s,
         "inner_steps": args.inner_steps,
+        "cpu_share": args.cpu_share,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

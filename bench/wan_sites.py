@@ -53,6 +53,7 @@ class WanSpec:
     loopback: bool = False
     job_options: dict[str, Any] = field(default_factory=dict)
     inner_steps: int = 100  # the diloco baseline's H
+    cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
 
 
 @dataclass
@@ -105,7 +106,11 @@ def site_toml(
     tables: dict[str, dict[str, Any]] = {
         "job": _site_job(spec, protocol, index, n, latency_ms),
         "job.options": spec.job_options,
-        "gossip": {"protocol": protocol, "seed": index},
+        "gossip": {
+            "protocol": protocol,
+            "seed": index,
+            **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
+        },
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
         "link": link,

@@ -12,9 +12,9 @@ from there. One all-reduce of the model's size per H steps, against DDP's one pe
 Written plainly, for comparisons: no gRPC, no gossip, no checkpoints; one site that dies
 stops the others, as with :mod:`gossipd.node.baselines.allreduce`, whose site lifecycle,
 signals and files this reuses. The inner optimizer is the job's (SGD with momentum for
-the built-in jobs; the paper's is AdamW) and keeps its state across outer steps, as the
-paper's does. The model the site evaluates and writes is the shared one, at outer steps:
-between them no site holds it.
+digits and mnist1d, Adam for shakespeare; the paper's is AdamW) and keeps its state
+across outer steps, as the paper's does. The model the site evaluates and writes is
+the shared one, at outer steps: between them no site holds it.
 """
 
 from __future__ import annotations

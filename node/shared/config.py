@@ -55,7 +55,11 @@ __all__ = [
 
 
 class JobConfig(_Section):
-    name: str = Field("digits", description="digits, synthetic, or a plugin module:factory")
+    name: str = Field(
+        "digits",
+        description="a built-in job (digits, mnist1d, shakespeare, synthetic) or a plugin "
+        "module:factory",
+    )
     seed: int = 0
     shard_index: int = Field(0, ge=0)
     num_shards: int = Field(1, ge=1)
