@@ -108,7 +108,8 @@ def test_each_job_has_its_target_and_a_bad_bar_is_refused() -> None:
     assert target_for("synthetic") == Target("test_loss", 0.02, lower_is_better=True)
     assert target_for("digits", 0.95).value == 0.95
     assert target_for("mnist1d") == Target("test_accuracy", 0.80, lower_is_better=False)
-    assert set(DEFAULT_TARGETS) == {"digits", "mnist1d", "synthetic"}
+    assert target_for("shakespeare") == Target("test_loss", 1.74, lower_is_better=True)
+    assert set(DEFAULT_TARGETS) == {"digits", "mnist1d", "shakespeare", "synthetic"}
     with pytest.raises(ConfigError, match=r"--target 1\.5 .* 0 to 1"):
         target_for("digits", 1.5)
     with pytest.raises(ConfigError, match="no target known for job 'mnist'"):
