@@ -48,6 +48,10 @@ class Row:
     panels: list[Panel] = field(default_factory=list)
 
 
+# A node's sum-weight, averaged over its segments and the rate window.
+NODE_WEIGHT = f"avg by (job, instance) (avg_over_time(gossipd_sum_weight[{RATE}]))"
+
+
 def per_node(expr: str, by: str = "") -> str:
     """``expr`` summed per node (and the ``by`` labels), named by the node's own node_id."""
     labels = f"node_id, {by}" if by else "node_id"
@@ -127,6 +131,21 @@ MESH_OVERVIEW = Row(
                     'count(count_values("epoch", gossipd_membership_epoch * on (job, instance) '
                     f"group_left () {MESH_INFO}))",
                     "views",
+                )
+            ],
+        ),
+        Panel(
+            "Weight share per site (1 = its fair share)",
+            "Each node's sum-weight (averaged over its segments) over the mean of the mesh's "
+            "nodes: 1 when it holds its fair share. A node's weight is how much its model, and "
+            "so its data, counts in every merge, so a node far above 1 for long makes the "
+            "consensus its own; one near 0 barely counts. Sites that push less often than the "
+            "others (slower steps, a CPU budget that holds pushes) gather weight. Sum-weight "
+            "protocols only.",
+            [
+                Query(
+                    f"{per_node(NODE_WEIGHT)} / scalar(avg({NODE_WEIGHT} "
+                    f"* on (job, instance) group_left () {MESH_INFO}))",
                 )
             ],
         ),
