@@ -1,11 +1,12 @@
 """Short real meshes of the built-in tasks where averaging matters, sized for CI.
 
-mnist1d: each of 4 label-skewed sites alone scores 0.28-0.31 (docs/jobs.md), and at no
-evaluation can it score much above the share of the test set its own classes make up,
-about 0.3: it never saw the others. A site's local model swings from evaluation to
-evaluation (0.3 to 0.78 within 500 steps, measured: it drifts to its own classes between
-merges), so the bar is on each site's best evaluation, which only a site that learnt
-classes it never saw can pass.
+mnist1d: a label-skewed site alone cannot score much above the share of the test set its
+own classes make up: it never saw the others. Of 3 sites, each alone scored at best
+0.385-0.398 over 2,000 steps (evaluated every 100; measured 2026-11-27); of 4, 0.28-0.31
+(docs/jobs.md). A site's local model swings from evaluation to evaluation (0.3 to 0.78
+within 500 steps, measured: it drifts to its own classes between merges), so the bar is
+on each site's best evaluation, which only a site that learnt classes it never saw can
+pass.
 
 shakespeare: its lone sites trail the pooled model by only 0.09 nats a character after
 3,000 steps (docs/jobs.md), minutes of CPU for four sites: what CI checks is that it
@@ -25,20 +26,21 @@ from gossipd.node.launch.launcher import run_mesh
 from gossipd.node.launch.meshspec import MeshSpec
 from tests.forked import fork_node
 
-MNIST1D_LONE_BEST = 0.31  # the best of 4 label-skewed sites alone (docs/jobs.md)
+MNIST1D_SITES = 3
+MNIST1D_LONE_BEST = 0.40  # the best evaluation of 3 label-skewed sites alone, rounded up
 MNIST1D_BAR = 0.50
-STEPS = 2500  # measured: each site's best evaluation 0.64-0.72 by then, 0.53-0.60 by 2,000
+STEPS = 2000  # measured: each of 3 sites first at 0.50 after 800-1,400 steps
 SHAKESPEARE_UNIGRAM = 3.280  # nats a character: the unigram floor (docs/jobs.md)
 
 
 @pytest.mark.timeout(400)
-def test_four_label_skewed_mnist1d_sites_together_pass_every_lone_sites_accuracy(
+def test_label_skewed_mnist1d_sites_together_pass_every_lone_sites_accuracy(
     tmp_path: Path,
 ) -> None:
     """Sum-weight gossip with a push after every step (the CPU budget off: what is
     tested is that averaging teaches each site the classes it never sees)."""
     spec = MeshSpec(
-        nodes=4,
+        nodes=MNIST1D_SITES,
         job="mnist1d",
         protocol="sumweight",
         push_probability=1.0,
@@ -51,9 +53,9 @@ def test_four_label_skewed_mnist1d_sites_together_pass_every_lone_sites_accuracy
         quiet=True,
     )
     result = run_mesh(spec, io.StringIO(), fork_node)
-    assert result["exit_codes"] == [0] * 4, result
-    assert result["sum_weight_start"] == 4.0
-    assert abs(result["sum_weight_end"] - 4.0) < 1e-9, result
+    assert result["exit_codes"] == [0] * MNIST1D_SITES, result
+    assert result["sum_weight_start"] == MNIST1D_SITES
+    assert abs(result["sum_weight_end"] - MNIST1D_SITES) < 1e-9, result
     for i, node in enumerate(result["nodes"]):
         assert node["steps"] == STEPS, node
         history = (tmp_path / f"node-{i}" / "history.jsonl").read_text().splitlines()
