@@ -129,6 +129,38 @@ def test_sigterm_hands_weight_off_checkpoints_exits_and_restart_resumes(daemons:
     assert scrape_metrics(again.node_json()["metrics_port"])["gossipd_step"] >= ckpt["step"] > 0
 
 
+def test_two_sites_leaving_at_once_hand_their_weight_to_the_one_that_stays(
+    daemons: Any,
+) -> None:
+    """a and b get SIGTERM together. Whichever picks the other as its heir is answered
+    without a merge (a leaving node takes nothing new): it must then hand off to c, not
+    keep the weight (a bench whose sites stopped together left 0.72-1.27 on each, logged
+    as 'handed weight to' the other leaver)."""
+    ports = [next(daemons.ports) for _ in range(3)]
+    # The heir order is a seeded shuffle of the live peers by id: with these gossip seeds
+    # a tries b first and b tries a first, so each first asks the other leaver.
+    seeds = {"a": 4, "b": 7, "c": 0}
+    nodes = [
+        daemons(
+            name,
+            ports[i],
+            seeds=[f"127.0.0.1:{p}" for j, p in enumerate(ports) if j != i],
+            shutdown_timeout_s=10.0,
+            gossip={"seed": seed},
+        )
+        for i, (name, seed) in enumerate(seeds.items())
+    ]
+    a, b, c = nodes
+    wait_until(lambda: all(len(n.status()["live_peers"]) == 2 for n in nodes), "all three in touch")
+    for leaver in (a, b):
+        leaver.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=30) == 0 and b.proc.wait(timeout=30) == 0
+    for leaver in (a, b):
+        ckpt = torch.load(leaver.data_dir / "checkpoint.pt", weights_only=True)
+        assert ckpt["core"]["weights"] == [0.0], leaver.log()[-3000:]
+    wait_until(lambda: c.status()["sum_weights"] == [3.0], "c to hold all the weight")
+
+
 def test_joining_node_starts_at_weight_zero_with_a_pulled_model(daemons: Any) -> None:
     host = daemons("host")
     joiner = daemons("joiner", seeds=[host.address], join=True, job={"seed": 99})
