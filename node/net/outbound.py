@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
 MAX_HOLD_S = 5.0  # the longest a push waits for gossip's CPU budget
+HAND_OFF_ROUNDS = 3  # hand-offs per leave: weight a late fold-back returns goes too
 
 
 class Delivery(NamedTuple):
@@ -280,8 +281,13 @@ class Outbound:
         slow_peers = await self._settle_or_cancel()
         # Every parameter write stays on the replica's own thread: these requests run
         # there, after the outcomes the cancelled pushes just posted.
-        await self._until_no_push_outstanding(self.shutdown_timeout_s / 4)
-        await self._hand_off(self._heirs(slow_peers))
+        heirs = self._heirs(slow_peers)
+        # Weight can come back after a hand-off: a push the core made meanwhile (a timer,
+        # a deferred push) folds back once its outcome lands. Hand off what came back too.
+        for _ in range(HAND_OFF_ROUNDS):
+            await self._until_no_push_outstanding(self.shutdown_timeout_s / 4)
+            if not any(self.replica.summary.weights) or not await self._hand_off(heirs):
+                break
         clients = [self.channels.client(s.address, s.node_id) for s in self.membership.live()]
         results = await asyncio.gather(
             *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
@@ -347,8 +353,8 @@ class Outbound:
         live.sort(key=lambda s: (s.node_id in slow_peers, s.failures))  # stable: ties shuffled
         return [s.node_id for s in live]
 
-    async def _hand_off(self, candidates: list[str]) -> None:
-        """Hand all weight to the first candidate that takes it.
+    async def _hand_off(self, candidates: list[str]) -> bool:
+        """Hand all weight to the first candidate that takes it; True if one did.
 
         A hand-off that surely merged nothing (the peer died since it was last heard
         from, or answered that it is leaving too, as when a whole mesh stops at once)
@@ -358,7 +364,7 @@ class Outbound:
         for peer in candidates:
             out = await asyncio.wrap_future(replica.request_hand_off(peer))
             if out is None:
-                break
+                return False
             delivery = Delivery([], "leaving took too long", exact=False)
             try:
                 delivery = await self.deliver(out, "handoff")
@@ -368,7 +374,7 @@ class Outbound:
             took = len(delivery.acks)
             if delivery.error is None and took == len(out.push.weights):
                 log.info("handed weight to %s", out.push.peer)
-                break
+                return True
             if delivery.error is None:
                 # Answered without merging (it is leaving too): exact, so the weight folded
                 # back here and may go to the next candidate.
@@ -382,11 +388,11 @@ class Outbound:
                 continue
             log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
             if not delivery.exact:
-                break
-        else:
-            if candidates and any(replica.summary.weights):
-                log.info(
-                    "no live peer took the weight (%s): it stays in this node's final "
-                    "checkpoint, and comes back to the mesh when this node restarts",
-                    ", ".join(f"{w:.6g}" for w in replica.summary.weights),
-                )
+                return False
+        if candidates and any(replica.summary.weights):
+            log.info(
+                "no live peer took the weight (%s): it stays in this node's final "
+                "checkpoint, and comes back to the mesh when this node restarts",
+                ", ".join(f"{w:.6g}" for w in replica.summary.weights),
+            )
+        return False
