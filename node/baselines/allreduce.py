@@ -56,7 +56,12 @@ CHECK_EVERY_STEPS = 10  # steps between the stop-flag all-reduces (every site mu
 def run_allreduce(config: NodeConfig) -> int:
     """``gossipd node`` for ``gossip.protocol = "allreduce"``: 0 once the group stopped
     together, 1 when a site left it (one line on stderr says which)."""
-    site = AllreduceSite(config)
+    return run_group_site(AllreduceSite(config))
+
+
+def run_group_site(site: AllreduceSite) -> int:
+    """Run one baseline site: 0 once the group stopped together, 1 (one line on stderr)
+    when a site left it."""
     try:
         site.run()
     except GroupLost as err:

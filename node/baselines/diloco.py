@@ -20,14 +20,13 @@ the shared one, at outer steps: between them no site holds it.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, ClassVar
 
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from gossipd.node.baselines.allreduce import AllreduceSite, GroupLost
+from gossipd.node.baselines.allreduce import AllreduceSite, run_group_site
 from gossipd.node.baselines.allreduce_comm import Collectives
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.config_ranks import DILOCO, DilocoConfig
@@ -38,13 +37,7 @@ log = logging.getLogger("gossipd.node.baselines.diloco")
 def run_diloco(config: NodeConfig) -> int:
     """``gossipd node`` for ``gossip.protocol = "diloco"``: 0 once the group stopped
     together, 1 when a site left it (one line on stderr says which)."""
-    site = DilocoSite(config)
-    try:
-        site.run()
-    except GroupLost as err:
-        print(f"gossipd: {err}", file=sys.stderr)
-        return 1
-    return 0
+    return run_group_site(DilocoSite(config))
 
 
 class OuterStep:
