@@ -80,11 +80,12 @@ __all__ = [
 # files in collection order): a long file started last keeps one worker busy long after
 # the other has run out of work, which was a few minutes of the suite's wall time.
 SLOW_FILES_FIRST = (
-    "test_mesh_digits.py", "test_mesh_averaging.py", "test_ranks.py", "test_bench_wan.py",
+    "test_demo.py", "test_mesh_digits.py", "test_mesh_averaging.py", "test_ranks.py",
+    "test_bench_wan.py", "test_job_meshes.py", "test_diloco.py",
     "test_overlap_mesh.py", "test_allreduce.py", "test_insider_streams.py",
     "test_dashboards.py", "test_containers.py", "test_crash_all_sites.py",
     "test_crash_one_site.py", "test_crash_recovery.py", "test_insider_weight.py",
-    "test_mqtt_outage.py", "test_coordinator_client.py", "test_demo.py",
+    "test_mqtt_outage.py", "test_coordinator_client.py",
     "test_bench_overlap.py", "test_bench_protocols.py", "test_bench_transport.py",
     "test_liveness.py", "test_attacks.py", "test_attacks_membership.py", "test_mqtt.py",
     "test_overlap_daemon.py", "test_operator.py", "test_sim.py", "test_clean_shutdown.py",
