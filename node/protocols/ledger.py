@@ -20,7 +20,8 @@ This module holds the ledger's state, the receiving side and the core's interfac
 (events in, actions out, status, checkpoint state). Its parts: the sending side
 (reserve, commit, fold back) is :mod:`.reservations`; per-edge sequences, the
 sender's numberings and the receiver's de-duplication windows, are :mod:`.sequences`;
-the most weight a segment may hold after a merge is :mod:`.weight_cap`; the weight
+the most weight a segment may hold after a merge is :mod:`.weight_cap`; how much a
+push carries so weight does not follow speed is :mod:`.weight_balance`; the weight
 exchanged with each peer is booked in :mod:`.exchanged`, and suspected sinks in
 :mod:`.sinks`.
 
@@ -74,6 +75,7 @@ from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.reservations import Reservations
 from gossipd.node.protocols.sequences import DEDUP_WINDOW, Numberings, Windows
 from gossipd.node.protocols.sinks import SinkWatch
+from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
 
 
@@ -104,11 +106,13 @@ class SumWeightLedger(Reservations, GossipProtocol):
         max_weight: float | None = math.inf,
         sink_bound: float = 6.0,
         sink_allowance: float = 0.5,
+        weight_balance: bool = True,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
         ``sink_bound`` and ``sink_allowance``: when a peer is suspected of sinking weight
-        (:mod:`.sinks`)."""
+        (:mod:`.sinks`); ``weight_balance``: whether pushes are scaled so a site's weight
+        does not depend on its speed (:mod:`.weight_balance`)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -131,6 +135,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         )
         self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
         self.cap = WeightCap(max_weight, max(1, math.ceil(initial_weight)))
+        self.balance = WeightBalance(num_segments, weight_balance)
 
     # -- the interface ------------------------------------------------------------------
     def handle(self, event: Event) -> list[Action]:

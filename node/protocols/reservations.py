@@ -22,6 +22,7 @@ from gossipd.node.protocols.base import FoldBack, Push, View
 from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.sequences import Numberings
 from gossipd.node.protocols.sinks import SinkWatch
+from gossipd.node.protocols.weight_balance import WeightBalance
 
 
 class Reservations:
@@ -38,6 +39,7 @@ class Reservations:
     numberings: Numberings
     exchanged: ExchangedBook
     sinks: SinkWatch
+    balance: WeightBalance
     view: View
     _shares: dict[tuple[str, int], dict[int, float]]
 
@@ -48,6 +50,11 @@ class Reservations:
 
     def available(self, segment: int) -> float:
         return self.weights[segment] - self.reserved[segment]
+
+    def balanced(self, segment: int) -> float:
+        """The factor a push of ``segment`` carries now (:mod:`.weight_balance`: under 1
+        while this node has held less than its share); one call per segment and push."""
+        return self.balance.factor(segment, self.weights[segment])
 
     def busy_peers(self) -> set[str]:
         return {peer for peer, _ in self.in_flight}
@@ -90,9 +97,10 @@ class Reservations:
     def push_share(
         self, peer: str, fraction: float, segments: Iterable[int] | None = None
     ) -> Push | None:
-        """Push ``fraction`` of the available weight of ``segments`` (all by default)."""
+        """Push ``fraction`` of the available weight of ``segments`` (all by default),
+        times the balance factor of each."""
         chosen = range(len(self.weights)) if segments is None else segments
-        return self.push(peer, {s: self.available(s) * fraction for s in chosen})
+        return self.push(peer, {s: self.available(s) * fraction * self.balanced(s) for s in chosen})
 
     def hand_off(self, peer: str | None = None) -> Push | None:
         """Hand all available weight to ``peer`` (or a random live one) before leaving."""

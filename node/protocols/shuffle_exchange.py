@@ -14,7 +14,10 @@ is constant whatever arrives (the ledger's job). The shares are computed from
 the available weight before the first reservation, so every member gets the
 same 1/g; a member that cannot be reached this round (a push to it still
 unsettled, or no free slot: a group of g needs ``max_in_flight`` ≥ g − 1 to
-average exactly) simply gets nothing, and its share stays here. No barrier:
+average exactly) simply gets nothing, and its share stays here. The weight balance
+(:mod:`.weight_balance`) scales every share of a node that has held less than its
+weight for a while (it steps faster than the others); at equal speeds every weight
+stays 1 and the shares are exactly 1/g. No barrier:
 messages from other rounds are merged by the sum-weight rule.
 """
 
@@ -78,7 +81,9 @@ class ShuffleExchange(SumWeightLedger):
         if len(group) < 2:
             return []
         share = 1.0 / len(group)
-        amounts = {s: self.available(s) * share for s in range(len(self.weights))}
+        amounts = {
+            s: self.available(s) * share * self.balanced(s) for s in range(len(self.weights))
+        }
         pushes = []
         for peer in group:
             if peer == self.node_id or not self.can_push(peer):

@@ -63,6 +63,12 @@ class GossipConfig(_Section):
         4, ge=1, description="unacknowledged pushes in total (at most one per peer)"
     )
     seed: int = Field(0, description="seed of this node's peer choices")
+    weight_balance: bool = Field(
+        True,
+        description="scale what this site's pushes carry while it has held less weight than "
+        "its share, so a site that steps faster than the others is not drained and its data "
+        "counts alike; false: pushes carry the protocol's share whatever the site holds",
+    )
     cpu_share: float = Field(
         0.03,
         gt=0,

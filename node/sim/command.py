@@ -99,6 +99,12 @@ FLAGS: tuple[Flag, ...] = (
         {"type": int, "default": 0},
     ),
     Flag(
+        "--weight-balance",
+        "scale pushes so a node's weight does not follow its speed (the daemon's "
+        "gossip.weight_balance); --no-weight-balance: the protocols' shares as published",
+        {"action": argparse.BooleanOptionalAction, "default": True},
+    ),
+    Flag(
         "--push-probability",
         "deprecated: --set push_probability=P",
         {"type": float, "default": None},
@@ -191,6 +197,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         model_bytes=args.model_bytes,
         round_steps=args.round_steps,
         max_in_flight=args.max_in_flight,
+        weight_balance=args.weight_balance,
         options=protocol_options(args),
         learning_rate=args.learning_rate,
         target_error=args.target_error,

@@ -38,6 +38,7 @@ class SimSpec:
     model_bytes: int = 0  # bytes of the whole model on the simulated wire; 0: the payload's own
     round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
+    weight_balance: bool = True  # pushes scaled so a site's weight does not follow its speed
     # The protocol's own settings, as in its [gossip.<protocol>] table; unset, the sim's
     # round_steps above and average_every_steps = ⌈log2 N⌉ (one burst right after another)
     # where the protocol has such a setting, else the protocol's defaults.
@@ -92,6 +93,7 @@ def core_settings(
         initial_weight=initial_weight,
         max_in_flight=spec.max_in_flight
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
+        weight_balance=spec.weight_balance,
         coordinator=spec.coordinator,
         options=core_options(spec),
     )
@@ -191,6 +193,12 @@ class SimResult:
     invariant_value_error: float | None = None  # worst relative drift of Σw·x seen
     # Per node, the share of virtual time its trainer waited for due pulls (overlap).
     wait_fractions: list[float] = field(default_factory=list)
+    # Per node, its sum-weight (mean over segments) at the probes while it was a member:
+    # the mean, and the least (None: never a member, or a protocol without weights).
+    weight_shares: list[float | None] = field(default_factory=list)
+    weight_share_min: list[float | None] = field(default_factory=list)
+    _weight_sums: list[float] = field(default_factory=list, repr=False)
+    _weight_counts: list[int] = field(default_factory=list, repr=False)
 
     @classmethod
     def start(cls, spec: SimSpec, segments: int) -> SimResult:
@@ -212,8 +220,26 @@ class SimResult:
             self.predicted_errors.append(self.errors[0] * sigma)
         if self.accuracy is not None:
             self.accuracy.append(sim.payload.metrics(sim.member_idx).get("accuracy", math.nan))
+        self._note_weights(sim)
         if sim.spec.check_invariants:
             self._note_invariants(sim)
+
+    def _note_weights(self, sim: Simulation) -> None:
+        """Each member's weight now: what says whether a site's data counts whatever its
+        speed (:mod:`gossipd.node.protocols.weight_balance`)."""
+        grow = len(sim.nodes) - len(self._weight_sums)
+        self._weight_sums += [0.0] * grow
+        self._weight_counts += [0] * grow
+        self.weight_share_min += [None] * grow
+        for i in sim.member_idx:
+            weights = getattr(sim.nodes[i].core, "weights", None)
+            if weights is None:
+                return  # a protocol without sum-weights
+            share = sum(weights) / len(weights)
+            self._weight_sums[i] += share
+            self._weight_counts[i] += 1
+            low = self.weight_share_min[i]
+            self.weight_share_min[i] = share if low is None else min(low, share)
 
     def _note_invariants(self, sim: Simulation) -> None:
         mass, values = sim.invariant_errors()
@@ -235,12 +261,16 @@ class SimResult:
         self.mass_lost = float(sim.book.lost.sum())
         self.mass_duplicated = float(sim.book.duplicated.sum())
         self.wait_fractions = [n.wait_s / sim.now if sim.now > 0 else 0.0 for n in sim.nodes]
+        self.weight_shares = [
+            total / count if count else None
+            for total, count in zip(self._weight_sums, self._weight_counts, strict=True)
+        ]
         if sim.spec.check_invariants:
             self._note_invariants(sim)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (NaN becomes null, so the line parses anywhere)."""
-        data = asdict(self)
+        data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
         for key, value in data.items():
             if isinstance(value, float):
                 data[key] = _finite(value)

@@ -1,0 +1,170 @@
+"""Weight balance: a site's weight does not follow its speed (``gossip.weight_balance``).
+
+The policy (docs/protocols/index.md, "Weight shares and site speed"): each site's data
+counts alike, whatever its speed. Without the balance a site that pushes 25 times as
+often as its peer ends with almost no weight, so its data stops counting; these tests
+drive exactly that, in the cores of every protocol with weights (checking Σw and Σw·x
+after every exchange), in the simulator, and in two real daemons.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gossipd.node.errors import ConfigError
+from gossipd.node.protocols.base import HandOff, StepEnded
+from gossipd.node.protocols.weight_balance import LEAST_FACTOR, WeightBalance
+from gossipd.node.shared.config import parse_config
+from gossipd.node.sim import SCENARIOS, SimSpec, run_sim
+from gossipd.node.sim.scenarios import Scenario
+from tests.conftest import wait_until
+from tests.core_harness import ALL_PROTOCOLS, STEP_S, Harness
+from tests.meshes import stop_in_turn
+
+SLOWER = 25  # the slow site steps once for every 25 steps of the fast one
+STEPS = 2500  # of the fast site: long enough for the balance to settle (about 100 pushes)
+
+
+def _two_speeds(protocol: str, balance: bool) -> tuple[Harness, list[float]]:
+    """Two nodes, the second stepping 25 times less often; every push lands before the
+    next step, and every step may push (persyn: a burst of one push every step, as the
+    simulator runs it for two nodes). Returns the harness and the fast node's weight
+    after each of its steps."""
+    h = Harness(
+        protocol, 2, segments=2, push_probability=1.0, average_every_steps=1, weight_balance=balance
+    )
+    fast, slow = h.ids
+    held, steps = [], {fast: 0, slow: 0}  # each node counts its own steps
+    for tick in range(STEPS):
+        for node in (fast, slow) if tick % SLOWER == 0 else (fast,):
+            step = steps[node]
+            h.carry_out(node, h.cores[node].handle(StepEnded(step, tick * STEP_S)))
+            steps[node] += 1
+        h.exchange()
+        held.append(float(h.held(fast).mean()))
+    return h, held
+
+
+@pytest.mark.parametrize("protocol", ALL_PROTOCOLS)
+def test_a_site_25_times_faster_holds_about_its_share_and_without_balance_almost_none(
+    protocol: str,
+) -> None:
+    _, balanced = _two_speeds(protocol, True)
+    _, bare = _two_speeds(protocol, False)
+    late = balanced[STEPS // 2 :]
+    assert 0.75 <= statistics.mean(late) <= 1.25, statistics.mean(late)
+    assert statistics.mean(bare[STEPS // 2 :]) < 0.2
+
+
+@pytest.mark.parametrize("protocol", ALL_PROTOCOLS)
+def test_at_equal_speeds_pushes_carry_the_protocols_share(protocol: str) -> None:
+    """The structured protocols keep every weight at 1, so the factor never moves and
+    every push is its paper's; sum-weight's weights wander, and stay in the band."""
+    h = Harness(protocol, 8, segments=2, max_in_flight=8, push_probability=0.5)
+    h.run_sync(range(300))
+    factors = [f for core in h.cores.values() for f in core.balance.factors]
+    if protocol == "sumweight":
+        assert statistics.mean(factors) >= 0.9, factors
+    else:
+        assert factors == [1.0] * len(factors)
+
+
+def test_the_factor_shrinks_only_outside_the_band_and_never_past_its_least() -> None:
+    balance = WeightBalance(1)
+    for _ in range(500):
+        assert balance.factor(0, 0.9) == 1.0  # within 0.3 of the share: untouched
+    for _ in range(5000):
+        balance.factor(0, 0.0)
+    assert balance.factors[0] == LEAST_FACTOR
+    for _ in range(5000):
+        balance.factor(0, 2.0)
+    assert balance.factors[0] == 1.0  # back, and never over 1
+    assert WeightBalance(1, enabled=False).factor(0, 0.0) == 1.0
+
+
+def test_a_leaving_node_hands_off_everything_whatever_its_factor() -> None:
+    h, _ = _two_speeds("sumweight", True)
+    fast, slow = h.ids
+    assert h.cores[fast].balance.factors[0] < 0.5
+    (push,) = h.cores[fast].handle(HandOff(slow))
+    np.testing.assert_allclose(list(push.weights.values()), h.held(fast))
+
+
+def test_the_config_turns_it_off_and_refuses_what_is_not_a_boolean() -> None:
+    base = {"mesh_id": "m", "node_id": "a", "listen": "127.0.0.1:0", "tls": {"insecure": True}}
+    assert parse_config(base, "test").gossip.weight_balance is True
+    off = parse_config({**base, "gossip": {"weight_balance": False}}, "test")
+    assert off.gossip.weight_balance is False
+    with pytest.raises(ConfigError, match=r"gossip\.weight_balance = 'sometimes'"):
+        parse_config({**base, "gossip": {"weight_balance": "sometimes"}}, "test")
+
+
+ONE_SLOW = Scenario(
+    name="one-slow",
+    description="2 sites, the second 25 times slower",
+    step_time_s=(1.0, 25.0),
+    latency_s=((0.005, 0.05), (0.05, 0.005)),
+    bandwidth_bytes_per_s=((1.25e9, 1.25e8), (1.25e8, 1.25e9)),
+)
+
+
+@pytest.mark.parametrize("protocol", ["sumweight", "pushsum-expgraph"])
+def test_simulated_sites_25_times_apart_share_weight_about_evenly(protocol: str) -> None:
+    spec = SimSpec(
+        protocol=protocol, nodes=2, rounds=1200, scenario=ONE_SLOW, check_invariants=True
+    )
+    balanced, bare = run_sim(spec), run_sim(replace(spec, weight_balance=False))
+    for result in (balanced, bare):
+        assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
+    assert all(s is not None and 0.8 <= s <= 1.2 for s in balanced.weight_shares)
+    assert bare.weight_shares[0] is not None and bare.weight_shares[0] < 0.25
+
+
+def test_simulated_equal_sites_mix_as_fast_with_the_balance_as_without() -> None:
+    spec = SimSpec(nodes=16, rounds=30, scenario=SCENARIOS["homogeneous"])
+    balanced, bare = run_sim(spec), run_sim(replace(spec, weight_balance=False))
+    assert balanced.messages >= 0.95 * bare.messages
+    assert balanced.errors[-1] <= 1.5 * bare.errors[-1]
+
+
+FAST_STEPS = 1500  # the fast daemon's steps watched: about 15 s at 100 steps/s
+
+
+def _share_of(status: dict[str, Any]) -> float:
+    return sum(status["sum_weights"]) / len(status["sum_weights"])
+
+
+def test_two_daemons_25_times_apart_keep_about_their_share_and_lose_no_weight(
+    daemons: Any,
+) -> None:
+    """A site at 100 steps a second beside one at 4, both pushing after every step: the
+    fast one's weight, sampled in the second half, averages about 1 (without the balance
+    it is drained to almost nothing: the core test above), and Σw is 2 at the end."""
+    ports = [next(daemons.ports) for _ in range(2)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    gossip = {"push_probability": 1.0}
+    fast = daemons("fast", ports[0], seeds=[addresses[1]], gossip=gossip)
+    slow = daemons(
+        "slow", ports[1], seeds=[addresses[0]], gossip=gossip, job={"max_steps_per_s": 4.0}
+    )
+    wait_until(lambda: fast.status()["live_peers"] == ["slow"], "the mesh to form")
+    samples: list[tuple[int, float]] = []
+
+    def watched() -> bool:
+        status = fast.status()
+        samples.append((status["step"], _share_of(status)))
+        return status["step"] >= FAST_STEPS
+
+    wait_until(watched, f"{FAST_STEPS} steps of the fast site", 120.0)
+    late = [share for step, share in samples if step >= FAST_STEPS // 2]
+    assert len(late) >= 10, samples
+    assert 0.6 <= statistics.mean(late) <= 1.4, samples
+    final = stop_in_turn([fast, slow])
+    for segment in range(len(final[0])):
+        assert math.isclose(sum(w[segment] for w in final), 2.0, abs_tol=1e-9), final
