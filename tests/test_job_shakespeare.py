@@ -124,6 +124,17 @@ def test_more_sites_than_plays_or_genres_is_a_clear_error(
     spec = JobSpec("shakespeare", num_shards=shards, options={"partition": partition})
     with pytest.raises(JobError, match=re.escape(message)):
         build_job(spec)
+    # `mesh up`, `demo` and `bench wan` refuse it before any node starts (sites × ranks).
+    mesh = MeshSpec(nodes=shards, job="shakespeare", job_options={"partition": partition})
+    with pytest.raises(JobError, match=re.escape(message)):
+        check_spec(mesh)
+
+
+def test_a_site_of_several_ranks_counts_one_shard_per_rank_before_anything_starts() -> None:
+    mesh = MeshSpec(nodes=4, ranks=2, job="shakespeare", job_options={"partition": "genre"})
+    with pytest.raises(JobError, match=re.escape("num_shards=8 exceeds the 6 genres")):
+        check_spec(mesh)
+    check_spec(MeshSpec(nodes=3, ranks=2, job="shakespeare", job_options={"partition": "genre"}))
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ A value is read as a TOML scalar (``64``, ``0.5``, ``true``, ``"cnn"``); a bare 
 (``by_label``) is taken as a string, so a shell user need not quote. The options
 end up in every node's ``[job.options]`` table, so only what a TOML file can hold
 there is accepted: a bare key and a finite scalar. :func:`check_job_options` builds
-the job once in the launcher, so an option the job does not know fails with the
-job's own message before any node starts, not in every node's log.
+the job once in the launcher, so an option the job does not know, or more sites than
+its data splits into, fails with the job's own message before any node starts, not in
+every node's log.
 """
 
 from __future__ import annotations
@@ -65,11 +66,10 @@ def parse_job_options(texts: Iterable[str]) -> dict[str, Any]:
     return options
 
 
-def check_job_options(job: str, options: dict[str, Any]) -> None:
-    """Build ``job`` with ``options`` here, so a bad option fails with the job's own error
-    (a JobError naming the option and what it takes) before any node is started."""
-    if not options:
-        return
+def check_job_options(job: str, options: dict[str, Any], shards: int = 1) -> None:
+    """Build ``job`` with ``options`` here, as the last of ``shards`` shards, so a bad option
+    or more sites than the job's data can be split into (``shakespeare`` deals whole plays
+    or genres) fails with the job's own error before any node is started."""
     from gossipd.node.trainer.jobs import JobSpec, build_job
 
-    build_job(JobSpec(job, options=dict(options)))
+    build_job(JobSpec(job, shard_index=shards - 1, num_shards=shards, options=dict(options)))

@@ -183,7 +183,7 @@ async def _sleep_unless_done(mesh: LocalMesh, seconds: float) -> None:
 
 def check_spec(spec: MeshSpec) -> None:
     """What can be found wrong before any node starts: too few nodes, a missing package,
-    a bad job option."""
+    a bad job option, more sites (times ranks) than the job's data has shards."""
     from gossipd.node.launch.joboptions import check_job_options
     from gossipd.node.trainer.job_packages import check_job_package
 
@@ -197,7 +197,7 @@ def check_spec(spec: MeshSpec) -> None:
             "site; drop --ranks"
         )
     check_job_package(spec.job)
-    check_job_options(spec.job, spec.job_options)
+    check_job_options(spec.job, spec.job_options, spec.nodes * spec.ranks)
 
 
 def run_mesh(
