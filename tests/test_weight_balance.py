@@ -1,4 +1,5 @@
-"""Weight balance: a site's weight does not follow its speed (``gossip.weight_balance``).
+"""Weight balance: a site's weight does not follow its speed (``gossip.weight_balance``,
+off by default: see :mod:`gossipd.node.protocols.weight_balance` for why).
 
 The policy (docs/protocols/index.md, "Weight shares and site speed"): each site's data
 counts alike, whatever its speed. Without the balance a site that pushes 25 times as
@@ -66,7 +67,7 @@ def test_a_site_25_times_faster_holds_about_its_share_and_without_balance_almost
 def test_at_equal_speeds_pushes_carry_the_protocols_share(protocol: str) -> None:
     """The structured protocols keep every weight at 1, so the factor never moves and
     every push is its paper's; sum-weight's weights wander, and stay in the band."""
-    h = Harness(protocol, 8, segments=2, max_in_flight=8, push_probability=0.5)
+    h = Harness(protocol, 8, segments=2, max_in_flight=8, push_probability=0.5, weight_balance=True)
     h.run_sync(range(300))
     factors = [f for core in h.cores.values() for f in core.balance.factors]
     if protocol == "sumweight":
@@ -76,7 +77,7 @@ def test_at_equal_speeds_pushes_carry_the_protocols_share(protocol: str) -> None
 
 
 def test_the_factor_shrinks_only_outside_the_band_and_never_past_its_least() -> None:
-    balance = WeightBalance(1)
+    balance = WeightBalance(1, enabled=True)
     for _ in range(500):
         assert balance.factor(0, 0.9) == 1.0  # within 0.3 of the share: untouched
     for _ in range(5000):
@@ -96,11 +97,11 @@ def test_a_leaving_node_hands_off_everything_whatever_its_factor() -> None:
     np.testing.assert_allclose(list(push.weights.values()), h.held(fast))
 
 
-def test_the_config_turns_it_off_and_refuses_what_is_not_a_boolean() -> None:
+def test_the_config_turns_it_on_and_refuses_what_is_not_a_boolean() -> None:
     base = {"mesh_id": "m", "node_id": "a", "listen": "127.0.0.1:0", "tls": {"insecure": True}}
-    assert parse_config(base, "test").gossip.weight_balance is True
-    off = parse_config({**base, "gossip": {"weight_balance": False}}, "test")
-    assert off.gossip.weight_balance is False
+    assert parse_config(base, "test").gossip.weight_balance is False
+    on = parse_config({**base, "gossip": {"weight_balance": True}}, "test")
+    assert on.gossip.weight_balance is True
     with pytest.raises(ConfigError, match=r"gossip\.weight_balance = 'sometimes'"):
         parse_config({**base, "gossip": {"weight_balance": "sometimes"}}, "test")
 
@@ -117,7 +118,12 @@ ONE_SLOW = Scenario(
 @pytest.mark.parametrize("protocol", ["sumweight", "pushsum-expgraph"])
 def test_simulated_sites_25_times_apart_share_weight_about_evenly(protocol: str) -> None:
     spec = SimSpec(
-        protocol=protocol, nodes=2, rounds=1200, scenario=ONE_SLOW, check_invariants=True
+        protocol=protocol,
+        nodes=2,
+        rounds=1200,
+        scenario=ONE_SLOW,
+        check_invariants=True,
+        weight_balance=True,
     )
     balanced, bare = run_sim(spec), run_sim(replace(spec, weight_balance=False))
     for result in (balanced, bare):
@@ -127,7 +133,7 @@ def test_simulated_sites_25_times_apart_share_weight_about_evenly(protocol: str)
 
 
 def test_simulated_equal_sites_mix_as_fast_with_the_balance_as_without() -> None:
-    spec = SimSpec(nodes=16, rounds=30, scenario=SCENARIOS["homogeneous"])
+    spec = SimSpec(nodes=16, rounds=30, scenario=SCENARIOS["homogeneous"], weight_balance=True)
     balanced, bare = run_sim(spec), run_sim(replace(spec, weight_balance=False))
     assert balanced.messages >= 0.95 * bare.messages
     assert balanced.errors[-1] <= 1.5 * bare.errors[-1]
@@ -148,7 +154,7 @@ def test_two_daemons_25_times_apart_keep_about_their_share_and_lose_no_weight(
     it is drained to almost nothing: the core test above), and Σw is 2 at the end."""
     ports = [next(daemons.ports) for _ in range(2)]
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    gossip = {"push_probability": 1.0}
+    gossip = {"push_probability": 1.0, "weight_balance": True}
     fast = daemons("fast", ports[0], seeds=[addresses[1]], gossip=gossip)
     slow = daemons(
         "slow", ports[1], seeds=[addresses[0]], gossip=gossip, job={"max_steps_per_s": 4.0}

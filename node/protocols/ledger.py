@@ -106,7 +106,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         max_weight: float | None = math.inf,
         sink_bound: float = 6.0,
         sink_allowance: float = 0.5,
-        weight_balance: bool = True,
+        weight_balance: bool = False,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);

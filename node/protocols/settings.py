@@ -47,7 +47,7 @@ class CoreSettings:
     max_weight: float | None = None  # None: the number of founding members (largest view)
     sink_bound: float = 6.0
     sink_allowance: float = 0.5
-    weight_balance: bool = True
+    weight_balance: bool = False
     # A coordinator schedules this node's pulls (a core that schedules asks it with
     # AskPeer, and schedules alone while it cannot answer); False: decentralized.
     coordinator: bool = False

@@ -21,15 +21,22 @@ within the band (weights wander around 1), the factor stays near 1, and the prot
 push what their papers say: the structured ones (pushsum-expgraph, persyn, crossover,
 shuffle-exchange) keep every weight at exactly 1 there, so the factor never moves.
 
-It needs no clock and no message: only the weights a node holds when it pushes. The
-share is a founding site's, so a mesh whose joiners (they start at 0) bring its mean
-under 1 − ``DEAD_BAND`` shrinks everyone's pushes: turn it off there
-(``gossip.weight_balance = false``).
+It needs no clock and no message: only the weights a node holds when it pushes. It is
+off by default (``gossip.weight_balance``), because its share is a founding site's weight
+and a mesh can hold less than that per site for reasons other than speed: a sink took
+weight (an insider that acknowledges every push and never pushes back: the honest sites'
+factors shrank as it drained them, so the sink watch, which counts the share each push
+carried, took 607 pushes instead of 26 to suspect it in a CI run, and the honest
+sites' weight, under the band for good after it, would keep their pushes small),
+crashes lost it, or joiners (they start at 0) spread it thinner. Turn it on where sites
+differ in speed and none of those holds; the fix that lets it default on is an
+estimate of the mesh's weight per site.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 SHARE = 1.0  # a founding site's weight: Σw over the mesh is the number of founding sites
 AVERAGE_PUSHES = 50  # the held weight is averaged over about this many pushes
@@ -38,13 +45,19 @@ GAIN = 0.05  # per push, the factor changes by exp(GAIN × how far the mean is f
 LEAST_FACTOR = 0.01  # a site 100 times faster than the slowest is balanced; faster, nearly
 
 
+@dataclass
 class WeightBalance:
-    """Per segment, the mean weight held at this node's pushes and the factor they carry."""
+    """Per segment, the mean weight held at this node's pushes and the factor they carry
+    (``enabled`` False: every factor is 1 and nothing is tracked)."""
 
-    def __init__(self, num_segments: int, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.means = [SHARE] * num_segments
-        self.factors = [1.0] * num_segments
+    num_segments: int
+    enabled: bool = False
+    means: list[float] = field(init=False)
+    factors: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.means = [SHARE] * self.num_segments
+        self.factors = [1.0] * self.num_segments
 
     def factor(self, segment: int, held: float) -> float:
         """The factor for a push of ``segment`` now, which holds ``held``; each call is one

@@ -64,10 +64,11 @@ class GossipConfig(_Section):
     )
     seed: int = Field(0, description="seed of this node's peer choices")
     weight_balance: bool = Field(
-        True,
+        False,
         description="scale what this site's pushes carry while it has held less weight than "
-        "its share, so a site that steps faster than the others is not drained and its data "
-        "counts alike; false: pushes carry the protocol's share whatever the site holds",
+        "a founding site's share, so a site that steps faster than the others is not drained "
+        "and its data counts alike; off by default: a sink, crashes or joiners also leave "
+        "sites under that share",
     )
     cpu_share: float = Field(
         0.03,

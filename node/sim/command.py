@@ -101,8 +101,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--weight-balance",
         "scale pushes so a node's weight does not follow its speed (the daemon's "
-        "gossip.weight_balance); --no-weight-balance: the protocols' shares as published",
-        {"action": argparse.BooleanOptionalAction, "default": True},
+        "gossip.weight_balance); off: the protocols' shares as published",
+        {"action": argparse.BooleanOptionalAction, "default": False},
     ),
     Flag(
         "--push-probability",

@@ -38,7 +38,7 @@ class SimSpec:
     model_bytes: int = 0  # bytes of the whole model on the simulated wire; 0: the payload's own
     round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
-    weight_balance: bool = True  # pushes scaled so a site's weight does not follow its speed
+    weight_balance: bool = False  # pushes scaled so a site's weight does not follow its speed
     # The protocol's own settings, as in its [gossip.<protocol>] table; unset, the sim's
     # round_steps above and average_every_steps = ⌈log2 N⌉ (one burst right after another)
     # where the protocol has such a setting, else the protocol's defaults.
