@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "config's, 0.03)",
     )
     p.add_argument(
+        "--weight-balance",
+        action="store_true",
+        help="gossip.weight_balance on every gossip site: a fast site's pushes shrink until "
+        "it holds about its share (default: off, as in the config)",
+    )
+    p.add_argument(
         "--inner-steps",
         type=int,
         default=100,
@@ -272,6 +278,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         job_options={"numel": SYNTHETIC_NUMEL} if args.job == "synthetic" else {},
         inner_steps=args.inner_steps,
         cpu_share=args.cpu_share,
+        weight_balance=args.weight_balance,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
@@ -301,6 +308,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "budget_s": args.budget_s,
         "inner_steps": args.inner_steps,
         "cpu_share": args.cpu_share,
+        "weight_balance": args.weight_balance,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

@@ -54,6 +54,7 @@ class WanSpec:
     job_options: dict[str, Any] = field(default_factory=dict)
     inner_steps: int = 100  # the diloco baseline's H
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
+    weight_balance: bool = False  # [gossip] weight_balance of the gossip sites
 
 
 @dataclass
@@ -110,6 +111,7 @@ def site_toml(
             "protocol": protocol,
             "seed": index,
             **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
+            **({"weight_balance": True} if spec.weight_balance and not baseline else {}),
         },
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},

@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from gossipd.bench.wan_results import (
     time_to_target_s,
     weight_shares,
 )
+from gossipd.bench.wan_scenarios import scenario
+from gossipd.bench.wan_sites import WanSpec, site_toml
 from gossipd.node.errors import ConfigError
 from tests.conftest import left_running
 
@@ -145,6 +149,23 @@ def test_weight_shares_are_each_sites_share_times_the_number_of_sites() -> None:
     assert weight_shares(summaries) == pytest.approx([1.5, 1.5, 0.0])
     assert weight_shares([{"sum_weights": []}, {"sum_weights": [1.0]}]) is None  # a baseline
     assert weight_shares([{}, {"sum_weights": [1.0]}]) is None  # a site wrote nothing
+
+
+def test_weight_balance_reaches_the_gossip_sites_configs_and_no_baselines(tmp_path: Path) -> None:
+    spec = WanSpec(
+        scenario=scenario("mixed"), sites=4, job="digits", budget_s=1.0, workdir=tmp_path
+    )
+    addresses = [f"127.0.0.1:{9000 + i}" for i in range(4)]
+
+    def gossip_table(spec: WanSpec, protocol: str) -> dict[str, Any]:
+        master = addresses[0] if protocol == "allreduce" else None
+        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "site", master=master)
+        return tomllib.loads(text)["gossip"]
+
+    assert "weight_balance" not in gossip_table(spec, "sumweight")  # the config's default
+    balanced = replace(spec, weight_balance=True)
+    assert gossip_table(balanced, "pushsum-expgraph")["weight_balance"] is True
+    assert "weight_balance" not in gossip_table(balanced, "allreduce")
 
 
 # -- real runs ---------------------------------------------------------------------------
