@@ -21,6 +21,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_RAW: _ClassVar[Codec]
     CODEC_FP16: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8: _ClassVar[Codec]
+    CODEC_INT4: _ClassVar[Codec]
 
 class SegmentResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +38,8 @@ CODEC_UNSPECIFIED: Codec
 CODEC_RAW: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
+CODEC_INT8: Codec
+CODEC_INT4: Codec
 SEGMENT_RESULT_UNSPECIFIED: SegmentResult
 SEGMENT_RESULT_MERGED: SegmentResult
 SEGMENT_RESULT_DUPLICATE: SegmentResult

@@ -221,7 +221,7 @@ def test_push_probability_above_one() -> None:
 def test_unknown_codec_lists_choices() -> None:
     message = _error(_with(gossip={"codec": "zstd"}))
     assert "gossip.codec = 'zstd'" in message
-    for choice in ("'raw'", "'fp16'", "'bf16'"):
+    for choice in ("'raw'", "'fp16'", "'bf16'", "'int8'", "'int4'"):
         assert choice in message
 
 

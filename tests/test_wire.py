@@ -122,6 +122,22 @@ def test_assembler_decodes_half_codecs_to_the_model_dtype(plan, codec):
     torch.testing.assert_close(got.values, flat, rtol=2**-8, atol=1e-4)
 
 
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.INT4])
+def test_assembler_decodes_int_codecs_checking_their_exact_size(plan, codec):
+    asm = SegmentAssembler(plan, Limits())
+    flat = _payload(plan, 0)
+    header, chunks = _frames(plan, 0, codec=codec, chunk_bytes=10, flat=flat)
+    assert header.payload_bytes == wirecodec.encoded_nbytes(codec, F32, 37)
+    [got] = _feed(asm, header, chunks)
+    assert got.values.dtype == F32
+    step = flat.abs().max() / (127 if codec == Codec.INT8 else 7)
+    assert (got.values - flat).abs().max() <= 0.51 * step
+    asm2 = SegmentAssembler(plan, Limits())
+    header.payload_bytes += 1
+    with pytest.raises(InvalidFrame, match=f"segment 0 in {codec.name.lower()} is"):
+        asm2.header(header)
+
+
 def test_assembler_completes_an_empty_segment_on_its_header():
     plan = plan_segments(named(("empty", (0,), F32), ("w", (3,), F64)), segment_bytes=1 << 20)
     asm = SegmentAssembler(plan, Limits())

@@ -140,9 +140,9 @@ MESH_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
         "--codec",
         {
             "default": "raw",
-            "choices": ["raw", "fp16", "bf16"],
-            "help": "how segments travel: raw float32, or halved to fp16 or bf16 "
-            "(default: %(default)s)",
+            "choices": ["raw", "fp16", "bf16", "int8", "int4"],
+            "help": "how segments travel: raw float32, halved to fp16 or bf16, or a quarter "
+            "and an eighth in int8 and int4 (default: %(default)s)",
         },
     ),
     (

@@ -135,7 +135,7 @@ def held_bytes(segment: Segment, codec: Codec) -> int:
     """Memory one received segment holds at its peak: the wire buffer plus, when the codec
     is not the model's dtype, the decoded copy (:func:`codec.decode` makes it while the
     buffer is alive); with the dtype on the wire the tensor is a view of the buffer."""
-    encoded = segment.numel * wirecodec.encoded_itemsize(codec, segment.dtype)
+    encoded = wirecodec.encoded_nbytes(codec, segment.dtype, segment.numel)
     return encoded + wirecodec.decoded_copy_bytes(codec, segment.dtype, segment.numel)
 
 

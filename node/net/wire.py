@@ -215,7 +215,7 @@ class SegmentAssembler:
                 f"segment {seg.index} has {seg.numel} elements here but the header says "
                 f"{header.numel}"
             )
-        expected = seg.numel * wirecodec.encoded_itemsize(codec, seg.dtype)
+        expected = wirecodec.encoded_nbytes(codec, seg.dtype, seg.numel)
         if header.payload_bytes != expected:
             raise InvalidFrame(
                 f"segment {seg.index} in {codec.name.lower()} is {expected} bytes but the "

@@ -44,7 +44,7 @@ class GossipConfig(_Section):
     protocol: str = Field(
         DEFAULT_PROTOCOL, description="the gossip protocol; every node of a mesh must use the same"
     )
-    codec: Literal["raw", "fp16", "bf16"] = "raw"
+    codec: Literal["raw", "fp16", "bf16", "int8", "int4"] = "raw"
     segment_bytes: int = Field(4 << 20, ge=1024)
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
     push_timeout_s: float = Field(
