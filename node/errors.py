@@ -97,6 +97,11 @@ class PushTooLong(StreamIdle):
     it would still hold its slot and reserved bytes for as long as its sender likes."""
 
 
+class StaleReference(GossipdError):
+    """A segment sent as a difference from a copy this node does not hold (forgotten, or a
+    message in between was lost): nothing of it merged, and the sender sends it whole next."""
+
+
 class PayloadOutOfBounds(GossipdError):
     """A finite payload too far from this node's own model to be an honest estimate of it
     (``limits.max_payload_distance``); refused whole, so the sender keeps its weight."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agossipd/proto/gossip.proto\x12\ngossipd.v1\"A\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"\x86\x01\n\x10HandshakeRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\"\n\x04node\x18\x03 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\xce\x01\n\x0eHandshakeReply\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\"\n\x04node\x18\x02 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12#\n\x05peers\x18\x05 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x10\n\x08protocol\x18\x06 \x01(\t\x12\x11\n\tbulk_port\x18\x07 \x01(\r\x12\x13\n\x0b\x62ulk_sealed\x18\x08 \x01(\x08\"\xcc\x01\n\x08PushOpen\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x15\n\rsegment_count\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\r\n\x05round\x18\x07 \x01(\x04\x12\x15\n\rsequence_base\x18\x08 \x01(\x04\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x12\n\nbulk_token\x18\n \x01(\x0c\"\t\n\x07PushEnd\"\xe0\x01\n\rSegmentHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x12\n\nsum_weight\x18\x04 \x01(\x01\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.gossipd.v1.DType\x12\r\n\x05numel\x18\x06 \x01(\x04\x12 \n\x05\x63odec\x18\x07 \x01(\x0e\x32\x11.gossipd.v1.Codec\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x04\x12\x0c\n\x04\x62ulk\x18\n \x01(\x08\"\xc4\x01\n\tPushFrame\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.gossipd.v1.PushOpenH\x00\x12+\n\x06header\x18\x02 \x01(\x0b\x32\x19.gossipd.v1.SegmentHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12\"\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x13.gossipd.v1.PushEndH\x00\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x16.gossipd.v1.FrameBatchH\x00\x42\x06\n\x04kind\"\x1c\n\nFrameBatch\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\"a\n\nSegmentAck\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12)\n\x06result\x18\x02 \x01(\x0e\x32\x19.gossipd.v1.SegmentResult\x12\x17\n\x0freceiver_weight\x18\x03 \x01(\x01\"1\n\tPushReply\x12$\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x16.gossipd.v1.SegmentAck\"\x9d\x01\n\x0bPullRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12 \n\x05\x63odec\x18\x04 \x01(\x0e\x32\x11.gossipd.v1.Codec\x12\x10\n\x08segments\x18\x05 \x03(\r\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x12\n\nbulk_token\x18\x07 \x01(\x0c\"Q\n\tPullFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.gossipd.v1.SegmentHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"E\n\x0cLeaveRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"\x0c\n\nLeaveReply\"j\n\x0cPeersRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12$\n\x06sender\x18\x02 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12#\n\x05known\x18\x03 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\"1\n\nPeersReply\x12#\n\x05peers\x18\x01 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\"!\n\rStatusRequest\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x08\"\xb2\x05\n\x0bStatusReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bsum_weights\x18\x04 \x03(\x01\x12\x12\n\nlive_peers\x18\x05 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x07 \x01(\t\x12\x10\n\x08protocol\x18\x08 \x01(\t\x12\x0c\n\x04loss\x18\t \x01(\x01\x12\x18\n\x10pushes_in_flight\x18\n \x01(\r\x12\x15\n\rtraining_done\x18\x0b \x01(\x08\x12\x14\n\x0cpushes_acked\x18\x0c \x01(\x04\x12\x15\n\rpushes_failed\x18\r \x01(\x04\x12\x15\n\rpushes_merged\x18\x0e \x01(\x04\x12#\n\x05peers\x18\x0f \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x17\n\x0fsuspected_peers\x18\x10 \x03(\t\x12\x37\n\x08rejected\x18\x11 \x03(\x0b\x32%.gossipd.v1.StatusReply.RejectedEntry\x12\x18\n\x10reserved_weights\x18\x12 \x03(\x01\x12\r\n\x05round\x18\x13 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x14 \x01(\x04\x12\x1a\n\x12transport_security\x18\x15 \x01(\t\x12\'\n\texchanged\x18\x16 \x03(\x0b\x32\x14.gossipd.v1.PeerMass\x12\x1c\n\x14mass_inconsistencies\x18\x17 \x01(\x04\x12\x0e\n\x06wait_s\x18\x18 \x01(\x01\x12\x15\n\rwait_fraction\x18\x19 \x01(\x01\x12\x12\n\nscheduling\x18\x1a \x01(\t\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"i\n\x08PeerMass\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04sent\x18\x02 \x01(\x01\x12\x10\n\x08received\x18\x03 \x01(\x01\x12\x13\n\x0bsent_before\x18\x04 \x01(\x01\x12\x17\n\x0freceived_before\x18\x05 \x01(\x01*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04*m\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\r\n\tCODEC_RAW\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05*h\n\rSegmentResult\x12\x1e\n\x1aSEGMENT_RESULT_UNSPECIFIED\x10\x00\x12\x19\n\x15SEGMENT_RESULT_MERGED\x10\x01\x12\x1c\n\x18SEGMENT_RESULT_DUPLICATE\x10\x02\x32\xc0\x03\n\x06Gossip\x12\x45\n\tHandshake\x12\x1c.gossipd.v1.HandshakeRequest\x1a\x1a.gossipd.v1.HandshakeReply\x12>\n\x0cPushSegments\x12\x15.gossipd.v1.PushFrame\x1a\x15.gossipd.v1.PushReply(\x01\x12<\n\x08\x45xchange\x12\x15.gossipd.v1.PushFrame\x1a\x15.gossipd.v1.PushReply(\x01\x30\x01\x12=\n\tPullModel\x12\x17.gossipd.v1.PullRequest\x1a\x15.gossipd.v1.PullFrame0\x01\x12\x39\n\x05Leave\x12\x18.gossipd.v1.LeaveRequest\x1a\x16.gossipd.v1.LeaveReply\x12\x39\n\x05Peers\x12\x18.gossipd.v1.PeersRequest\x1a\x16.gossipd.v1.PeersReply\x12<\n\x06Status\x12\x19.gossipd.v1.StatusRequest\x1a\x17.gossipd.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agossipd/proto/gossip.proto\x12\ngossipd.v1\"A\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"\x86\x01\n\x10HandshakeRequest\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\"\n\x04node\x18\x03 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\t\"\xce\x01\n\x0eHandshakeReply\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\"\n\x04node\x18\x02 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12#\n\x05peers\x18\x05 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x10\n\x08protocol\x18\x06 \x01(\t\x12\x11\n\tbulk_port\x18\x07 \x01(\r\x12\x13\n\x0b\x62ulk_sealed\x18\x08 \x01(\x08\"\xcc\x01\n\x08PushOpen\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x15\n\rsegment_count\x18\x05 \x01(\r\x12\x13\n\x0bincarnation\x18\x06 \x01(\x04\x12\r\n\x05round\x18\x07 \x01(\x04\x12\x15\n\rsequence_base\x18\x08 \x01(\x04\x12\x12\n\ndeadline_s\x18\t \x01(\x01\x12\x12\n\nbulk_token\x18\n \x01(\x0c\"\t\n\x07PushEnd\"\x87\x02\n\rSegmentHeader\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x12\n\nsum_weight\x18\x04 \x01(\x01\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.gossipd.v1.DType\x12\r\n\x05numel\x18\x06 \x01(\x04\x12 \n\x05\x63odec\x18\x07 \x01(\x0e\x32\x11.gossipd.v1.Codec\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\x04\x12\x0c\n\x04\x62ulk\x18\n \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x0b \x01(\x04\x12\x0f\n\x07version\x18\x0c \x01(\x04\"\xc4\x01\n\tPushFrame\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.gossipd.v1.PushOpenH\x00\x12+\n\x06header\x18\x02 \x01(\x0b\x32\x19.gossipd.v1.SegmentHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x03 \x01(\x0cH\x00\x12\"\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x13.gossipd.v1.PushEndH\x00\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x16.gossipd.v1.FrameBatchH\x00\x42\x06\n\x04kind\"\x1c\n\nFrameBatch\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\"o\n\nSegmentAck\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12)\n\x06result\x18\x02 \x01(\x0e\x32\x19.gossipd.v1.SegmentResult\x12\x17\n\x0freceiver_weight\x18\x03 \x01(\x01\x12\x0c\n\x04kept\x18\x04 \x01(\x08\"1\n\tPushReply\x12$\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x16.gossipd.v1.SegmentAck\"\x9d\x01\n\x0bPullRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x11\n\trequester\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12 \n\x05\x63odec\x18\x04 \x01(\x0e\x32\x11.gossipd.v1.Codec\x12\x10\n\x08segments\x18\x05 \x03(\r\x12\r\n\x05round\x18\x06 \x01(\x04\x12\x12\n\nbulk_token\x18\x07 \x01(\x0c\"Q\n\tPullFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.gossipd.v1.SegmentHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"E\n\x0cLeaveRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"\x0c\n\nLeaveReply\"j\n\x0cPeersRequest\x12\x0f\n\x07mesh_id\x18\x01 \x01(\t\x12$\n\x06sender\x18\x02 \x01(\x0b\x32\x14.gossipd.v1.NodeInfo\x12#\n\x05known\x18\x03 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\"1\n\nPeersReply\x12#\n\x05peers\x18\x01 \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\"!\n\rStatusRequest\x12\x10\n\x08\x63hecksum\x18\x01 \x01(\x08\"\xb2\x05\n\x0bStatusReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07mesh_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bsum_weights\x18\x04 \x03(\x01\x12\x12\n\nlive_peers\x18\x05 \x03(\t\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\x12\x17\n\x0fparams_checksum\x18\x07 \x01(\t\x12\x10\n\x08protocol\x18\x08 \x01(\t\x12\x0c\n\x04loss\x18\t \x01(\x01\x12\x18\n\x10pushes_in_flight\x18\n \x01(\r\x12\x15\n\rtraining_done\x18\x0b \x01(\x08\x12\x14\n\x0cpushes_acked\x18\x0c \x01(\x04\x12\x15\n\rpushes_failed\x18\r \x01(\x04\x12\x15\n\rpushes_merged\x18\x0e \x01(\x04\x12#\n\x05peers\x18\x0f \x03(\x0b\x32\x14.gossipd.v1.NodeInfo\x12\x17\n\x0fsuspected_peers\x18\x10 \x03(\t\x12\x37\n\x08rejected\x18\x11 \x03(\x0b\x32%.gossipd.v1.StatusReply.RejectedEntry\x12\x18\n\x10reserved_weights\x18\x12 \x03(\x01\x12\r\n\x05round\x18\x13 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x14 \x01(\x04\x12\x1a\n\x12transport_security\x18\x15 \x01(\t\x12\'\n\texchanged\x18\x16 \x03(\x0b\x32\x14.gossipd.v1.PeerMass\x12\x1c\n\x14mass_inconsistencies\x18\x17 \x01(\x04\x12\x0e\n\x06wait_s\x18\x18 \x01(\x01\x12\x15\n\rwait_fraction\x18\x19 \x01(\x01\x12\x12\n\nscheduling\x18\x1a \x01(\t\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"i\n\x08PeerMass\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04sent\x18\x02 \x01(\x01\x12\x10\n\x08received\x18\x03 \x01(\x01\x12\x13\n\x0bsent_before\x18\x04 \x01(\x01\x12\x17\n\x0freceived_before\x18\x05 \x01(\x01*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04*m\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\r\n\tCODEC_RAW\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x0e\n\nCODEC_INT8\x10\x04\x12\x0e\n\nCODEC_INT4\x10\x05*h\n\rSegmentResult\x12\x1e\n\x1aSEGMENT_RESULT_UNSPECIFIED\x10\x00\x12\x19\n\x15SEGMENT_RESULT_MERGED\x10\x01\x12\x1c\n\x18SEGMENT_RESULT_DUPLICATE\x10\x02\x32\xc0\x03\n\x06Gossip\x12\x45\n\tHandshake\x12\x1c.gossipd.v1.HandshakeRequest\x1a\x1a.gossipd.v1.HandshakeReply\x12>\n\x0cPushSegments\x12\x15.gossipd.v1.PushFrame\x1a\x15.gossipd.v1.PushReply(\x01\x12<\n\x08\x45xchange\x12\x15.gossipd.v1.PushFrame\x1a\x15.gossipd.v1.PushReply(\x01\x30\x01\x12=\n\tPullModel\x12\x17.gossipd.v1.PullRequest\x1a\x15.gossipd.v1.PullFrame0\x01\x12\x39\n\x05Leave\x12\x18.gossipd.v1.LeaveRequest\x1a\x16.gossipd.v1.LeaveReply\x12\x39\n\x05Peers\x12\x18.gossipd.v1.PeersRequest\x1a\x16.gossipd.v1.PeersReply\x12<\n\x06Status\x12\x19.gossipd.v1.StatusRequest\x1a\x17.gossipd.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSREPLY_REJECTEDENTRY']._loaded_options = None
   _globals['_STATUSREPLY_REJECTEDENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2601
-  _globals['_DTYPE']._serialized_end=2708
-  _globals['_CODEC']._serialized_start=2710
-  _globals['_CODEC']._serialized_end=2819
-  _globals['_SEGMENTRESULT']._serialized_start=2821
-  _globals['_SEGMENTRESULT']._serialized_end=2925
+  _globals['_DTYPE']._serialized_start=2654
+  _globals['_DTYPE']._serialized_end=2761
+  _globals['_CODEC']._serialized_start=2763
+  _globals['_CODEC']._serialized_end=2872
+  _globals['_SEGMENTRESULT']._serialized_start=2874
+  _globals['_SEGMENTRESULT']._serialized_end=2978
   _globals['_NODEINFO']._serialized_start=42
   _globals['_NODEINFO']._serialized_end=107
   _globals['_HANDSHAKEREQUEST']._serialized_start=110
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHEND']._serialized_start=662
   _globals['_PUSHEND']._serialized_end=671
   _globals['_SEGMENTHEADER']._serialized_start=674
-  _globals['_SEGMENTHEADER']._serialized_end=898
-  _globals['_PUSHFRAME']._serialized_start=901
-  _globals['_PUSHFRAME']._serialized_end=1097
-  _globals['_FRAMEBATCH']._serialized_start=1099
-  _globals['_FRAMEBATCH']._serialized_end=1127
-  _globals['_SEGMENTACK']._serialized_start=1129
-  _globals['_SEGMENTACK']._serialized_end=1226
-  _globals['_PUSHREPLY']._serialized_start=1228
-  _globals['_PUSHREPLY']._serialized_end=1277
-  _globals['_PULLREQUEST']._serialized_start=1280
-  _globals['_PULLREQUEST']._serialized_end=1437
-  _globals['_PULLFRAME']._serialized_start=1439
-  _globals['_PULLFRAME']._serialized_end=1520
-  _globals['_LEAVEREQUEST']._serialized_start=1522
-  _globals['_LEAVEREQUEST']._serialized_end=1591
-  _globals['_LEAVEREPLY']._serialized_start=1593
-  _globals['_LEAVEREPLY']._serialized_end=1605
-  _globals['_PEERSREQUEST']._serialized_start=1607
-  _globals['_PEERSREQUEST']._serialized_end=1713
-  _globals['_PEERSREPLY']._serialized_start=1715
-  _globals['_PEERSREPLY']._serialized_end=1764
-  _globals['_STATUSREQUEST']._serialized_start=1766
-  _globals['_STATUSREQUEST']._serialized_end=1799
-  _globals['_STATUSREPLY']._serialized_start=1802
-  _globals['_STATUSREPLY']._serialized_end=2492
-  _globals['_STATUSREPLY_REJECTEDENTRY']._serialized_start=2445
-  _globals['_STATUSREPLY_REJECTEDENTRY']._serialized_end=2492
-  _globals['_PEERMASS']._serialized_start=2494
-  _globals['_PEERMASS']._serialized_end=2599
-  _globals['_GOSSIP']._serialized_start=2928
-  _globals['_GOSSIP']._serialized_end=3376
+  _globals['_SEGMENTHEADER']._serialized_end=937
+  _globals['_PUSHFRAME']._serialized_start=940
+  _globals['_PUSHFRAME']._serialized_end=1136
+  _globals['_FRAMEBATCH']._serialized_start=1138
+  _globals['_FRAMEBATCH']._serialized_end=1166
+  _globals['_SEGMENTACK']._serialized_start=1168
+  _globals['_SEGMENTACK']._serialized_end=1279
+  _globals['_PUSHREPLY']._serialized_start=1281
+  _globals['_PUSHREPLY']._serialized_end=1330
+  _globals['_PULLREQUEST']._serialized_start=1333
+  _globals['_PULLREQUEST']._serialized_end=1490
+  _globals['_PULLFRAME']._serialized_start=1492
+  _globals['_PULLFRAME']._serialized_end=1573
+  _globals['_LEAVEREQUEST']._serialized_start=1575
+  _globals['_LEAVEREQUEST']._serialized_end=1644
+  _globals['_LEAVEREPLY']._serialized_start=1646
+  _globals['_LEAVEREPLY']._serialized_end=1658
+  _globals['_PEERSREQUEST']._serialized_start=1660
+  _globals['_PEERSREQUEST']._serialized_end=1766
+  _globals['_PEERSREPLY']._serialized_start=1768
+  _globals['_PEERSREPLY']._serialized_end=1817
+  _globals['_STATUSREQUEST']._serialized_start=1819
+  _globals['_STATUSREQUEST']._serialized_end=1852
+  _globals['_STATUSREPLY']._serialized_start=1855
+  _globals['_STATUSREPLY']._serialized_end=2545
+  _globals['_STATUSREPLY_REJECTEDENTRY']._serialized_start=2498
+  _globals['_STATUSREPLY_REJECTEDENTRY']._serialized_end=2545
+  _globals['_PEERMASS']._serialized_start=2547
+  _globals['_PEERMASS']._serialized_end=2652
+  _globals['_GOSSIP']._serialized_start=2981
+  _globals['_GOSSIP']._serialized_end=3429
 # @@protoc_insertion_point(module_scope)

@@ -117,7 +117,7 @@ class PushEnd(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentHeader(_message.Message):
-    __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum", "bulk")
+    __slots__ = ("sender", "segment", "sequence", "sum_weight", "dtype", "numel", "codec", "payload_bytes", "checksum", "bulk", "base_version", "version")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class SegmentHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     sender: str
     segment: int
     sequence: int
@@ -138,7 +140,9 @@ class SegmentHeader(_message.Message):
     payload_bytes: int
     checksum: int
     bulk: bool
-    def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., bulk: _Optional[bool] = ...) -> None: ...
+    base_version: int
+    version: int
+    def __init__(self, sender: _Optional[str] = ..., segment: _Optional[int] = ..., sequence: _Optional[int] = ..., sum_weight: _Optional[float] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., bulk: _Optional[bool] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushFrame(_message.Message):
     __slots__ = ("open", "header", "chunk", "end", "batch")
@@ -161,14 +165,16 @@ class FrameBatch(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SegmentAck(_message.Message):
-    __slots__ = ("segment", "result", "receiver_weight")
+    __slots__ = ("segment", "result", "receiver_weight", "kept")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     segment: int
     result: SegmentResult
     receiver_weight: float
-    def __init__(self, segment: _Optional[int] = ..., result: _Optional[_Union[SegmentResult, str]] = ..., receiver_weight: _Optional[float] = ...) -> None: ...
+    kept: bool
+    def __init__(self, segment: _Optional[int] = ..., result: _Optional[_Union[SegmentResult, str]] = ..., receiver_weight: _Optional[float] = ..., kept: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("acks",)

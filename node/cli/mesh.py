@@ -35,6 +35,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "push_probability": args.push_probability,
         "cpu_share": args.cpu_share,
         "codec": args.codec,
+        "error_feedback": args.error_feedback,
         "learning_rate": args.learning_rate,
         "workdir": _fresh_workdir(args.workdir),
         "plot_path": Path(args.plot) if args.plot else None,

@@ -146,6 +146,15 @@ MESH_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
         },
     ),
     (
+        "--error-feedback",
+        {
+            "action": argparse.BooleanOptionalAction,
+            "default": False,
+            "help": "with a lossy --codec: send differences from copies both ends hold and "
+            "keep what the codec dropped (gossip.error_feedback; default: off)",
+        },
+    ),
+    (
         "--learning-rate",
         {
             "type": float,

@@ -90,6 +90,10 @@ def _gossip_tables(spec: MeshSpec, index: int) -> list[str]:
     gossip: dict[str, Any] = {"protocol": spec.protocol, "codec": spec.codec, "seed": index}
     if spec.cpu_share is not None:
         gossip["cpu_share"] = spec.cpu_share
+    if spec.error_feedback:
+        gossip["error_feedback"] = True
+    if spec.feedback_peers is not None:
+        gossip["feedback_peers"] = spec.feedback_peers
     if spec.protocol in BASELINES:
         return _table("gossip", gossip)
     takes = settings_class(spec.protocol).model_fields

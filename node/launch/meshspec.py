@@ -25,6 +25,8 @@ class MeshSpec:
     # machine of its own: its gossip then takes CPU from its own trainer, not a neighbour's.
     pin_cores: bool = False
     codec: str = "raw"
+    error_feedback: bool = False  # [gossip] error_feedback of every node (a lossy codec's)
+    feedback_peers: int | None = None  # [gossip] feedback_peers of every node; None: default
     learning_rate: float | None = None
     workdir: Path | None = None
     plot_path: Path | None = None

@@ -131,18 +131,27 @@ class Hold:
         self.release()
 
 
-def held_bytes(segment: Segment, codec: Codec) -> int:
+def held_bytes(segment: Segment, codec: Codec, difference: bool = False) -> int:
     """Memory one received segment holds at its peak: the wire buffer plus, when the codec
     is not the model's dtype, the decoded copy (:func:`codec.decode` makes it while the
-    buffer is alive); with the dtype on the wire the tensor is a view of the buffer."""
+    buffer is alive); with the dtype on the wire the tensor is a view of the buffer. A
+    ``difference`` from a kept copy (error feedback) adds the values rebuilt from it."""
     encoded = wirecodec.encoded_nbytes(codec, segment.dtype, segment.numel)
-    return encoded + wirecodec.decoded_copy_bytes(codec, segment.dtype, segment.numel)
+    rebuilt = segment.numel * segment.dtype.itemsize if difference else 0
+    return encoded + wirecodec.decoded_copy_bytes(codec, segment.dtype, segment.numel) + rebuilt
 
 
-def largest_held(plan: SegmentPlan) -> tuple[int, Segment, Codec]:
-    """The most any one segment of ``plan`` may hold, over every codec a peer may choose."""
+def largest_held(plan: SegmentPlan, differences: bool = False) -> tuple[int, Segment, Codec]:
+    """The most any one segment of ``plan`` may hold, over every codec a peer may choose
+    (``differences``: this node keeps copies, so a segment may come as a difference)."""
+    kinds = (False, True) if differences else (False,)
     return max(
-        ((held_bytes(seg, codec), seg, codec) for seg in plan.segments for codec in Codec),
+        (
+            (held_bytes(seg, codec, d), seg, codec)
+            for seg in plan.segments
+            for codec in Codec
+            for d in kinds
+        ),
         key=lambda entry: entry[0],
     )
 
@@ -168,10 +177,10 @@ class ByteBudget:
             )
         self.in_use += nbytes
 
-    def check_fits(self, plan: SegmentPlan) -> None:
+    def check_fits(self, plan: SegmentPlan, differences: bool = False) -> None:
         """Refuse a budget below what the largest segment holds: no push of it could ever
         be received (with fp16 or bf16 that is the wire bytes plus the decoded copy)."""
-        nbytes, largest, codec = largest_held(plan)
+        nbytes, largest, codec = largest_held(plan, differences)
         if nbytes > self.capacity:
             raise ConfigError(
                 f"{self.key} = {self.capacity} is below the largest model segment "

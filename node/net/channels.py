@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gossipd.node.net.tasks import LoopTasks
     from gossipd.node.shared.tls import Credentials
     from gossipd.node.trainer.codec import Codec
+    from gossipd.node.trainer.feedback import FeedbackSender
 
 # The deadline of one control RPC to a peer (Handshake, Peers, Leave).
 RPC_TIMEOUT_S = 5.0
@@ -34,9 +35,12 @@ class PeerChannels:
         shaper: LinkShaper | None,
         bulk: bool,
         tasks: LoopTasks,
+        feedback: FeedbackSender | None = None,
     ) -> None:
+        """``feedback``: this node's copies for error feedback (None: off)."""
         self.tls = tls
         self.codec = codec
+        self.feedback = feedback
         self.chunk_bytes = chunk_bytes
         self.shaper = shaper
         self.bulk = bulk
@@ -59,6 +63,7 @@ class PeerChannels:
                 address,
                 self.identity,
                 codec=self.codec,
+                feedback=self.feedback,
                 chunk_bytes=self.chunk_bytes,
                 tls=self.tls,
                 expected=node_id,

@@ -19,6 +19,7 @@ from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.wire import segment_frames
 from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.feedback import FeedbackReceiver
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
 from gossipd.node.trainer.replica import Replica
 from gossipd.proto import gossip_pb2 as pb
@@ -41,6 +42,7 @@ class Inbound:
         replica: Replica,
         metrics: NodeMetrics,
         codec: Codec,
+        feedback: FeedbackReceiver | None = None,
         health: PeerHealth,
         departure: Departure,
         shaper: LinkShaper | None = None,
@@ -56,6 +58,7 @@ class Inbound:
         self.replica = replica
         self.metrics = metrics
         self.codec = codec
+        self.feedback = feedback
         self.health = health
         self.departure = departure
         self.shaper = shaper
@@ -106,12 +109,16 @@ class Inbound:
         self.metrics.messages.labels("received", "push", result).inc()
         self.metrics.bytes.labels("received", "push", result).inc(nbytes)
         self.health.succeeded(open_.sender)
+        versions = {s.segment: s.version for s in segments}
+        feedback = self.feedback
         return pb.PushReply(
             acks=[
                 pb.SegmentAck(
                     segment=a.segment,
                     result=pb.SEGMENT_RESULT_DUPLICATE if a.duplicate else pb.SEGMENT_RESULT_MERGED,
                     receiver_weight=a.receiver_weight,
+                    kept=feedback is not None
+                    and feedback.kept(open_.sender, a.segment, versions.get(a.segment, 0)),
                 )
                 for a in acks
             ]

@@ -45,6 +45,7 @@ from gossipd.node.shared.config import NodeConfig, TlsConfig
 from gossipd.node.shared.rejections import RejectionLog
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.feedback import FeedbackReceiver, FeedbackSender
 from gossipd.node.trainer.messages import OutboundPull
 from gossipd.node.trainer.replica import Replica
 from gossipd.proto import SCHEMA_VERSION
@@ -70,6 +71,14 @@ class Network:
         self.protocol = config.gossip.protocol
         self.incarnation = time.time_ns() // 1000
         self.codec = Codec.parse(config.gossip.codec)
+        # Error feedback: this node's copies of what its peers hold of its segments, and of
+        # what it holds of theirs (docs/protocols/index.md, "Compressed gossip").
+        gossip = config.gossip
+        self.feedback_out: FeedbackSender | None = None
+        self.feedback_in: FeedbackReceiver | None = None
+        if gossip.error_feedback:
+            self.feedback_out = FeedbackSender(self.codec, gossip.feedback_peers)
+            self.feedback_in = FeedbackReceiver(gossip.feedback_peers)
         self.limits = Limits(
             config.limits.max_chunk_bytes,
             config.limits.max_segment_bytes,
@@ -113,6 +122,7 @@ class Network:
         self.channels = PeerChannels(
             tls=self.tls,
             codec=self.codec,
+            feedback=self.feedback_out,
             chunk_bytes=config.gossip.chunk_bytes,
             shaper=self.shaper,
             bulk=config.bulk,
@@ -157,6 +167,7 @@ class Network:
             replica=replica,
             metrics=self.metrics,
             codec=self.codec,
+            feedback=self.feedback_in,
             health=self.health,
             departure=self.outbound,
             shaper=self.shaper,
@@ -337,7 +348,9 @@ class Network:
     # -- Handlers (called by the servicer) ---------------------------------------------
     def new_assembler(self) -> SegmentAssembler:
         """A push's assembler; it gauges each segment against our own as it arrives."""
-        return SegmentAssembler(self.replica.flat.plan, self.limits, gauge=self.replica.gauge)
+        return SegmentAssembler(
+            self.replica.flat.plan, self.limits, gauge=self.replica.gauge, feedback=self.feedback_in
+        )
 
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         """Answer at once; the claimant becomes a peer only after our own dial to it."""

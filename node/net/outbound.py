@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable
+from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable, StaleReference
 from gossipd.node.net.channels import RPC_TIMEOUT_S
 from gossipd.node.net.cpubudget import HOLD_POLL_S, CpuBudget
 from gossipd.node.net.transport import OutcomeUnknown, PartialPush
@@ -32,6 +32,8 @@ from gossipd.node.shared.tls import NotAllowed
 from gossipd.node.trainer.messages import Ack, OutboundPush, PushOutcome
 
 if TYPE_CHECKING:
+    import torch
+
     from gossipd.node.net.channels import PeerChannels
     from gossipd.node.net.health import PeerHealth
     from gossipd.node.net.metrics import NodeMetrics
@@ -97,6 +99,7 @@ class Outbound:
         self.leaving = False  # set by leave_mesh: only the hand-off leaves from then on
         self.mass_inconsistencies = 0
         self._inconsistency_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
+        self._stale_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
         self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
 
     def start(self, out: OutboundPush) -> None:
@@ -122,8 +125,44 @@ class Outbound:
             await self._within_budget()
             acks, error, _ = await self.deliver(out)
         finally:
-            self.replica.post(PushOutcome(out, tuple(acks), error))
+            rebuilt = self._settle_copies(out, acks)
+            self.replica.post(PushOutcome(out, tuple(acks), error, rebuilt))
             self.metrics.push_seconds.observe(time.monotonic() - started)
+
+    def _settle_copies(self, out: OutboundPush, acks: list[Ack]) -> dict[int, torch.Tensor]:
+        """Error feedback: the copies the receiver kept become ours, the rest are forgotten;
+        per acknowledged segment, what the receiver merged in place of the snapshot."""
+        feedback = self.channels.feedback
+        if feedback is None:
+            return {}
+        peer, sequence = out.push.peer, out.push.sequence
+        rebuilt = {}
+        for ack in acks:
+            values = feedback.rebuilt(peer, ack.segment, sequence)
+            if values is not None:
+                rebuilt[ack.segment] = values
+        kept = {a.segment for a in acks if a.kept}
+        feedback.settled(peer, sequence, kept, set(out.push.weights))
+        return rebuilt
+
+    def _stale_copies(self, peer: str, err: GossipdError) -> None:
+        """The receiver lacked a copy a difference was taken from: send whole from now on."""
+        errors = err.errors if isinstance(err, PartialPush) else [err]
+        if self.channels.feedback is not None and any(
+            isinstance(e, StaleReference) for e in errors
+        ):
+            self.channels.feedback.forget(peer)
+            count = self._stale_log.admit(peer)
+            if count is not None:
+                log.info(
+                    "%s did not hold the copy a difference was taken from (%d more times "
+                    "since the last line): it forgot it, or a message in between was lost; "
+                    "nothing merged, and this node sends it whole segments next. If it "
+                    "repeats, raise gossip.feedback_peers on both to the number of peers "
+                    "they exchange with",
+                    peer,
+                    count,
+                )
 
     async def _within_budget(self) -> None:
         """Wait while gossip is in debt to its CPU share (``gossip.cpu_share``, see
@@ -203,6 +242,7 @@ class Outbound:
             tries.last_error, tries.uncertain = str(err), True
             self.health.failed(peer, err)
         except PartialPush as err:
+            self._stale_copies(peer, err)
             tries.acked += self._credible(out, err.acks, never_sent)
             tries.last_error = str(err)
             if any(isinstance(e, OutcomeUnknown) for e in err.errors):
@@ -212,6 +252,7 @@ class Outbound:
         except InvalidFrame as err:  # refused by validation, as any attempt would be
             return self._refused(tries, nbytes, err, kind)
         except GossipdError as err:
+            self._stale_copies(peer, err)
             if isinstance(err, (NotAllowed, PeerUnreachable)):  # counts against the peer
                 self.health.failed(peer, err)
             # Busy, not (yet) a verified peer, leaving, not reached: this attempt merged

@@ -19,6 +19,7 @@ from gossipd.node.errors import (
     InvalidFrame,
     MeshMismatch,
     PeerUnreachable,
+    StaleReference,
     UnknownPeer,
 )
 from gossipd.node.shared.tls import NotAllowed
@@ -47,6 +48,7 @@ _ERRORS: dict[grpc.StatusCode, type[GossipdError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: PeerUnreachable,
     grpc.StatusCode.CANCELLED: PeerUnreachable,
     grpc.StatusCode.PERMISSION_DENIED: NotAllowed,
+    grpc.StatusCode.ABORTED: StaleReference,
 }
 
 

@@ -45,7 +45,7 @@ class PushReceiver:
         )
         self.min_push_rate = limits.min_push_rate_bytes_s
         self.pending = ByteBudget(limits.max_pending_bytes, "limits.max_pending_bytes")
-        self.pending.check_fits(plan)
+        self.pending.check_fits(plan, differences=node.config.gossip.error_feedback)
         self.push_deadline_s = push_deadline_s(node.config, plan)
 
     async def receive(

@@ -27,6 +27,7 @@ from gossipd.node.net.pushstreams import COALESCE_BYTES, END_FRAME, Stream, Stre
 from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.wire import chunks, encoded_segment, push_chunk_frame
 from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.feedback import FeedbackSender
 from gossipd.node.trainer.messages import OutboundPush
 from gossipd.proto import gossip_pb2 as pb
 
@@ -43,13 +44,16 @@ class PushSender:
         codec: Codec,
         chunk_bytes: int,
         streams: int,
+        feedback: FeedbackSender | None = None,
         shaper: LinkShaper | None,
         pool: StreamPool,
         peer_lane: PeerLane,
     ) -> None:
         """``streams``: how many parts a push is split into at most; ``pool``: the peer's
-        long-lived streams; ``peer_lane``: the peer's bulk lane, shared with the client's pulls."""
+        long-lived streams; ``peer_lane``: the peer's bulk lane, shared with the client's pulls;
+        ``feedback``: the node's copies for error feedback (None: each segment sent whole)."""
         self.address = address
+        self.feedback = feedback
         self.identity = identity
         self.codec = codec
         self.chunk_bytes = chunk_bytes
@@ -214,6 +218,11 @@ class PushSender:
         ).SerializeToString()
         async with InOrder() as lane_writes:
             for index in segments:
+                sent = None
+                if self.feedback is not None:
+                    sent = self.feedback.encode(
+                        out.push.peer, index, out.snapshot[index], out.push.sequence
+                    )
                 header, data = encoded_segment(
                     sender=self.identity.node_id,
                     sequence=out.push.sequence,
@@ -222,6 +231,7 @@ class PushSender:
                     flat=out.snapshot[index],
                     codec=self.codec,
                     checksum=lane is None or lane.seal is None,  # sealed: the tags prove it
+                    sent=sent,
                 )
                 header.bulk = lane is not None
                 yield pb.PushFrame(header=header).SerializeToString()

@@ -34,6 +34,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.PushTooLong: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PullTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PayloadOutOfBounds: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.StaleReference: grpc.StatusCode.ABORTED,
     IdentityMismatch: grpc.StatusCode.PERMISSION_DENIED,
     NotAllowed: grpc.StatusCode.PERMISSION_DENIED,
     CertificateError: grpc.StatusCode.UNAUTHENTICATED,

@@ -37,6 +37,7 @@ from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.wire import DEFAULT_CHUNK_BYTES, Limits, pull_frame
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.feedback import FeedbackSender
 from gossipd.node.trainer.messages import Ack, OutboundPush, Pulled
 from gossipd.node.trainer.payload_bound import Gauge
 from gossipd.node.trainer.segments import SegmentPlan
@@ -99,6 +100,7 @@ class PeerClient:
         identity: Identity,
         *,
         codec: Codec = Codec.RAW,
+        feedback: FeedbackSender | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         streams: int = 4,
         tls: Credentials,
@@ -136,6 +138,7 @@ class PeerClient:
             address,
             identity,
             codec=codec,
+            feedback=feedback,
             chunk_bytes=self.chunk_bytes,
             streams=self.streams,
             shaper=shaper,
@@ -214,7 +217,7 @@ class PeerClient:
                 f"{progress_s:.1f} s (gossip.progress_timeout_s)"
             ) from None
         acks = [
-            Ack(a.segment, a.result == pb.SEGMENT_RESULT_DUPLICATE, a.receiver_weight)
+            Ack(a.segment, a.result == pb.SEGMENT_RESULT_DUPLICATE, a.receiver_weight, a.kept)
             for r in results
             if isinstance(r, pb.PushReply)
             for a in r.acks

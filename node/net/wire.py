@@ -20,6 +20,7 @@ from gossipd.node.errors import InvalidFrame, PayloadTooLarge
 from gossipd.node.net.admission import held_bytes
 from gossipd.node.trainer import codec as wirecodec
 from gossipd.node.trainer.codec import Codec
+from gossipd.node.trainer.feedback import WHOLE, Encoded, FeedbackReceiver
 from gossipd.node.trainer.messages import ReceivedSegment
 from gossipd.node.trainer.payload_bound import Gauge
 from gossipd.node.trainer.segments import SegmentPlan
@@ -46,11 +47,13 @@ def encoded_segment(
     flat: torch.Tensor,
     codec: Codec,
     checksum: bool = True,
+    sent: Encoded | None = None,
 ) -> tuple[pb.SegmentHeader, memoryview]:
     """A segment's header and its encoded payload (a read-only view, valid while ``flat``
     is unchanged): what chunk frames or the bulk lane then carry. ``checksum=False``
-    (a payload in sealed records, whose receiver does not check it) leaves it 0."""
-    data = wirecodec.encode(flat, codec)
+    (a payload in sealed records, whose receiver does not check it) leaves it 0.
+    ``sent``: the segment as error feedback encoded it (a difference, and its versions)."""
+    data = wirecodec.encode(flat, codec) if sent is None else sent.data
     header = pb.SegmentHeader(
         sender=sender,
         segment=segment,
@@ -61,6 +64,8 @@ def encoded_segment(
         codec=int(codec),
         payload_bytes=len(data),
         checksum=wirecodec.checksum(data) if checksum else 0,
+        base_version=sent.base if sent is not None else 0,
+        version=sent.version if sent is not None else 0,
     )
     return header, data.toreadonly()
 
@@ -169,6 +174,9 @@ class SegmentAssembler:
     segment against the receiver's own
     (:meth:`~gossipd.node.trainer.payload_bound.PayloadBound.gauge`),
     off the trainer thread, so its merge has less left to do at a step boundary.
+    ``feedback``: this node's copies of its peers' segments (error feedback); a segment
+    sent as a difference is rebuilt from them before it is checked, and once checked
+    becomes the copy its header names. None: a difference is refused.
     """
 
     def __init__(
@@ -177,11 +185,13 @@ class SegmentAssembler:
         limits: Limits,
         reserve: Callable[[int], None] | None = None,
         gauge: Callable[..., Gauge | None] | None = None,
+        feedback: FeedbackReceiver | None = None,
     ) -> None:
         self.plan = plan
         self.limits = limits
         self.reserve: Callable[[int], None] = reserve or (lambda nbytes: None)
         self.gauge = gauge
+        self.feedback = feedback
         self._header: pb.SegmentHeader | None = None
         self._buffer: memoryview | None = None
         self._filled = 0
@@ -232,7 +242,13 @@ class SegmentAssembler:
                 f"sum-weight {weight!r} for segment {seg.index} is not a finite number between "
                 f"0 and {self.limits.max_sum_weight:g} (limits.max_sum_weight)"
             )
-        self.reserve(held_bytes(seg, codec))
+        if header.base_version != WHOLE and self.feedback is None:
+            raise InvalidFrame(
+                f"segment {seg.index} is a difference from a copy (version "
+                f"{header.base_version:#x}), but this node keeps no copies: set "
+                "gossip.error_feedback alike on every node, or send values whole"
+            )
+        self.reserve(held_bytes(seg, codec, difference=header.base_version != WHOLE))
         self._header = header
         # Uninitialised memory: a zero-filled bytearray costs a page-faulting pass
         # over the whole segment before the first byte arrives.
@@ -310,7 +326,12 @@ class SegmentAssembler:
             if checksum:
                 self._check_sum(header, wirecodec.checksum(buffer))
             values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel)
-            return ReceivedSegment(header.segment, header.sum_weight, values)
+            if self.feedback is not None:
+                values = self._rebuilt(header, values)
+                wirecodec.require_finite(values)
+                self.feedback.keep(header.sender, seg.index, header.version, values)
+            kept = self._kept(header)
+            return ReceivedSegment(header.segment, header.sum_weight, values, None, kept)
         # Values that are the payload itself (no decoding copy) are hashed block by block
         # as the gauge reads them: one pass over the segment from memory instead of two.
         hasher = None
@@ -319,13 +340,27 @@ class SegmentAssembler:
         elif checksum:
             self._check_sum(header, wirecodec.checksum(buffer))
         values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel, check_finite=False)
+        if self.feedback is not None:
+            values = self._rebuilt(header, values)
         gauge = self.gauge(header.segment, values, hasher.update if hasher else None)
         if hasher is not None:
             digest = hasher.digest(len(buffer))
             self._check_sum(header, wirecodec.checksum(buffer) if digest is None else digest)
         if gauge is None:  # it proved nothing: finiteness is checked on its own
             wirecodec.require_finite(values)
-        return ReceivedSegment(header.segment, header.sum_weight, values, gauge)
+        if self.feedback is not None:
+            self.feedback.keep(header.sender, seg.index, header.version, values)
+        return ReceivedSegment(header.segment, header.sum_weight, values, gauge, self._kept(header))
+
+    def _rebuilt(self, header: pb.SegmentHeader, decoded: torch.Tensor) -> torch.Tensor:
+        assert self.feedback is not None
+        return self.feedback.rebuild(
+            header.sender, header.segment, header.base_version, header.version, decoded
+        )
+
+    def _kept(self, header: pb.SegmentHeader) -> int:
+        """The version the segment's values become a copy of (0: none is kept)."""
+        return header.version if self.feedback is not None else 0
 
     @staticmethod
     def _check_sum(header: pb.SegmentHeader, actual: int) -> None:

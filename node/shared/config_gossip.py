@@ -70,6 +70,19 @@ class GossipConfig(_Section):
         "and its data counts alike; off by default: a sink, crashes or joiners also leave "
         "sites under that share",
     )
+    error_feedback: bool = Field(
+        False,
+        description="send each pushed segment as its difference from a copy this node and "
+        "the receiver both hold, and keep what the codec dropped in this node's own model, "
+        "so int8 and int4 gossip reach the same consensus as raw; needs a lossy codec",
+    )
+    feedback_peers: int = Field(
+        8,
+        ge=1,
+        description="peers whose copies a node keeps with error_feedback, sending and "
+        "receiving: up to 2 × feedback_peers × the model's bytes of memory; a peer past it "
+        "gets whole values",
+    )
     cpu_share: float = Field(
         0.03,
         gt=0,
@@ -90,6 +103,15 @@ class GossipConfig(_Section):
             return ProtocolSettings()
         table = self._tables.get(protocol)
         return table if table is not None else protocol_settings(protocol)
+
+    @model_validator(mode="after")
+    def _feedback_needs_a_lossy_codec(self) -> GossipConfig:
+        if self.error_feedback and self.codec == "raw":
+            raise ValueError(
+                "gossip.error_feedback = true needs a lossy gossip.codec (int8, int4, fp16 or "
+                "bf16): raw values drop nothing to feed back"
+            )
+        return self
 
     @field_validator("protocol")
     @classmethod

@@ -105,6 +105,23 @@ FLAGS: tuple[Flag, ...] = (
         {"action": argparse.BooleanOptionalAction, "default": False},
     ),
     Flag(
+        "--codec",
+        "how pushed segments travel, as gossip.codec: raw, fp16, bf16, int8, int4 (bytes "
+        "scaled by the codec's size against float32)",
+        {"choices": ["raw", "fp16", "bf16", "int8", "int4"], "default": "raw"},
+    ),
+    Flag(
+        "--error-feedback",
+        "send each segment as its difference from a copy both ends hold, the sender keeping "
+        "what the codec dropped (gossip.error_feedback)",
+        {"action": argparse.BooleanOptionalAction, "default": False},
+    ),
+    Flag(
+        "--feedback-peers",
+        "peers whose copies each node keeps with --error-feedback (gossip.feedback_peers)",
+        {"type": int, "default": 8},
+    ),
+    Flag(
         "--push-probability",
         "deprecated: --set push_probability=P",
         {"type": float, "default": None},
@@ -198,6 +215,9 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         round_steps=args.round_steps,
         max_in_flight=args.max_in_flight,
         weight_balance=args.weight_balance,
+        codec=args.codec,
+        error_feedback=args.error_feedback,
+        feedback_peers=args.feedback_peers,
         options=protocol_options(args),
         learning_rate=args.learning_rate,
         target_error=args.target_error,

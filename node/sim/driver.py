@@ -43,7 +43,7 @@ import gc
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import simpy
@@ -71,6 +71,9 @@ from gossipd.node.sim.pushes import PushSide
 from gossipd.node.sim.spec import SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
 
+if TYPE_CHECKING:
+    from gossipd.node.sim.compression import SimCodec
+
 
 def _one_blas_thread() -> contextlib.AbstractContextManager[object]:
     """One OpenBLAS thread while simulating: the run is one Python thread anyway, and on a
@@ -85,6 +88,20 @@ def _one_blas_thread() -> contextlib.AbstractContextManager[object]:
 
 class SimError(GossipdError):
     """A core asked for something the simulator does not carry out."""
+
+
+def make_codec(spec: SimSpec) -> SimCodec | None:
+    """The simulated wire's codec; None for raw values (then torch is never imported)."""
+    if spec.codec == "raw" and not spec.error_feedback:
+        return None
+    from gossipd.node.sim.compression import SimCodec
+    from gossipd.node.trainer.codec import Codec
+
+    try:
+        codec = Codec.parse(spec.codec)
+    except ValueError as err:
+        raise GossipdError(f"--codec: {err}") from None
+    return SimCodec(codec, spec.error_feedback, spec.feedback_peers, spec.seed)
 
 
 class Simulation(PushSide, PullSide):
@@ -108,6 +125,7 @@ class Simulation(PushSide, PullSide):
         self.payload: Payload = make_payload(spec, capacity)
         self.segments = self.payload.num_segments
         self.tracker = MixingTracker(spec.nodes, self.segments) if spec.tracks_mixing else None
+        self.codec = make_codec(spec)
         self._id_width = max(5, len(str(capacity - 1)))
         self.nodes: list[SimNode] = []
         self.by_id: dict[str, SimNode] = {}

@@ -31,6 +31,8 @@ class Payload(Protocol):
 
     def blend(self, index: int, segment: int, values: Any, alpha: float) -> bool: ...
 
+    def correct(self, index: int, segment: int, delta: Any, alpha: float) -> None: ...
+
     def step(self, index: int) -> None: ...
 
     def values(self, index: int, segment: int) -> np.ndarray: ...
@@ -91,6 +93,10 @@ class VectorPayload:
         part *= 1.0 - alpha
         part += alpha * values
         return True
+
+    def correct(self, index: int, segment: int, delta: np.ndarray, alpha: float) -> None:
+        """x ← x + α·delta: what a lossy codec dropped from a merged push, kept at home."""
+        self.x[index, self.slices[segment]] += alpha * np.asarray(delta)
 
     def step(self, index: int) -> None:
         """Training off: a step leaves the vector as it is."""
@@ -174,6 +180,9 @@ class DigitsPayload:
     def blend(self, index: int, segment: int, values: Any, alpha: float) -> bool:
         """False (nothing changed) if the blend would be non-finite, as the replica refuses."""
         return bool(self.flats[index].merge_segment(segment, values, alpha))
+
+    def correct(self, index: int, segment: int, delta: Any, alpha: float) -> None:
+        self.flats[index].add_delta(segment, delta, alpha)
 
     def step(self, index: int) -> None:
         self.jobs[index].train_step()

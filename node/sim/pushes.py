@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gossipd.node.errors import StaleReference
 from gossipd.node.protocols.base import (
     Action,
     FoldBack,
@@ -36,7 +37,15 @@ from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.sim.spec import Flight, SimNode
 from gossipd.node.sim.spectral import MixingTracker
 
+if TYPE_CHECKING:
+    from gossipd.node.sim.compression import SimCodec
+
 INCARNATION = 1  # simulated nodes never restart; a join is a new node id
+
+
+def _numel(values: Any) -> int:
+    """Elements of a snapshot: a numpy vector's ``size``, a tensor's ``numel()``."""
+    return int(values.size) if isinstance(values, np.ndarray) else int(values.numel())
 
 
 class PushSide:
@@ -45,6 +54,7 @@ class PushSide:
     # What the driver provides (see Simulation.__init__).
     scenario: Scenario
     payload: Payload
+    codec: SimCodec | None
     tracker: MixingTracker | None
     book: MassBook
     rng: random.Random
@@ -73,8 +83,18 @@ class PushSide:
         values = self.payload.snapshot(node.index, segments)
         rows = self.tracker.snapshot(node.index, segments) if self.tracker is not None else None
         for push in pushes:
-            nbytes = sum(self.payload.segment_nbytes[s] for s in push.weights)
+            sent = None
+            if self.codec is None:
+                nbytes = sum(self.payload.segment_nbytes[s] for s in push.weights)
+            else:
+                mine = {s: values[s] for s in push.weights}
+                sent = self.codec.send(node.id, push.peer, push.sequence, mine)
+                nbytes = sum(
+                    self.codec.wire_bytes(self.payload.segment_nbytes[s], _numel(values[s]))
+                    for s in push.weights
+                )
             flight = Flight(push, node, values, rows, nbytes)
+            flight.sent = sent
             node.flights[push.key] = flight
             self._transmit(flight)
 
@@ -100,6 +120,17 @@ class PushSide:
             sender.id, INCARNATION, push.sequence, push.round, push.weights, push.sequence_base
         )
         acked: tuple[int, ...] = ()
+        values = flight.values
+        if self.codec is not None and flight.sent is not None:
+            try:
+                values = self.codec.receive(receiver.id, sender.id, flight.sent, flight.values)
+            except StaleReference:
+                # Refused whole, as the daemon's receiver does: the sender starts over.
+                self.refused += 1
+                self.codec.stale_copy(sender.id, receiver.id)
+                latency, _ = self._link(receiver, sender)
+                self._at(self.now + latency, self._ack, flight, ())
+                return
         try:
             plan = receiver.core.handle(arrival)
             merges = [a for a in plan if isinstance(a, Merge)]
@@ -107,15 +138,18 @@ class PushSide:
             # and a leaving node merges nothing new (it still acknowledges duplicates).
             if receiver.leaving and merges:
                 self.refused += 1
-            elif all(self._would_blend(receiver, m, flight.values) for m in merges):
+            elif all(self._would_blend(receiver, m, values) for m in merges):
                 for m in merges:
-                    self.payload.blend(receiver.index, m.segment, flight.values[m.segment], m.alpha)
+                    self.payload.blend(receiver.index, m.segment, values[m.segment], m.alpha)
                     if self.tracker is not None:
                         self.tracker.blend(
                             receiver.index, m.segment, flight.rows[m.segment], m.alpha
                         )
                 receiver.core.handle(PayloadMerged(arrival))
                 acked = tuple(a.segment for a in plan)
+                if self.codec is not None and flight.sent is not None:
+                    merged = {s: values[s] for s in acked}
+                    flight.kept = self.codec.keep(receiver.id, sender.id, flight.sent, merged)
                 flight.merged = flight.merged or bool(merges)
             else:
                 self.refused += 1
@@ -126,6 +160,25 @@ class PushSide:
             return
         latency, _ = self._link(receiver, sender)
         self._at(self.now + latency, self._ack, flight, acked)
+
+    def _keep_what_the_codec_dropped(self, flight: Flight, acked: tuple[int, ...]) -> None:
+        """The receiver merged the rebuilt values r, not the snapshot x: Σ w·x moved by
+        w·(r − x) per segment. The sender adds that back to its own model, spread over
+        the weight it still holds (as the replica does): x ← x + (w/available)·(x − r)."""
+        sender, push = flight.sender, flight.push
+        status = sender.core.status()
+        assert flight.sent is not None
+        for s in acked:
+            if s not in flight.sent or s not in push.weights:
+                continue
+            available = status.weights[s] - status.reserved[s]
+            if available <= 0:
+                continue
+            rebuilt = flight.sent[s].rebuilt
+            values = flight.values[s]
+            if isinstance(values, np.ndarray):
+                rebuilt = rebuilt.numpy()
+            self.payload.correct(sender.index, s, values - rebuilt, push.weights[s] / available)
 
     def _would_blend(self, receiver: SimNode, merge: Merge, values: dict[int, Any]) -> bool:
         if isinstance(self.payload, VectorPayload):
@@ -154,6 +207,9 @@ class PushSide:
     def _settle(self, flight: Flight, acked: tuple[int, ...]) -> None:
         sender, push = flight.sender, flight.push
         del sender.flights[push.key]
+        if self.codec is not None:
+            kept = flight.kept & set(acked)
+            self.codec.settled(sender.id, push.peer, push.sequence, kept, set(push.weights))
         if flight.merged and not acked:
             self.book.folded_back_after_merge(push.weights, flight.values)
         for action in sender.core.handle(PushSettled(push.peer, push.sequence, acked)):
@@ -164,5 +220,7 @@ class PushSide:
                     self.tracker.blend(sender.index, seg, flight.rows[seg], action.alpha)
             else:
                 self._act(sender, [action])
+        if self.codec is not None and self.codec.error_feedback and flight.sent and acked:
+            self._keep_what_the_codec_dropped(flight, acked)
         if sender.leaving and not sender.flights:
             self._finish_leaving(sender)

@@ -39,6 +39,9 @@ class SimSpec:
     round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
     weight_balance: bool = False  # pushes scaled so a site's weight does not follow its speed
+    codec: str = "raw"  # how pushed segments travel (gossip.codec)
+    error_feedback: bool = False  # differences from shared copies (gossip.error_feedback)
+    feedback_peers: int = 8  # peers whose copies a node keeps (gossip.feedback_peers)
     # The protocol's own settings, as in its [gossip.<protocol>] table; unset, the sim's
     # round_steps above and average_every_steps = ⌈log2 N⌉ (one burst right after another)
     # where the protocol has such a setting, else the protocol's defaults.
@@ -142,7 +145,7 @@ class SimNode:
 class Flight:
     """A push from its snapshot to its settle: what fold-backs and retries need."""
 
-    __slots__ = ("attempts", "merged", "nbytes", "push", "rows", "sender", "values")
+    __slots__ = ("attempts", "kept", "merged", "nbytes", "push", "rows", "sender", "sent", "values")
 
     def __init__(
         self, push: Push, sender: SimNode, values: dict[int, Any], rows: Any, nbytes: int
@@ -152,6 +155,8 @@ class Flight:
         self.values = values  # the snapshot of each segment, as sent
         self.rows = rows  # the same snapshot in the mixing tracker, or None
         self.nbytes = nbytes
+        self.sent: dict[int, Any] | None = None  # each segment as encoded, with a codec
+        self.kept: set[int] = set()  # segments the receiver kept as copies (error feedback)
         self.attempts = 0
         self.merged = False  # the receiver merged it (whatever became of the acknowledgement)
 

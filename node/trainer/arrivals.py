@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gossipd.node.errors import InvalidFrame, NonFinitePayload, PayloadOutOfBounds
@@ -46,6 +46,8 @@ from gossipd.node.trainer.messages import (
 from gossipd.node.trainer.report import PushRecord, Rejection, StepReport, Summary
 
 if TYPE_CHECKING:
+    import torch
+
     from gossipd.node.trainer.dispatch import Dispatcher
     from gossipd.node.trainer.duepulls import DuePulls
     from gossipd.node.trainer.fairlock import FairLock
@@ -108,8 +110,8 @@ class Arrivals:
 
     def _apply(self, event: LoopMessage, report: StepReport) -> None:
         match event:
-            case PushOutcome(out=out, acks=acks, error=error):
-                self.settle_push(out, acks, error, report)
+            case PushOutcome(out=out, acks=acks, error=error, rebuilt=rebuilt):
+                self.settle_push(out, acks, error, report, rebuilt)
             case PullOutcome(out=out):
                 held = self.due_pulls.landed(event, self.steps, self.training_done)
                 if out.adopted is None:
@@ -152,14 +154,19 @@ class Arrivals:
         acks: Sequence[Ack],
         error: str | None,
         report: StepReport | None = None,
+        rebuilt: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
-        """Commit what the receiver acknowledged; fold unacknowledged snapshots back in."""
+        """Commit what the receiver acknowledged; fold unacknowledged snapshots back in.
+        ``rebuilt``: per acknowledged segment sent through a lossy codec with error
+        feedback, what the receiver merged instead of the snapshot (its difference stays)."""
         acked = tuple(a.segment for a in acks)
         with self.lock, self.core_lock:
             if not self.dispatch.settle(out.push):
                 return  # settled before (a late duplicate outcome changes nothing)
             settled = self.core.handle(PushSettled(out.push.peer, out.push.sequence, acked))
             self.merger.fold_back(out, settled)
+            if rebuilt:
+                self.merger.keep_dropped(out, rebuilt, acked, self.core.status())
             if len(acked) == len(out.push.weights):
                 self.pushes_acked += 1
             else:

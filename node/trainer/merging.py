@@ -35,6 +35,7 @@ from gossipd.node.errors import (
 )
 from gossipd.node.protocols.base import (
     Action,
+    CoreStatus,
     Duplicate,
     FoldBack,
     GossipProtocol,
@@ -154,6 +155,29 @@ class Merger:
                 blended = self.flat.blend(action.segment, snapshot, action.alpha)
                 if blended is not None:
                     self.flat.load_segment(action.segment, blended)
+
+    def keep_dropped(
+        self,
+        out: OutboundPush,
+        rebuilt: Mapping[int, torch.Tensor],
+        acked: Sequence[int],
+        status: CoreStatus,
+    ) -> None:
+        """Error feedback: the receiver merged the rebuilt values r, not our snapshot x, so
+        Σ w·x moved by w·(r − x). Our own model takes the difference back, spread over the
+        weight it still holds: x ← x + (w / available)·(x_sent − r), which keeps Σ w·x
+        exact. A segment holding no weight (a hand-off) has nowhere to keep it."""
+        for segment in acked:
+            values = rebuilt.get(segment)
+            sent = out.push.weights.get(segment, 0.0)
+            if values is None or not sent or segment >= len(status.weights):
+                continue
+            available = status.weights[segment] - status.reserved[segment]
+            if available <= 0:
+                continue
+            dropped = out.snapshot[segment] - values.to(out.snapshot[segment].dtype)
+            if bool(torch.isfinite(dropped).all()):
+                self.flat.add_delta(segment, dropped, sent / available)
 
     def adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
         """Load a joiner's bootstrap model whole (its weight is 0: the merge with α = 1)."""

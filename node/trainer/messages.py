@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import queue
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,15 +40,18 @@ class ReceivedSegment:
     sum_weight: float
     values: torch.Tensor
     gauge: Gauge | None = None
+    version: int = 0  # the copy these values become, with error feedback (0: none)
 
 
 @dataclass(frozen=True)
 class Ack:
-    """A receiver's answer for one segment: merged now, or merged before (``duplicate``)."""
+    """A receiver's answer for one segment: merged now, or merged before (``duplicate``);
+    ``kept``: it keeps what the segment stood for as its copy (error feedback)."""
 
     segment: int
     duplicate: bool
     receiver_weight: float
+    kept: bool = False
 
 
 @dataclass
@@ -103,6 +107,9 @@ class PushOutcome:
     out: OutboundPush
     acks: tuple[Ack, ...]
     error: str | None
+    # Per acknowledged segment sent through a lossy codec with error feedback, what the
+    # receiver merged in place of the snapshot: the sender keeps the difference.
+    rebuilt: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
