@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -118,6 +119,11 @@ def coordinator_process(config: dict[str, Any], workdir: Path) -> Iterator[dict[
         stop_process(proc, 15.0)
 
 
+def _codec_from_environment() -> dict[str, Any]:
+    codec = os.environ.get("GOSSIPD_TEST_CODEC", "raw")
+    return {} if codec == "raw" else {"codec": codec, "error_feedback": True}
+
+
 def write_node_config(
     tmp_path: Path, node_id: str, port: int, data_dir: Path, **config: Any
 ) -> Path:
@@ -128,6 +134,10 @@ def write_node_config(
 
     The trainer is paced to ``TEST_STEPS_PER_S``: these tests wait on gossip, not on
     steps, and a trainer stepping flat out took a core from every other test's daemons.
+
+    ``GOSSIPD_TEST_CODEC=int8`` (or another lossy codec) in the environment runs every such
+    daemon with that codec and error feedback: the fault suites' checks of the sum of
+    weights, run again with compression on (docs/protocols/index.md, "Compressed gossip").
     """
     full: dict[str, Any] = {
         "mesh_id": "test-mesh",
@@ -140,7 +150,7 @@ def write_node_config(
             "eval_every_steps": 0,
             "max_steps_per_s": TEST_STEPS_PER_S,
         },
-        "gossip": {"push_probability": 0.0, "cpu_share": 1.0},
+        "gossip": {"push_probability": 0.0, "cpu_share": 1.0, **_codec_from_environment()},
         "checkpoint": {"every_steps": 0},
         # Plaintext unless a test gives certificates: TLS has its own tests, and a
         # user's paths (demo, mesh up) default to it.

@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.net.identity import Identity
+from gossipd.node.net.pullreader import PullReader
+from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.codec import Codec
 from tests.forked import fork_node
 
 
@@ -99,3 +103,17 @@ def test_int8_without_error_feedback_settles_away_from_the_mean(tmp_path: Path) 
     assert run["codes"] == [0, 0, 0]
     assert sum(run["weights"]) == pytest.approx(3.0, abs=1e-12)
     assert run["off"] > 1e-4  # measured 9.2e-3: the nodes agree, on another point
+
+
+def test_a_joiners_first_model_is_asked_for_raw_and_protocol_pulls_in_the_codec() -> None:
+    reader = PullReader(
+        "127.0.0.1:1",
+        Identity("m", "joiner", "127.0.0.1:2", 1, "fp", "overlap"),
+        codec=Codec.INT8,
+        shaper=None,
+        tls=Credentials(insecure=True),
+        pull_model=None,  # type: ignore[arg-type]  # no call is made here
+        peer_lane=None,  # type: ignore[arg-type]
+    )
+    assert reader._request([0, 1], 0).codec == Codec.RAW  # round 0: the bootstrap
+    assert reader._request([0, 1], 3).codec == Codec.INT8

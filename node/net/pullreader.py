@@ -113,7 +113,8 @@ class PullReader:
             mesh_id=self.identity.mesh_id,
             requester=self.identity.node_id,
             fingerprint=self.identity.fingerprint,
-            codec=int(self.codec),
+            # Round 0 is a joiner's first model: it comes exact, whatever the codec.
+            codec=int(self.codec if round else Codec.RAW),
             segments=segments,
             round=round,
         )

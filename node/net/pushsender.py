@@ -219,7 +219,7 @@ class PushSender:
         async with InOrder() as lane_writes:
             for index in segments:
                 sent = None
-                if self.feedback is not None:
+                if self.feedback is not None and not out.exact:
                     sent = self.feedback.encode(
                         out.push.peer, index, out.snapshot[index], out.push.sequence
                     )
@@ -229,7 +229,7 @@ class PushSender:
                     segment=index,
                     sum_weight=out.push.weights[index],
                     flat=out.snapshot[index],
-                    codec=self.codec,
+                    codec=Codec.RAW if out.exact else self.codec,
                     checksum=lane is None or lane.seal is None,  # sealed: the tags prove it
                     sent=sent,
                 )

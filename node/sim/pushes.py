@@ -84,7 +84,7 @@ class PushSide:
         rows = self.tracker.snapshot(node.index, segments) if self.tracker is not None else None
         for push in pushes:
             sent = None
-            if self.codec is None:
+            if self.codec is None or node.leaving:  # a hand-off goes raw, as in the daemon
                 nbytes = sum(self.payload.segment_nbytes[s] for s in push.weights)
             else:
                 mine = {s: values[s] for s in push.weights}

@@ -146,7 +146,7 @@ class Arrivals:
             if not pushes:
                 return None
             self.dispatch.outstanding.add(pushes[0].key)
-            return OutboundPush(pushes[0], self.flat.snapshot(pushes[0].weights))
+            return OutboundPush(pushes[0], self.flat.snapshot(pushes[0].weights), exact=True)
 
     def settle_push(
         self,

@@ -72,6 +72,9 @@ class InboundPush:
 class OutboundPush:
     push: Push
     snapshot: dict[int, torch.Tensor]
+    # Sent raw whatever the codec: a leaving node's hand-off, which leaves no model behind
+    # to keep what a lossy codec would drop.
+    exact: bool = False
 
 
 @dataclass(frozen=True)
