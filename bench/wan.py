@@ -21,6 +21,7 @@ then with no seeds (each trains alone, the same CPU contention).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -222,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         "it holds about its share (default: off, as in the config)",
     )
     p.add_argument(
+        "--codecs",
+        default="raw",
+        help="comma-separated gossip.codec values each gossip protocol runs with, in order; "
+        "a lossy one with gossip.error_feedback on (rows named PROTOCOL+CODEC); the "
+        "baselines run once, uncompressed (default: %(default)s)",
+    )
+    p.add_argument(
         "--inner-steps",
         type=int,
         default=100,
@@ -253,9 +261,32 @@ def _protocols(text: str) -> list[str]:
     return names
 
 
+CODECS = ("raw", "fp16", "bf16", "int8", "int4")
+
+
+def _codecs(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in CODECS for n in names) or len(set(names)) != len(names):
+        raise ConfigError(
+            f"--codecs {text!r}: give distinct names from {', '.join(CODECS)}, comma-separated"
+        )
+    return names
+
+
+def runs_of(protocols: list[str], codecs: list[str]) -> list[tuple[str, str, str]]:
+    """(row name, protocol, codec) of every run: each gossip protocol once per codec, a
+    baseline once (it sends no gossip)."""
+    out = []
+    for protocol in protocols:
+        for codec in ["raw"] if protocol in BASELINE_SECTIONS else codecs:
+            out.append((protocol if codec == "raw" else f"{protocol}+{codec}", protocol, codec))
+    return out
+
+
 def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
     """Every protocol, then the throughput pair; the result object of ``--json``."""
     names = _protocols(args.protocols)
+    codecs = _codecs(args.codecs)
     target = results.target_for(args.job, args.target)
     if args.sites < 2 or args.budget_s <= 0:
         raise ConfigError(
@@ -282,10 +313,11 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
-    for name in names:
-        run_ = run_sites(spec, name)
+    for name, protocol, codec in runs_of(names, codecs):
+        run_ = run_sites(dataclasses.replace(spec, codec=codec), protocol, name=name)
         runs.append(run_)
         rows[name] = protocol_row(run_, target, args.budget_s)
+        rows[name]["codec"] = codec
         row = rows[name]
         print(
             f"  {name}: to target {_num(row['time_to_target_s'], '.1f')} s, final "
@@ -309,6 +341,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "cpu_share": args.cpu_share,
         "weight_balance": args.weight_balance,
+        "codecs": codecs,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

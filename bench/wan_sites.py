@@ -55,6 +55,7 @@ class WanSpec:
     inner_steps: int = 100  # the diloco baseline's H
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
     weight_balance: bool = False  # [gossip] weight_balance of the gossip sites
+    codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
 
 
 @dataclass
@@ -112,6 +113,11 @@ def site_toml(
             "seed": index,
             **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
             **({"weight_balance": True} if spec.weight_balance and not baseline else {}),
+            **(
+                {"codec": spec.codec, "error_feedback": True}
+                if spec.codec != "raw" and not baseline
+                else {}
+            ),
         },
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gossipd.bench import wan_net
-from gossipd.bench.wan import add_speedups
+from gossipd.bench.wan import _codecs, add_speedups, runs_of
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
@@ -166,6 +166,40 @@ def test_weight_balance_reaches_the_gossip_sites_configs_and_no_baselines(tmp_pa
     balanced = replace(spec, weight_balance=True)
     assert gossip_table(balanced, "pushsum-expgraph")["weight_balance"] is True
     assert "weight_balance" not in gossip_table(balanced, "allreduce")
+
+
+def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_baseline(
+    tmp_path: Path,
+) -> None:
+    spec = WanSpec(
+        scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
+    )
+    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
+
+    def gossip_table(spec: WanSpec, protocol: str) -> dict[str, Any]:
+        master = addresses[0] if protocol in ("allreduce", "diloco") else None
+        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "s", master=master)
+        return tomllib.loads(text)["gossip"]
+
+    assert "codec" not in gossip_table(spec, "sumweight")
+    int8 = replace(spec, codec="int8")
+    table = gossip_table(int8, "pushsum-expgraph")
+    assert (table["codec"], table["error_feedback"]) == ("int8", True)
+    for baseline in ("allreduce", "diloco"):
+        assert "codec" not in gossip_table(int8, baseline)
+
+
+def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
+    assert runs_of(["sumweight", "diloco"], ["raw", "int8", "int4"]) == [
+        ("sumweight", "sumweight", "raw"),
+        ("sumweight+int8", "sumweight", "int8"),
+        ("sumweight+int4", "sumweight", "int4"),
+        ("diloco", "diloco", "raw"),
+    ]
+    assert _codecs(" int8 ,raw") == ["int8", "raw"]
+    for bad in ("", "zstd", "int8,int8"):
+        with pytest.raises(ConfigError, match="--codecs"):
+            _codecs(bad)
 
 
 # -- real runs ---------------------------------------------------------------------------
