@@ -16,6 +16,7 @@ from gossipd.node.protocols.base import (
     Duplicate,
     FoldBack,
     Merge,
+    OuterStep,
     PayloadArrived,
     PayloadMerged,
     Pull,
@@ -29,6 +30,7 @@ from gossipd.node.protocols.base import (
     TrainingEnded,
     ViewChanged,
 )
+from gossipd.node.trainer.outer import OuterNesterov
 from tests.contract_scripts import DIM, SEGMENTS, Script, initial_vectors, settings_for
 
 
@@ -46,6 +48,7 @@ class Reference:
         self.steps = dict.fromkeys(self.ids, 0)
         # Pulls that landed before the step they merge at (Pull.merge_at_step).
         self.held: list[tuple[str, PullArrived, dict[int, np.ndarray], int]] = []
+        self.outers: dict[str, OuterNesterov] = {}
         for n in self.ids:
             self.act(n, self.cores[n].handle(ViewChanged(frozenset(self.ids))))
 
@@ -59,6 +62,10 @@ class Reference:
                 self.queue.append((node, a, {s: self.seg(node, s).copy() for s in segments}))
             elif isinstance(a, StartTimer):
                 self.timers.append((a.at_s, node, a.tag))
+            elif isinstance(a, OuterStep):
+                outer = self.outers.setdefault(node, OuterNesterov(a.learning_rate, a.momentum))
+                for s in range(SEGMENTS):
+                    self.seg(node, s)[:] = outer.step(s, self.seg(node, s))
             else:
                 raise AssertionError(f"{node}: {a!r} outside a payload or a settle")
 

@@ -36,6 +36,9 @@ class Script:
     # False: timers fire in another order in each driver (the daemon's at its nodes'
     # next boundaries, on the wall clock), so merges interleave differently: mass only.
     same_order: bool = True
+    # False: the script moves models as training does (an outer step), so Σ w·x is not
+    # kept; the drivers must still agree with each other.
+    keeps_values: bool = True
 
     @property
     def ids(self) -> list[str]:
@@ -53,6 +56,15 @@ SCRIPTS = {
     # Bursts at the epoch ends (3) and at K′ (5): sub-rounds 0, 1, then 0 again at step 5.
     "persyn-epoch": Script(
         "persyn", 4, (0, 1, 2, 3) * 5, {"average_every_steps": 5, "epoch_steps": 3}
+    ),
+    # DiLoCo's outer step after each burst (N = 4: sub-rounds at 3, 4; the outer step at 5,
+    # which records θ; at 8, a real step): every driver must apply it alike.
+    "persyn-outer": Script(
+        "persyn",
+        4,
+        (0, 1, 2, 3) * 9,
+        {"average_every_steps": 3, "outer_learning_rate": 0.7, "outer_momentum": 0.9},
+        keeps_values=False,
     ),
     PULL: Script(PULL, 2, (0, 1, 0, 1)),
     # Pulls merged at their period's last step (held until then), and pulled at the end.

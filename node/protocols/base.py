@@ -268,7 +268,19 @@ class StartTimer:
     tag: str
 
 
-Action = Push | Merge | Duplicate | FoldBack | Pull | StartTimer | AskPeer | ReportTransfer
+@dataclass(frozen=True)
+class OuterStep:
+    """A burst of averaging ended: apply the protocol's outer optimizer to the whole model
+    (:mod:`gossipd.node.trainer.outer`), then train on from what it gives."""
+
+    round: int
+    learning_rate: float
+    momentum: float
+
+
+Action = (
+    Push | Merge | Duplicate | FoldBack | Pull | StartTimer | AskPeer | ReportTransfer | OuterStep
+)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import (
     Action,
+    OuterStep,
     Push,
     StartTimer,
     StepEnded,
@@ -76,6 +77,16 @@ class PerSynSettings(ProtocolSettings):
         ge=0,
         description="local steps in one epoch of this site's data; a global average also "
         "starts at every multiple of it (0: only every average_every_steps)",
+    )
+    outer_learning_rate: float = Field(
+        1.0,
+        gt=0,
+        description="DiLoCo's outer step after each burst: the learning rate of its Nesterov "
+        "SGD on (model before the burst's steps − the burst's average); 1 with "
+        "outer_momentum 0 (the defaults): no outer step, the average itself",
+    )
+    outer_momentum: float = Field(
+        0.0, ge=0, lt=1, description="the outer step's Nesterov momentum (DiLoCo: 0.9)"
     )
 
 
@@ -107,6 +118,8 @@ class PerSyn(SumWeightLedger):
             **common.ledger(),
             average_every_steps=own.average_every_steps,
             epoch_steps=own.epoch_steps,
+            outer_learning_rate=own.outer_learning_rate,
+            outer_momentum=own.outer_momentum,
         )
 
     def __init__(
@@ -116,6 +129,8 @@ class PerSyn(SumWeightLedger):
         *,
         average_every_steps: int,
         epoch_steps: int = 0,
+        outer_learning_rate: float = 1.0,
+        outer_momentum: float = 0.0,
         **ledger: Any,
     ) -> None:
         """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
@@ -126,6 +141,8 @@ class PerSyn(SumWeightLedger):
         super().__init__(node_id, num_segments, **ledger)
         self.average_every_steps = average_every_steps
         self.epoch_steps = epoch_steps
+        self.outer_learning_rate = outer_learning_rate
+        self.outer_momentum = outer_momentum
         self.step_time_s = DEFAULT_STEP_TIME_S  # until two steps have been seen
         self._step_times_seen = 0
         self._last_step_at_s: float | None = None
@@ -142,14 +159,21 @@ class PerSyn(SumWeightLedger):
         push = self.push_share(peer, 0.5)
         return [push] if push else []
 
-    def on_step(self, event: StepEnded) -> Iterable[Push]:
+    def on_step(self, event: StepEnded) -> Iterable[Action]:
         self._observe_step_time(event.time_s)
         self.round, sub_round = burst_position(
             event.step, self.average_every_steps, self.epoch_steps
         )
         if self.round == 0:
             return []  # the first burst comes after K′ (or E) steps of local training
+        if sub_round == ceil_log2(len(self.view.members)) and self._outer:
+            # The step after the burst's last sub-round: its pushes have had a step to land.
+            return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
         return self.exchange(sub_round)
+
+    @property
+    def _outer(self) -> bool:
+        return (self.outer_learning_rate, self.outer_momentum) != (1.0, 0.0)
 
     def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
         """One more burst, timed: sub-round 0 now, sub-round j at j estimated step-times."""

@@ -54,6 +54,7 @@ from gossipd.node.protocols.base import (
     Action,
     AskPeer,
     HandOff,
+    OuterStep,
     Pull,
     Push,
     ReportTransfer,
@@ -70,6 +71,7 @@ from gossipd.node.sim.pulls import PullSide
 from gossipd.node.sim.pushes import PushSide
 from gossipd.node.sim.spec import SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
+from gossipd.node.trainer.outer import OuterNesterov
 
 if TYPE_CHECKING:
     from gossipd.node.sim.compression import SimCodec
@@ -126,6 +128,7 @@ class Simulation(PushSide, PullSide):
         self.segments = self.payload.num_segments
         self.tracker = MixingTracker(spec.nodes, self.segments) if spec.tracks_mixing else None
         self.codec = make_codec(spec)
+        self.outers: dict[int, OuterNesterov] = {}  # per node, made at its first OuterStep
         self._id_width = max(5, len(str(capacity - 1)))
         self.nodes: list[SimNode] = []
         self.by_id: dict[str, SimNode] = {}
@@ -270,11 +273,22 @@ class Simulation(PushSide, PullSide):
                 self._ask(node, action)
             elif isinstance(action, ReportTransfer):
                 self._report(node, action)
+            elif isinstance(action, OuterStep):
+                self._outer_step(node, action)
             else:
                 raise SimError(
                     f"protocol {self.spec.protocol} answered with {action!r} outside a payload "
                     "or a settle; the simulator cannot carry it out"
                 )
+
+    def _outer_step(self, node: SimNode, action: OuterStep) -> None:
+        """The core's outer optimizer over the node's whole payload, as the daemon does."""
+        outer = self.outers.get(node.index)
+        if outer is None:
+            outer = self.outers[node.index] = OuterNesterov(action.learning_rate, action.momentum)
+        for segment in range(self.segments):
+            shared = outer.step(segment, self.payload.values(node.index, segment))
+            self.payload.load(node.index, segment, shared)
 
     def _timer(self, node: SimNode, tag: str) -> None:
         if not self.stopped and node.alive:

@@ -33,6 +33,8 @@ class Payload(Protocol):
 
     def correct(self, index: int, segment: int, delta: Any, alpha: float) -> None: ...
 
+    def load(self, index: int, segment: int, values: np.ndarray) -> None: ...
+
     def step(self, index: int) -> None: ...
 
     def values(self, index: int, segment: int) -> np.ndarray: ...
@@ -97,6 +99,9 @@ class VectorPayload:
     def correct(self, index: int, segment: int, delta: np.ndarray, alpha: float) -> None:
         """x ← x + α·delta: what a lossy codec dropped from a merged push, kept at home."""
         self.x[index, self.slices[segment]] += alpha * np.asarray(delta)
+
+    def load(self, index: int, segment: int, values: np.ndarray) -> None:
+        self.x[index, self.slices[segment]] = values
 
     def step(self, index: int) -> None:
         """Training off: a step leaves the vector as it is."""
@@ -183,6 +188,9 @@ class DigitsPayload:
 
     def correct(self, index: int, segment: int, delta: Any, alpha: float) -> None:
         self.flats[index].add_delta(segment, delta, alpha)
+
+    def load(self, index: int, segment: int, values: np.ndarray) -> None:
+        self.flats[index].load_segment(segment, self._torch.from_numpy(np.asarray(values)))
 
     def step(self, index: int) -> None:
         self.jobs[index].train_step()

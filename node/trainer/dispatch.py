@@ -15,6 +15,7 @@ It holds no lock and decides no timing: the replica calls it under its
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from gossipd.node.protocols.base import (
     Action,
     AskPeer,
     GossipProtocol,
+    OuterStep,
     Pull,
     Push,
     ReportTransfer,
@@ -31,7 +33,10 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.trainer.duepulls import DuePulls
 from gossipd.node.trainer.messages import LoopPort, OutboundPull, OutboundPush
+from gossipd.node.trainer.outer import OuterNesterov
 from gossipd.node.trainer.segments import FlatModel
+
+log = logging.getLogger(__name__)
 
 
 class Dispatcher:
@@ -46,6 +51,7 @@ class Dispatcher:
         self.port = port
         self.outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
         self.pulls_out = 0  # pulls started, not yet merged or failed
+        self.outer: OuterNesterov | None = None  # made at the core's first OuterStep
         self.timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         self.deferred: list[Push] = []  # made by a timer mid-step, sent at the boundary
         self.snapshot_cpu_s = 0.0  # thread CPU spent copying segments for pushes
@@ -87,6 +93,26 @@ class Dispatcher:
         for push in pushes:
             self.port.send_push(OutboundPush(push, {s: snapshot[s] for s in push.weights}))
 
+    def outer_step(self, action: OuterStep) -> None:
+        """The protocol's outer optimizer over the whole model, at a step boundary."""
+        first = self.outer is None
+        if self.outer is None:
+            self.outer = OuterNesterov(action.learning_rate, action.momentum)
+        for segment in range(len(self.flat.plan)):
+            shared = self.outer.step(segment, self.flat.buffers[segment])
+            self.flat.load_segment(segment, shared)
+        if first:
+            log.info(
+                "%s: outer optimizer on (learning rate %g, momentum %g): the model after "
+                "burst %d is the shared model, and an outer step follows every burst from "
+                "now on (%d bytes held for it)",
+                self.core.name,
+                action.learning_rate,
+                action.momentum,
+                action.round,
+                self.outer.nbytes,
+            )
+
     def carry_out(self, actions: Sequence[Action], *, mid_step: bool = False) -> list[Push]:
         """Carry out ``actions`` (none of them a merge); returns the pushes among them.
 
@@ -110,6 +136,8 @@ class Dispatcher:
                     self.port.ask_peer(action)
                 case ReportTransfer():
                     self.port.report_transfer(action)
+                case OuterStep():
+                    self.outer_step(action)
                 case _:
                     raise GossipdError(
                         f"protocol {self.core.name} returned {action!r} outside a payload or a "
