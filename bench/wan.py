@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         "baselines run once, uncompressed (default: %(default)s)",
     )
     p.add_argument(
+        "--persyn-outer",
+        action="store_true",
+        help="persyn runs as DiLoCo over gossip: a burst every H (--inner-steps) steps and "
+        "DiLoCo's outer Nesterov step after it (rows named persyn+outer)",
+    )
+    p.add_argument(
         "--inner-steps",
         type=int,
         default=100,
@@ -273,13 +279,16 @@ def _codecs(text: str) -> list[str]:
     return names
 
 
-def runs_of(protocols: list[str], codecs: list[str]) -> list[tuple[str, str, str]]:
+def runs_of(
+    protocols: list[str], codecs: list[str], persyn_outer: bool = False
+) -> list[tuple[str, str, str]]:
     """(row name, protocol, codec) of every run: each gossip protocol once per codec, a
     baseline once (it sends no gossip)."""
     out = []
     for protocol in protocols:
+        label = "persyn+outer" if protocol == "persyn" and persyn_outer else protocol
         for codec in ["raw"] if protocol in BASELINE_SECTIONS else codecs:
-            out.append((protocol if codec == "raw" else f"{protocol}+{codec}", protocol, codec))
+            out.append((label if codec == "raw" else f"{label}+{codec}", protocol, codec))
     return out
 
 
@@ -310,10 +319,11 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         inner_steps=args.inner_steps,
         cpu_share=args.cpu_share,
         weight_balance=args.weight_balance,
+        persyn_outer=args.persyn_outer,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
-    for name, protocol, codec in runs_of(names, codecs):
+    for name, protocol, codec in runs_of(names, codecs, args.persyn_outer):
         run_ = run_sites(dataclasses.replace(spec, codec=codec), protocol, name=name)
         runs.append(run_)
         rows[name] = protocol_row(run_, target, args.budget_s)
@@ -342,6 +352,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "cpu_share": args.cpu_share,
         "weight_balance": args.weight_balance,
         "codecs": codecs,
+        "persyn_outer": args.persyn_outer,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

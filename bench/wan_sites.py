@@ -41,6 +41,9 @@ FINISH_S = 60.0  # after the budget: the last evaluation, summary.json, a slow s
 POLL_S = 0.5
 
 
+OUTER_LEARNING_RATE, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's, as the diloco baseline's
+
+
 @dataclass(frozen=True)
 class WanSpec:
     """What every protocol's run shares."""
@@ -56,6 +59,8 @@ class WanSpec:
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
     weight_balance: bool = False  # [gossip] weight_balance of the gossip sites
     codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
+    # persyn sites take DiLoCo's outer step (0.7, Nesterov 0.9) every inner_steps steps
+    persyn_outer: bool = False
 
 
 @dataclass
@@ -124,6 +129,12 @@ def site_toml(
         "link": link,
         "tls": {"insecure": True},
     }
+    if protocol == "persyn" and spec.persyn_outer:
+        tables["gossip.persyn"] = {
+            "average_every_steps": spec.inner_steps,
+            "outer_learning_rate": OUTER_LEARNING_RATE,
+            "outer_momentum": OUTER_MOMENTUM,
+        }
     if baseline:
         if master is None:
             raise ValueError(f"site_toml for baseline {protocol!r} needs its rendezvous")

@@ -187,6 +187,17 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     assert (table["codec"], table["error_feedback"]) == ("int8", True)
     for baseline in ("allreduce", "diloco"):
         assert "codec" not in gossip_table(int8, baseline)
+    outer = replace(spec, persyn_outer=True, inner_steps=30)
+    persyn = tomllib.loads(site_toml(outer, "persyn", 0, addresses, 20.0, None, tmp_path / "s"))[
+        "gossip"
+    ]["persyn"]
+    assert persyn == {
+        "average_every_steps": 30,
+        "outer_learning_rate": 0.7,
+        "outer_momentum": 0.9,
+    }
+    plain = tomllib.loads(site_toml(spec, "persyn", 0, addresses, 20.0, None, tmp_path / "s"))
+    assert "persyn" not in plain["gossip"]
 
 
 def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
@@ -194,6 +205,11 @@ def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
         ("sumweight", "sumweight", "raw"),
         ("sumweight+int8", "sumweight", "int8"),
         ("sumweight+int4", "sumweight", "int4"),
+        ("diloco", "diloco", "raw"),
+    ]
+    assert runs_of(["persyn", "diloco"], ["raw", "int8"], persyn_outer=True) == [
+        ("persyn+outer", "persyn", "raw"),
+        ("persyn+outer+int8", "persyn", "int8"),
         ("diloco", "diloco", "raw"),
     ]
     assert _codecs(" int8 ,raw") == ["int8", "raw"]
