@@ -10,7 +10,6 @@ change anywhere. How the other drivers build cores is ``tests/test_protocol_driv
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import textwrap
 from collections.abc import Iterable
@@ -169,13 +168,6 @@ def test_without_a_table_a_protocol_gets_its_declared_defaults(protocol: str) ->
     core = Replica.from_config(config, _model()).core
     for key, value in settings_class(protocol)().model_dump().items():
         assert getattr(core, key) == value
-
-
-@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
-def test_the_config_reference_lists_every_setting_with_its_default(protocol: str) -> None:
-    reference = (Path(__file__).parents[1] / "docs" / "reference" / "config.md").read_text()
-    for key, value in settings_class(protocol)().model_dump().items():
-        assert f"| `gossip.{protocol}.{key}` | `{json.dumps(value)}` |" in reference
 
 
 def test_a_core_registered_as_a_plain_function_takes_no_settings(

@@ -177,7 +177,8 @@ class Merger:
                 continue
             dropped = out.snapshot[segment] - values.to(out.snapshot[segment].dtype)
             if bool(torch.isfinite(dropped).all()):
-                self.flat.add_delta(segment, dropped, sent / available)
+                device = self.flat.buffers[segment].device  # a GPU model's: snapshots are on host
+                self.flat.add_delta(segment, dropped.to(device), sent / available)
 
     def adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
         """Load a joiner's bootstrap model whole (its weight is 0: the merge with α = 1)."""
