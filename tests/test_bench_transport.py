@@ -28,7 +28,7 @@ from gossipd.node.trainer.messages import OutboundPush
 
 MODEL_MB = 8
 MODEL_BYTES = MODEL_MB << 20
-REPS = 3
+REPS = 2
 # Loopback goodput of 8 MiB can exceed no memory bus; anything faster is a timing bug.
 MAX_PLAUSIBLE_GBPS = 100.0
 # A push goes through gRPC, checksums and a merge: it cannot beat a bare socket by this much.
@@ -272,11 +272,11 @@ def _check_push_cost(costs: list[dict[str, Any]], lines: list[str]) -> None:
 def test_trainer_mode_trains_both_runs_the_same_time_and_only_the_second_pushes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`--trainer` on digits for 3 s: both runs trained on every node, the run without
+    """`--trainer` on digits for 2 s: both runs trained on every node, the run without
     pushes sent no byte, each push carried the whole model, no weight was lost or made
     (the sum over the nodes is the same after both runs), and the table shows the row.
     Both daemons run at the ``--cpu-share`` given (the budget it sets is in the row)."""
-    argv = ["--trainer", "--trainer-jobs", "digits", "--duration-s", "3", "--json"]
+    argv = ["--trainer", "--trainer-jobs", "digits", "--duration-s", "2", "--json"]
     argv += ["--cpu-share", "0.5"]
     assert transport.main(argv) == 0
     captured = capsys.readouterr()
@@ -286,7 +286,7 @@ def test_trainer_mode_trains_both_runs_the_same_time_and_only_the_second_pushes(
     assert "gossip.cpu_share 0.5" in captured.err
     params = trainer_overhead.parameter_count("digits")
     assert (row["job"], row["params"], row["model_bytes"]) == ("digits", params, params * 4)
-    assert (row["nodes"], row["duration_s"]) == (2, 3.0)
+    assert (row["nodes"], row["duration_s"]) == (2, 2.0)
     off, on = row["runs"]
     assert (off["push_probability"], on["push_probability"]) == (0.0, 0.5)
     for run in (off, on):

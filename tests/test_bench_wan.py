@@ -255,7 +255,7 @@ def test_namespace_run_compares_sumweight_with_both_baselines_and_leaves_nothing
         "--protocols",
         "sumweight,allreduce,diloco",
         "--budget-s",
-        "5",
+        "4",
         "--inner-steps",
         "50",
         "--no-throughput",
@@ -295,7 +295,7 @@ def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
         "--protocols",
         "sumweight",
         "--budget-s",
-        "3",
+        "2",
         "--loopback",
     )
     check_fields(result, ["sumweight"])
