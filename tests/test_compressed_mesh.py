@@ -8,19 +8,18 @@ merge adds the codec's error again and the mesh settles somewhere else.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.launch.localmesh import consensus_distance
 from gossipd.node.net.identity import Identity
 from gossipd.node.net.pullreader import PullReader
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
-from tests.forked import fork_node
+from tests.averaging import average, averaging_spec
 
 
 def _average(
@@ -30,30 +29,11 @@ def _average(
     error_feedback: bool,
     feedback_peers: int | None = None,
 ) -> dict[str, Any]:
-    spec = MeshSpec(
-        protocol=protocol,
-        nodes=3,
-        job="synthetic",
-        learning_rate=0.0,
-        max_steps=3000,
-        duration_s=0.0,
-        push_probability=1.0,
-        cpu_share=1.0,  # see test_mesh_averaging: the budget is tested in test_cpu_budget
-        codec=codec,
-        error_feedback=error_feedback,
-        feedback_peers=feedback_peers,
-        eval_every_steps=0,
-        checkpoint_every_steps=0,
+    spec = averaging_spec(
+        protocol, codec=codec, error_feedback=error_feedback, feedback_peers=feedback_peers
     )
-    with LocalMesh(spec, tmp_path, fork_node) as mesh:
-        for i in range(spec.nodes):
-            mesh.start(i)
-        mesh.load_plan()
-        asyncio.run(mesh.wait_ready())
-        initial = mesh.initial_models()
-        states = asyncio.run(mesh.wait_settled(120.0))
-        models = asyncio.run(mesh.pull_all())
-        codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+    run = average(spec, tmp_path)
+    initial, states, models, codes = run.initial, run.states, run.models, run.codes
     target = torch.stack(initial).mean(0)
     weights = [s["sum_weights"][0] for s in states]
     weighted = sum(w * m for w, m in zip(weights, models, strict=True)) / sum(weights)

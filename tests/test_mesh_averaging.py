@@ -10,46 +10,23 @@ coordinate of which lies between the initial models' (a convex combination).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
-from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
+from gossipd.node.launch.localmesh import consensus_distance
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
-from tests.forked import fork_node
+from tests.averaging import average, averaging_spec
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_learning_rate_zero_mesh_converges_to_mean_of_initial_models(
     tmp_path: Path, protocol: str
 ) -> None:
-    spec = MeshSpec(
-        protocol=protocol,
-        nodes=3,
-        job="synthetic",
-        learning_rate=0.0,
-        max_steps=3000,
-        duration_s=0.0,
-        push_probability=1.0,
-        # 3,000 synthetic steps take well under a second of CPU: a budget of that
-        # little wall-clock time pays for too few pushes to reach the mean (0.002
-        # apart at the default 0.03). The budget is tested in test_cpu_budget.
-        cpu_share=1.0,
-        eval_every_steps=0,
-        checkpoint_every_steps=0,
-    )
-    with LocalMesh(spec, tmp_path, fork_node) as mesh:
-        for i in range(spec.nodes):
-            mesh.start(i)
-        mesh.load_plan()
-        asyncio.run(mesh.wait_ready())
-        initial = mesh.initial_models()
-        target = torch.stack(initial).mean(0)
-        states = asyncio.run(mesh.wait_settled(120.0))
-        models = asyncio.run(mesh.pull_all())
-        codes = [mesh.stop(i) for i in sorted(mesh.procs)]
+    run = average(averaging_spec(protocol), tmp_path)
+    initial, states, models, codes = run.initial, run.states, run.models, run.codes
+    target = torch.stack(initial).mean(0)
 
     assert codes == [0, 0, 0]
     assert {s["protocol"] for s in states} == {protocol}

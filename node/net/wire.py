@@ -325,13 +325,17 @@ class SegmentAssembler:
         if self.gauge is None:
             if checksum:
                 self._check_sum(header, wirecodec.checksum(buffer))
-            values = wirecodec.decode(buffer, codec, seg.dtype, seg.numel)
-            if self.feedback is not None:
+            # With copies kept, finiteness is checked once, on the values rebuilt from them.
+            feedback = self.feedback
+            values = wirecodec.decode(
+                buffer, codec, seg.dtype, seg.numel, check_finite=feedback is None
+            )
+            if feedback is not None:
                 values = self._rebuilt(header, values)
                 wirecodec.require_finite(values)
-                self.feedback.keep(header.sender, seg.index, header.version, values)
-            kept = self._kept(header)
-            return ReceivedSegment(header.segment, header.sum_weight, values, None, kept)
+                feedback.keep(header.sender, seg.index, header.version, values)
+            version = self._copy_version(header)
+            return ReceivedSegment(header.segment, header.sum_weight, values, None, version)
         # Values that are the payload itself (no decoding copy) are hashed block by block
         # as the gauge reads them: one pass over the segment from memory instead of two.
         hasher = None
@@ -350,7 +354,8 @@ class SegmentAssembler:
             wirecodec.require_finite(values)
         if self.feedback is not None:
             self.feedback.keep(header.sender, seg.index, header.version, values)
-        return ReceivedSegment(header.segment, header.sum_weight, values, gauge, self._kept(header))
+        version = self._copy_version(header)
+        return ReceivedSegment(header.segment, header.sum_weight, values, gauge, version)
 
     def _rebuilt(self, header: pb.SegmentHeader, decoded: torch.Tensor) -> torch.Tensor:
         assert self.feedback is not None
@@ -358,7 +363,7 @@ class SegmentAssembler:
             header.sender, header.segment, header.base_version, header.version, decoded
         )
 
-    def _kept(self, header: pb.SegmentHeader) -> int:
+    def _copy_version(self, header: pb.SegmentHeader) -> int:
         """The version the segment's values become a copy of (0: none is kept)."""
         return header.version if self.feedback is not None else 0
 

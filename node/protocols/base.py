@@ -308,6 +308,15 @@ class CoreStatus:
         """Peers suspected of sinking weight (``extra["sinks"]``): no pushes to them."""
         return frozenset(self.extra.get(EXTRA_SINKS, ()))
 
+    def spread_over_available(self, segment: int, weight: float) -> float | None:
+        """``weight`` over what ``segment`` holds outside its pushes in flight: the factor
+        that puts ``weight``'s worth of change into the model (a lossy codec's dropped
+        difference, kept at home); None where the core keeps no weights or holds none."""
+        if segment >= len(self.weights):
+            return None
+        available = self.weights[segment] - self.reserved[segment]
+        return weight / available if available > 0 else None
+
     @property
     def weight_cap(self) -> float:
         """The most sum-weight a segment may hold after a merge (``extra["weight_cap"]``)."""

@@ -169,16 +169,14 @@ class PushSide:
         status = sender.core.status()
         assert flight.sent is not None
         for s in acked:
-            if s not in flight.sent or s not in push.weights:
-                continue
-            available = status.weights[s] - status.reserved[s]
-            if available <= 0:
+            factor = status.spread_over_available(s, push.weights.get(s, 0.0))
+            if s not in flight.sent or not factor:
                 continue
             rebuilt = flight.sent[s].rebuilt
             values = flight.values[s]
             if isinstance(values, np.ndarray):
                 rebuilt = rebuilt.numpy()
-            self.payload.correct(sender.index, s, values - rebuilt, push.weights[s] / available)
+            self.payload.correct(sender.index, s, values - rebuilt, factor)
 
     def _would_blend(self, receiver: SimNode, merge: Merge, values: dict[int, Any]) -> bool:
         if isinstance(self.payload, VectorPayload):

@@ -60,10 +60,6 @@ BLOCK = 256  # elements per scale of int8 and int4: 2 bytes of scale per 256 val
 _LEVELS = {Codec.INT8: 127, Codec.INT4: 7}  # the largest magnitude of a quantised value
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
@@ -75,7 +71,7 @@ def encoded_nbytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
         return 2 * _blocks(numel) + numel
     if codec == Codec.INT4:
         return 2 * _blocks(numel) + (numel + 1) // 2
-    return numel * _itemsize(_WIRE_DTYPE.get(codec, dtype))
+    return numel * _WIRE_DTYPE.get(codec, dtype).itemsize
 
 
 def decoded_copy_bytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
@@ -83,7 +79,7 @@ def decoded_copy_bytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
     model's (the tensor is then a view of the received buffer), else a tensor of ``dtype``."""
     if codec not in _LEVELS and _WIRE_DTYPE.get(codec, dtype) == dtype:
         return 0
-    return numel * _itemsize(dtype)
+    return numel * dtype.itemsize
 
 
 def encode(flat: torch.Tensor, codec: Codec) -> memoryview:

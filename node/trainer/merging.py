@@ -169,16 +169,13 @@ class Merger:
         exact. A segment holding no weight (a hand-off) has nowhere to keep it."""
         for segment in acked:
             values = rebuilt.get(segment)
-            sent = out.push.weights.get(segment, 0.0)
-            if values is None or not sent or segment >= len(status.weights):
-                continue
-            available = status.weights[segment] - status.reserved[segment]
-            if available <= 0:
+            factor = status.spread_over_available(segment, out.push.weights.get(segment, 0.0))
+            if values is None or not factor:
                 continue
             dropped = out.snapshot[segment] - values.to(out.snapshot[segment].dtype)
             if bool(torch.isfinite(dropped).all()):
                 device = self.flat.buffers[segment].device  # a GPU model's: snapshots are on host
-                self.flat.add_delta(segment, dropped.to(device), sent / available)
+                self.flat.add_delta(segment, dropped.to(device), factor)
 
     def adopt(self, peer: str, pulled: Pulled | None, error: str | None) -> None:
         """Load a joiner's bootstrap model whole (its weight is 0: the merge with α = 1)."""
