@@ -239,14 +239,30 @@ class PeersReply(_message.Message):
     def __init__(self, peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("checksum",)
+    __slots__ = ("checksum", "sketch_size")
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     checksum: bool
-    def __init__(self, checksum: _Optional[bool] = ...) -> None: ...
+    sketch_size: int
+    def __init__(self, checksum: _Optional[bool] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling", "eval", "eval_step", "model_sketch", "pulls", "ranks", "crash")
     class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EvalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PullsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +295,12 @@ class StatusReply(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    EVAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    CRASH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -305,7 +327,33 @@ class StatusReply(_message.Message):
     wait_s: float
     wait_fraction: float
     scheduling: str
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ...) -> None: ...
+    eval: _containers.ScalarMap[str, float]
+    eval_step: int
+    model_sketch: _containers.RepeatedScalarFieldContainer[float]
+    pulls: _containers.ScalarMap[str, int]
+    ranks: int
+    crash: CrashAudit
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ..., eval: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., model_sketch: _Optional[_Iterable[float]] = ..., pulls: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., crash: _Optional[_Union[CrashAudit, _Mapping]] = ...) -> None: ...
+
+class CrashAudit(_message.Message):
+    __slots__ = ("resumed", "done", "weight_lost", "merged_after", "sent_after", "peers_answered", "peers_asked", "checkpoint_step")
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_LOST_FIELD_NUMBER: _ClassVar[int]
+    MERGED_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SENT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    PEERS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    PEERS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    resumed: bool
+    done: bool
+    weight_lost: float
+    merged_after: float
+    sent_after: float
+    peers_answered: int
+    peers_asked: int
+    checkpoint_step: int
+    def __init__(self, resumed: _Optional[bool] = ..., done: _Optional[bool] = ..., weight_lost: _Optional[float] = ..., merged_after: _Optional[float] = ..., sent_after: _Optional[float] = ..., peers_answered: _Optional[int] = ..., peers_asked: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class PeerMass(_message.Message):
     __slots__ = ("node_id", "sent", "received", "sent_before", "received_before")

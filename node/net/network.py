@@ -394,8 +394,8 @@ class Network:
         assert self.identity is not None
         return pb.PeersReply(peers=[self.identity.info(), *self.peering.known()])
 
-    async def on_status(self, checksum: bool = False) -> pb.StatusReply:
-        return await self.status.reply(checksum)
+    async def on_status(self, checksum: bool = False, sketch_size: int = 0) -> pb.StatusReply:
+        return await self.status.reply(checksum, sketch_size)
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
         self.refusals.refused(peer, err)

@@ -54,6 +54,21 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "wait_s": reply.wait_s,
         "wait_fraction": reply.wait_fraction,
         "scheduling": reply.scheduling,
+        "eval": dict(reply.eval),
+        "eval_step": reply.eval_step,
+        "model_sketch": list(reply.model_sketch),
+        "pulls": dict(reply.pulls),
+        "ranks": reply.ranks,
+        "crash": {
+            "resumed": reply.crash.resumed,
+            "done": reply.crash.done,
+            "weight_lost": reply.crash.weight_lost,
+            "merged_after": reply.crash.merged_after,
+            "sent_after": reply.crash.sent_after,
+            "peers_answered": reply.crash.peers_answered,
+            "peers_asked": reply.crash.peers_asked,
+            "checkpoint_step": reply.crash.checkpoint_step,
+        },
     }
 
 
@@ -83,9 +98,11 @@ async def query_status(
     timeout_s: float = 5.0,
     *,
     checksum: bool = False,
+    sketch_size: int = 0,
     tls: Credentials | None = None,
 ) -> dict[str, Any]:
-    """One node's status; ``checksum`` also hashes its model (costs a model copy).
+    """One node's status; ``checksum`` also hashes its model, ``sketch_size`` sketches it
+    (:mod:`gossipd.node.trainer.sketch`; each costs a model copy).
 
     ``tls``: a certificate of the node's mesh (any site's will do); None: plaintext.
     """
@@ -93,7 +110,7 @@ async def query_status(
     async with tls.channel(address, CHANNEL_OPTIONS) as channel:
         try:
             reply = await pb_grpc.GossipStub(channel).Status(
-                pb.StatusRequest(checksum=checksum), timeout=timeout_s
+                pb.StatusRequest(checksum=checksum, sketch_size=sketch_size), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as err:
             hint = (

@@ -1,5 +1,6 @@
 """The Status RPC's answer: read from the trainer's published summary and the network's
-own tables, so it never waits on a step; a model checksum only on request, rate-limited.
+own tables, so it never waits on a step; a model checksum or sketch only on request,
+rate-limited.
 """
 
 from __future__ import annotations
@@ -8,12 +9,17 @@ import asyncio
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
+from gossipd.node.errors import InvalidFrame
 from gossipd.node.trainer.segments import model_checksum
+from gossipd.node.trainer.sketch import MAX_SKETCH_SIZE, sketch
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
+    import torch
+
     from gossipd.node.net.health import PeerHealth
     from gossipd.node.net.outbound import Outbound
     from gossipd.node.net.peering import Peering
@@ -22,6 +28,7 @@ if TYPE_CHECKING:
     from gossipd.node.trainer.replica import Replica
 
 CHECKSUM_INTERVAL_S = 0.2
+T = TypeVar("T")
 
 
 class StatusReplies:
@@ -47,12 +54,24 @@ class StatusReplies:
         self.rejections = rejections
         self.tls = tls
         self.outbound = outbound
-        self._checksum_lock = asyncio.Lock()
-        self._checksum_at = -math.inf
+        self._copy_lock = asyncio.Lock()
+        self._copied_at = -math.inf
+        # Set by the site that owns this network: what it alone knows.
+        self.evaluation: tuple[dict[str, float], int] = ({}, 0)  # metrics, and their step
+        self.ranks = 1
+        self.crash = pb.CrashAudit()
 
-    async def reply(self, checksum: bool = False) -> pb.StatusReply:
+    async def reply(self, checksum: bool = False, sketch_size: int = 0) -> pb.StatusReply:
         """Answered from the trainer's published summary: never waits on a step."""
+        if sketch_size > MAX_SKETCH_SIZE:
+            raise InvalidFrame(
+                f"sketch_size {sketch_size} is over {MAX_SKETCH_SIZE}; ask for fewer buckets"
+            )
         s = self.replica.summary
+        metrics, eval_step = self.evaluation
+        model_sketch: list[float] = []
+        if sketch_size:
+            model_sketch = await self._from_copy(lambda c: sketch(c, sketch_size))
         return pb.StatusReply(
             node_id=self.node_id,
             mesh_id=self.mesh_id,
@@ -83,22 +102,32 @@ class StatusReplies:
             wait_s=s.wait_s,
             wait_fraction=s.wait_fraction,
             scheduling=s.scheduling,
+            eval=metrics,
+            eval_step=eval_step,
+            model_sketch=model_sketch,
+            pulls=s.pulls,
+            ranks=self.ranks,
+            crash=self.crash,
         )
 
     async def _checksum(self) -> str:
-        """A fresh hash of the model, one at a time and at most every CHECKSUM_INTERVAL_S.
+        return await self._from_copy(model_checksum)
 
-        The copy is taken under the trainer's lock (a memcpy); the hashing runs off it.
+    async def _from_copy(self, compute: Callable[[list[torch.Tensor]], T]) -> T:
+        """``compute`` on a copy of the model, one at a time and at most every
+        CHECKSUM_INTERVAL_S, so status requests cannot load the trainer.
+
+        The copy is taken under the trainer's lock (a memcpy); the work runs off it.
         """
-        async with self._checksum_lock:
-            wait_s = self._checksum_at + CHECKSUM_INTERVAL_S - time.monotonic()
+        async with self._copy_lock:
+            wait_s = self._copied_at + CHECKSUM_INTERVAL_S - time.monotonic()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
-            self._checksum_at = time.monotonic()
+            self._copied_at = time.monotonic()
 
-            def compute() -> str:
+            def run() -> T:
                 with self.replica.lock:
                     copies = [b.detach().cpu().clone() for b in self.replica.flat.buffers]
-                return model_checksum(copies)
+                return compute(copies)
 
-            return await asyncio.to_thread(compute)
+            return await asyncio.to_thread(run)

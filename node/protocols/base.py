@@ -328,11 +328,17 @@ class CoreStatus:
         that does not pull (``extra["scheduling"]``)."""
         return str(self.extra.get(EXTRA_SCHEDULING, ""))
 
+    @property
+    def pulls(self) -> Mapping[str, int]:
+        """A pulling core's pulls by outcome since start (``extra["pulls"]``); empty otherwise."""
+        return dict(self.extra.get(EXTRA_PULLS, {}))
+
 
 # The keys of CoreStatus.extra that drivers read (through the properties above).
 EXTRA_SINKS = "sinks"
 EXTRA_WEIGHT_CAP = "weight_cap"
 EXTRA_SCHEDULING = "scheduling"
+EXTRA_PULLS = "pulls"
 
 
 @dataclass(frozen=True)

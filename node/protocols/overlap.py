@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from gossipd.node.protocols.base import (
+    EXTRA_PULLS,
     EXTRA_SCHEDULING,
     Action,
     AskPeer,
@@ -305,7 +306,7 @@ class OverlapGossip(GossipProtocol):
                 "mode": self.mode,
                 "period_steps": self.period_steps,
                 "step_time_s": self.step_s,
-                "pulls": dict(self.counts),
+                EXTRA_PULLS: dict(self.counts),
                 "pulling_from": self.period.peer if self.period else None,
                 EXTRA_SCHEDULING: self.scheduling,
             },

@@ -69,6 +69,7 @@ class Site:
         self.metrics = NodeMetrics()
         self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
         self.network = Network(config, self.replica, self.metrics)
+        self.network.status.ranks = 1 if rank_env is None else rank_env.world
         self.data_dir = Path(config.data_dir)
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +137,7 @@ class Site:
             if self.ranks is not None:
                 write_record(self.data_dir, 0, rank_record(0, step, self.replica.flat, result))
         self.last_eval = result
+        self.network.status.evaluation = (result, step)
         for key, value in result.items():
             self.metrics.eval_metric.labels(key).set(value)
         line = {"unix_s": time.time(), "step": step, "loss": loss, **result}

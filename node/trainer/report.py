@@ -96,6 +96,7 @@ class Summary:
     wait_s: float = 0.0  # the trainer's waits at step boundaries for due pulls
     wait_fraction: float = 0.0  # wait_s over the wall time since the first step ended
     scheduling: str = ""  # who picks this node's pulls: coordinator, decentralized, or ""
+    pulls: Mapping[str, int] = field(default_factory=dict)  # a pulling core's, by outcome
 
     @classmethod
     def of(cls, replica: Replica) -> Summary:
@@ -119,6 +120,7 @@ class Summary:
             wait_s=replica.wait_s,
             wait_fraction=replica.wait_fraction(),
             scheduling=core.scheduling,
+            pulls=core.pulls,
         )
 
 
