@@ -1,5 +1,7 @@
 """A site's checkpoints on disk: resume or write ``initial.pt`` at start, a periodic write
-that warns instead of stopping training, the final one at shutdown.
+that warns instead of stopping training, the final one at shutdown. Each ``checkpoint.pt``
+is followed by its ``checkpoint.json`` (:mod:`gossipd.node.site.checkpoint_record`), which
+the start-up checks read before torch loads.
 
 Kept apart from :mod:`gossipd.node.site.site` (which runs the daemon): this is what a
 site keeps of its model between runs, and what a failed write costs (nothing but a
@@ -19,6 +21,12 @@ import torch
 from gossipd.node.errors import CheckpointError
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.shared.statefiles import FailureStreak
+from gossipd.node.site.checkpoint_record import (
+    RECORD_FILENAME,
+    CheckpointRecord,
+    SiteIdentity,
+    mismatch_message,
+)
 from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.replica import Replica
 
@@ -31,15 +39,18 @@ class SiteCheckpoints:
     def __init__(
         self,
         data_dir: Path,
-        node_id: str,
+        identity: SiteIdentity,
         *,
         replica: Replica,
         optimizer: torch.optim.Optimizer,
         metrics: NodeMetrics,
         every_steps: int,
     ) -> None:
+        """``identity``: the config keys a checkpoint is written under and may only be
+        resumed under."""
         self.data_dir = data_dir
-        self.node_id = node_id
+        self.identity = identity
+        self.node_id = identity.node_id
         self.replica = replica
         self.optimizer = optimizer
         self.metrics = metrics
@@ -65,8 +76,20 @@ class SiteCheckpoints:
             raise
         if name == checkpoint.FILENAME:
             self.saved_step = ckpt.step
+            self._write_record(ckpt)
             self.metrics.record_checkpoint(time.perf_counter() - started, time.time())
         return path
+
+    def _write_record(self, ckpt: checkpoint.Checkpoint) -> None:
+        """checkpoint.json after checkpoint.pt: its identity never changes within a run, so
+        a crash between the two leaves at worst a stale step in it."""
+        record = CheckpointRecord(self.identity, ckpt.fingerprint, ckpt.step)
+        try:
+            record.write(self.data_dir)
+        except OSError as err:
+            self.metrics.checkpoint_failures.inc()
+            path = self.data_dir / RECORD_FILENAME
+            raise checkpoint.CheckpointWriteError(path, err.strerror or str(err)) from None
 
     def periodic(self) -> None:
         """A failed periodic write must not stop training: warn once per streak, retry later."""
@@ -89,6 +112,7 @@ class SiteCheckpoints:
             self.restored_weights = list(self.replica.summary.weights)
             return
         ckpt = checkpoint.load(path, fingerprint=self.replica.fingerprint)
+        self._check_owner(ckpt)
         self.replica.restore(ckpt.segments, ckpt.core, ckpt.step)
         if ckpt.optimizer is not None:
             self.optimizer.load_state_dict(ckpt.optimizer)
@@ -96,6 +120,16 @@ class SiteCheckpoints:
         self.restored_weights = list(ckpt.weights)
         self.metrics.checkpoint_last_success.set(path.stat().st_mtime)
         log.info("resumed %s from step %d, weights %s", self.node_id, ckpt.step, ckpt.weights)
+
+    def _check_owner(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Another node's checkpoint, or another protocol's core state, is refused before
+        anything is restored. The start-up checks already compared checkpoint.json; this
+        covers a data_dir written before that file existed, or without it."""
+        written = {"node_id": ckpt.node_id, "gossip.protocol": ckpt.core.get("protocol")}
+        now = {"node_id": self.identity.node_id, "gossip.protocol": self.identity.protocol}
+        for key, value in written.items():
+            if value is not None and value != now[key]:  # format 1 names no protocol
+                raise CheckpointError(mismatch_message(self.data_dir, key, value, now[key]))
 
     def check_writable(self) -> None:
         """Probe data_dir with a small write, so a resumed node fails at start, not later."""

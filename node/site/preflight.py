@@ -4,7 +4,8 @@ Loading torch and building the job takes seconds on an idle machine and minutes 
 busy one; a wrong certificate path found only after that wastes each attempt of an
 operator fixing a config (and each restart of a supervisor). So everything a site's
 files decide is checked here first: the config (already parsed), the TLS files, the
-ports it will listen on, its data directory and the package its job's data comes from.
+ports it will listen on, its data directory (and that the checkpoint there, if any, was
+written by this node, mesh, protocol and job) and the package its job's data comes from.
 Each failure raises a GossipdError that names the key, the value and the fix; ``gossipd
 node`` exits 2 with it.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from gossipd.node.errors import ConfigError
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Credentials
+from gossipd.node.site.checkpoint_record import SiteIdentity, mismatch_message, read_record
 from gossipd.node.trainer.job_packages import check_job_package
 
 
@@ -35,6 +37,7 @@ def check_site(config: NodeConfig) -> None:
     if config.metrics.listen:
         check_port("metrics.listen", config.metrics.listen)
     check_data_dir(Path(config.data_dir))
+    check_checkpoint_owner(config)
     check_job_package(config.job.name)
     if config.mqtt is not None:
         from gossipd.node.net.mqtt import BrokerLogin
@@ -78,3 +81,17 @@ def check_data_dir(data_dir: Path) -> None:
             f"data_dir = {data_dir}: cannot write there: {err.strerror or err}; point data_dir "
             "at a directory this user can write"
         ) from None
+
+
+def check_checkpoint_owner(config: NodeConfig) -> None:
+    """A checkpoint in data_dir whose checkpoint.json names another node_id, mesh_id,
+    gossip.protocol or job.name is refused: resuming it would fail inside the restore or
+    train on a model that belongs elsewhere. The model's shape is checked after the job
+    is built (``checkpoint.load``)."""
+    data_dir = Path(config.data_dir)
+    record = read_record(data_dir)
+    if record is None:
+        return
+    mismatch = SiteIdentity.of(config).first_mismatch(record.identity)
+    if mismatch is not None:
+        raise ConfigError(mismatch_message(data_dir, *mismatch))

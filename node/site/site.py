@@ -1,10 +1,12 @@
 """One site's daemon put together: job, trainer thread, network node, checkpoints, shutdown.
 
 Files under ``data_dir`` (all written atomically):
-``checkpoint.pt`` (every N steps and at shutdown), ``initial.pt`` (the model
-before the first step, for consensus studies), ``node.json`` (address, ports,
-pid, for tools), ``history.jsonl`` (one line per evaluation) and
-``summary.json`` (written when training ends and again at exit).
+``checkpoint.pt`` (every N steps and at shutdown), ``checkpoint.json`` (written after
+each ``checkpoint.pt``: its node_id, mesh_id, gossip protocol, job, model fingerprint and
+step, which ``gossipd node`` compares with the config before torch loads),
+``initial.pt`` (the model before the first step, for consensus studies),
+``node.json`` (address, ports, pid, for tools), ``history.jsonl`` (one line per
+evaluation) and ``summary.json`` (written when training ends and again at exit).
 
 A data_dir that cannot be written stops the daemon only at start-up (one line,
 exit code 2). Later, a failed write (disk full, read-only remount, I/O error)
@@ -30,6 +32,7 @@ from gossipd.node.net.mqtt import MqttAgent
 from gossipd.node.net.network import Network
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.statefiles import FailureStreak, write_json
+from gossipd.node.site.checkpoint_record import SiteIdentity
 from gossipd.node.site.checkpoints import SiteCheckpoints
 from gossipd.node.site.controls import SiteControls, start_mqtt
 from gossipd.node.site.progress_log import ProgressLog
@@ -92,7 +95,7 @@ class Site:
         self._stop_from_thread: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.checkpoints = SiteCheckpoints(
             self.data_dir,
-            config.node_id,
+            SiteIdentity.of(config),
             replica=self.replica,
             optimizer=self.job.optimizer,
             metrics=self.metrics,

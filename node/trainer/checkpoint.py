@@ -30,6 +30,10 @@ from gossipd.node.trainer.replica import Replica
 # only; 1: sum-weights only. 1 and 2 are still read (see _status_of_older_format).
 FORMAT = 3
 FILENAME = "checkpoint.pt"
+_START_ANEW = (
+    "to start anew, point data_dir at a fresh directory or move checkpoint.pt and "
+    "checkpoint.json out of it"
+)
 
 
 @dataclass
@@ -173,13 +177,20 @@ def load(path: Path, *, fingerprint: str) -> Checkpoint:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from None
+        # torch's unpickling errors run to several lines of advice for another case.
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {why}; put back a good copy, or {_START_ANEW}"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") not in (1, 2, FORMAT):
-        raise CheckpointError(f"{path} is not a gossipd checkpoint of format 1 to {FORMAT}")
+        raise CheckpointError(
+            f"{path} is not a gossipd checkpoint of format 1 to {FORMAT}; {_START_ANEW}"
+        )
     if payload["fingerprint"] != fingerprint:
         raise CheckpointError(
-            f"checkpoint {path} is for model {payload['fingerprint']}, this job builds "
-            f"{fingerprint}; point data_dir elsewhere or delete the checkpoint"
+            f"checkpoint {path} is for model {payload['fingerprint']}, but this job builds "
+            f"{fingerprint} (job.name or job.options changed since it was written); set them "
+            f"back to resume it, or {_START_ANEW}"
         )
     if payload["format"] == FORMAT:
         core, weights = payload["core"], [float(w) for w in payload["weights"]]
