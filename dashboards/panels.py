@@ -299,6 +299,15 @@ HEALTH = Row(
             unit="s",
         ),
         Panel(
+            "Weight a restart cost the mesh",
+            "Sum-weight per segment that each node's last restart from its checkpoint cost the "
+            "mesh: what its previous incarnation held that the checkpoint lacked, read from its "
+            "peers' accounts after the restart (negative: weight added; 0 for a node that did "
+            "not resume). The mesh's total stays off by this much; checkpoint more often "
+            "(checkpoint.every_steps) to lose less.",
+            [Query(per_node("gossipd_restart_weight_lost"))],
+        ),
+        Panel(
             "Checkpoint failures (since start)",
             "Checkpoint writes that failed (disk full, read-only, I/O error) since the process "
             "started; the previous checkpoint stays and training goes on.",

@@ -89,7 +89,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ..., bulk_sealed: _Optional[bool] = ...) -> None: ...
 
 class PushOpen(_message.Message):
-    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token")
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token", "receiver_incarnation")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class PushOpen(_message.Message):
     SEQUENCE_BASE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     BULK_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     sender: str
     fingerprint: str
@@ -110,7 +111,8 @@ class PushOpen(_message.Message):
     sequence_base: int
     deadline_s: float
     bulk_token: bytes
-    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ..., bulk_token: _Optional[bytes] = ...) -> None: ...
+    receiver_incarnation: int
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ..., bulk_token: _Optional[bytes] = ..., receiver_incarnation: _Optional[int] = ...) -> None: ...
 
 class PushEnd(_message.Message):
     __slots__ = ()
@@ -356,15 +358,17 @@ class CrashAudit(_message.Message):
     def __init__(self, resumed: _Optional[bool] = ..., done: _Optional[bool] = ..., weight_lost: _Optional[float] = ..., merged_after: _Optional[float] = ..., sent_after: _Optional[float] = ..., peers_answered: _Optional[int] = ..., peers_asked: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class PeerMass(_message.Message):
-    __slots__ = ("node_id", "sent", "received", "sent_before", "received_before")
+    __slots__ = ("node_id", "sent", "received", "sent_before", "received_before", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SENT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     sent: float
     received: float
     sent_before: float
     received_before: float
-    def __init__(self, node_id: _Optional[str] = ..., sent: _Optional[float] = ..., received: _Optional[float] = ..., sent_before: _Optional[float] = ..., received_before: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., sent: _Optional[float] = ..., received: _Optional[float] = ..., sent_before: _Optional[float] = ..., received_before: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...

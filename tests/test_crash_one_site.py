@@ -11,11 +11,17 @@ The bound checked here (``protocols/ledger.py``): Σw changes by minus what the 
 site merged after its checkpoint plus what it sent that its peers merged after it.
 Both are read from the peers' own per-peer accounts of the crashed site's previous
 incarnation (``exchanged``, ``*_before``) against the same accounts in its checkpoint,
-so the test does not need to catch the instant of the kill.
+so the test does not need to catch the instant of the kill. The restarted site reads
+the same accounts from its peers (``node/net/restart_audit.py``): the figure it logs
+and reports must be the change the mesh's Σw really shows.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,7 @@ from gossipd.node.protocols import PROTOCOLS, keeps_weights
 from gossipd.node.protocols.base import PeerMass
 from gossipd.node.trainer import checkpoint
 from tests.conftest import (
+    DaemonHandle,
     kill_hard,
     restart_daemon,
     start_mesh,
@@ -84,6 +91,10 @@ def test_kill_9_and_restart_of_one_site_costs_at_most_what_its_checkpoint_lacks(
         wait_counters_grow(handles, ("pushes_acked", "pushes_merged"), 20, "gossip after", 180)
         survivors = [status_of(h) for h in (a, b)]
         bound = crash_bound("c", saved, survivors)
+        wait_until(lambda: c.status()["crash"]["done"], "c's restart audit", 150)
+        audit = c.status()["crash"]
+        # The operator's one command, once (it reads what every protocol reports alike).
+        mesh = mesh_view(a) if protocol == "sumweight" else None
         inconsistencies = {h.node_id: status_of(h)["mass_inconsistencies"] for h in handles}
         weights = stop_in_turn(handles)
     finally:
@@ -95,3 +106,32 @@ def test_kill_9_and_restart_of_one_site_costs_at_most_what_its_checkpoint_lacks(
         f"Σw = {total} after one crash, more than {bound} from {len(NODES) * segments}: "
         f"{weights}, survivors' accounts of c: {[s['exchanged'] for s in survivors]}"
     )
+    assert (audit["peers_answered"], audit["peers_asked"]) == (2, 2), audit
+    assert audit["checkpoint_step"] == saved.step, (audit, saved.step)
+    lost = len(NODES) - total / segments
+    assert abs(audit["weight_lost"] - lost) <= TOLERANCE, (
+        f"c reported a restart cost of {audit['weight_lost']}, the mesh lost {lost}: {audit}"
+    )
+    said = "restart audit: resuming from the checkpoint of step"
+    assert said in c.log(), c.log()[-3000:]
+    if mesh is not None:
+        # Nothing changes Σw after the restart: the bracket read mid-gossip holds the end's.
+        per_segment = total / segments
+        assert mesh["sum_weight_low"] - TOLERANCE <= per_segment <= mesh["sum_weight"] + TOLERANCE
+        rows = {r["node_id"]: r for r in mesh["sites"]}
+        assert sorted(rows) == NODES and not mesh["unreachable"], mesh
+        assert rows["c"]["crash"]["weight_lost"] == audit["weight_lost"]
+        assert all(math.isfinite(r["distance"]) for r in rows.values()), rows
+
+
+def mesh_view(entry: DaemonHandle) -> dict[str, Any]:
+    """`gossipd status --mesh --json` against one site, as an operator runs it."""
+    command = ["status", "--mesh", "--json", "--address", entry.address]
+    out = subprocess.run(
+        [sys.executable, "-m", "gossipd.node.cli", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

@@ -140,6 +140,13 @@ def test_demo_says_what_starts_before_any_node_steps_then_a_header_then_json_las
         alone = result["local_only"]["nodes"][i]["test_accuracy"]
         gossip = result["nodes"][i]["test_accuracy"]
         assert table[i].split() == [name, f"{alone:.4f}", f"{gossip:.4f}"], text
+    # Then the weakest site with gossip, and why: its share of the weight, its steps, its data.
+    weakest = min(result["nodes"], key=lambda n: n["test_accuracy"])
+    assert table[DEMO_NODES].startswith(f"weakest site: {weakest['node_id']}, "), text
+    share = weakest["sum_weight"] / result["sum_weight_end"]
+    assert f"it held {share:.1%} of the mesh's sum-weight at the end" in table[DEMO_NODES]
+    assert f"it took {weakest['steps']} steps against the others' median" in table[DEMO_NODES]
+    assert table[DEMO_NODES].endswith("only some of the classes (partition=by_label)"), text
 
 
 def _shares() -> list[float]:

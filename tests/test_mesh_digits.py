@@ -24,7 +24,8 @@ NODES = 3
 STEPS = 1000
 
 
-def forked_mesh(tmp_path: Path, protocol: str, plot: Path) -> dict[str, Any]:
+def forked_mesh(tmp_path: Path, protocol: str, plot: Path) -> tuple[dict[str, Any], str]:
+    """The run's result, and what `mesh up` printed while it ran."""
     # 1,000 digits steps are under a second of training: a share of so short a run buys
     # too few pushes for consensus to fall 10x (the README's "CPU budget for gossip" says
     # so; at 0.1 a loaded CI run of sumweight fell 9.5x). The protocols are what this
@@ -40,7 +41,8 @@ def forked_mesh(tmp_path: Path, protocol: str, plot: Path) -> dict[str, Any]:
         plot_path=plot,
         quiet=True,
     )
-    return run_mesh(spec, io.StringIO(), fork_node)
+    progress = io.StringIO()
+    return run_mesh(spec, progress, fork_node), progress.getvalue()
 
 
 @pytest.mark.timeout(480)
@@ -49,7 +51,9 @@ def test_three_process_digits_mesh_reaches_90_percent_and_consensus_falls_10x(
     tmp_path: Path, protocol: str
 ) -> None:
     plot = tmp_path / "mesh.png"
-    check(forked_mesh(tmp_path, protocol, plot), tmp_path, protocol, plot)
+    result, printed = forked_mesh(tmp_path, protocol, plot)
+    check(result, tmp_path, protocol, plot)
+    check_words(result, printed, tmp_path, protocol)
 
 
 def check(result: dict[str, Any], tmp_path: Path, protocol: str, plot: Path) -> None:
@@ -74,3 +78,26 @@ def check(result: dict[str, Any], tmp_path: Path, protocol: str, plot: Path) -> 
         node_dir = tmp_path / "mesh" / f"node-{i}"
         assert (node_dir / "checkpoint.pt").exists()
         assert (node_dir / "history.jsonl").read_text().strip()
+
+
+def check_words(result: dict[str, Any], printed: str, tmp_path: Path, protocol: str) -> None:
+    """What `mesh up` and each daemon's progress line say is the protocol's own doing: a
+    pulling one's pulls and waits, never pushes it does not make."""
+    lines = printed.splitlines()
+    header = next(line.split() for line in lines if line.split()[:1] == ["time_s"])
+    progress = [
+        line
+        for i in range(NODES)
+        for line in (tmp_path / "mesh" / f"node-{i}" / "node.log").read_text().splitlines()
+        if " progress: step " in line
+    ]
+    assert progress, "no daemon logged a progress line"
+    if keeps_weights(protocol):
+        assert header[-2:] == ["mean_loss", "consensus"], header
+        assert all("pushes acknowledged" in line for line in progress), progress
+        return
+    assert f"gossipd: {protocol}: each node averages with models it pulls; each schedules " \
+        "its pulls itself (decentralized" in printed  # fmt: skip
+    assert header[-2:] == ["pulls", "waiting"], header
+    assert all("pulls merged" in line and "push" not in line for line in progress), progress
+    assert all(n["pulls"]["merged"] > 0 for n in result["nodes"]), result["nodes"]

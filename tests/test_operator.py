@@ -138,6 +138,8 @@ def test_status_prints_a_table_and_json_on_request(site: DaemonHandle, pki: Pki)
     assert table.returncode == 0, (table.stdout, table.stderr)
     assert re.search(r"^node\s+site \(mesh test-mesh, sumweight\)$", table.stdout, re.M)
     assert re.search(r"^sum-weight\s+1 \(all \d+ segments\)$", table.stdout, re.M)
+    assert re.search(r"^pushes\s+\d+ acknowledged, ", table.stdout, re.M), table.stdout
+    assert re.search(r"^test\s+(– \(no evaluation yet\)|\w+ [\d.]+)", table.stdout, re.M)
     assert "{" not in table.stdout and "[" not in table.stdout, table.stdout  # no reprs
     as_json = subprocess.run(
         [sys.executable, "-m", "gossipd.node.cli", *argv, "--json"],

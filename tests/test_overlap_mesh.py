@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
+from gossipd.node.net.status import render_status
 from tests.conftest import wait_until
 from tests.forked import fork_node
 
@@ -56,11 +58,18 @@ def _train_without_then_with_the_coordinator(mesh: LocalMesh) -> None:
         "every node training with no coordinator, found through its seeds",
     )
     mesh.start_coordinator()
-    _wait_statuses(
+    scheduled = _wait_statuses(
         mesh,
         lambda ss: all(s["scheduling"] == "coordinator" and s["step"] > 0 for s in ss),
         "every node training with pulls scheduled by the coordinator",
     )
+    # `gossipd status` says so in the protocol's terms: pulls and who schedules, no pushes.
+    table = render_status(scheduled[0])
+    assert re.search(r"^scheduling\s+coordinator; [1-9]\d* periods from the coordinator, "
+                     r"[1-9]\d* scheduled alone", table, re.M), table  # fmt: skip
+    assert re.search(r"^pulls\s+[1-9]\d* merged, ", table, re.M), table
+    assert re.search(r"^waits\s+[\d.]+ s for pulls", table, re.M), table
+    assert "acknowledged" not in table, table
 
 
 def _train_on_while_the_coordinator_is_dead(mesh: LocalMesh) -> None:

@@ -45,8 +45,15 @@ def test_two_sites_of_two_ranks_learn_digits_and_ranks_agree_bit_for_bit(tmp_pat
         nodes=2, job="digits", protocol="sumweight", insecure=True, duration_s=0,
         max_steps=600, ranks=2, eval_every_steps=100, quiet=True, cpu_share=0.1,
     )  # fmt: skip
-    result = run_mesh_in(spec, tmp_path, io.StringIO())
+    printed = io.StringIO()
+    result = run_mesh_in(spec, tmp_path, printed)
     assert result["ok"], result["exit_codes"]
+    # `mesh up` and each site's progress line say that a site has ranks, and how many.
+    assert "starting 2 nodes of 2 ranks each" in printed.getvalue(), printed.getvalue()
+    assert "each node is a site of 2 processes" in printed.getvalue(), printed.getvalue()
+    for i in range(2):
+        log = (tmp_path / f"node-{i}" / "node.log").read_text()
+        assert re.search(r"progress: step \d+ on 2 ranks, ", log), log[-3000:]
     for i, node in enumerate(result["nodes"]):
         ranks = node["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]

@@ -15,8 +15,10 @@ def add_query_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     """The ``status`` and ``health`` subcommands."""
     p = sub.add_parser(
         "status",
-        help="ask a running node what it is doing",
-        description="Ask a running node for its step, loss, weights, peers and push counters.",
+        help="ask a running node (or, with --mesh, every site it knows) what it is doing",
+        description="Ask a running node for its step, loss, weights, peers and push counters; "
+        "with --mesh, ask every site that node knows at once: the mesh's sum-weight, who holds "
+        "it, how far each model is from the mean, and what a restart cost.",
     )
     p.add_argument(
         "--address", required=True, help="HOST:PORT of the node's gRPC server (required)"
@@ -26,6 +28,12 @@ def add_query_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         type=float,
         default=5.0,
         help="seconds to wait for the reply (default: %(default)s)",
+    )
+    p.add_argument(
+        "--mesh",
+        action="store_true",
+        help="every site the node knows, asked at once, with the mesh's sums (default: the "
+        "node alone)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     _add_client_tls_args(p)
@@ -80,6 +88,12 @@ def _client_tls(args: argparse.Namespace) -> object:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.mesh:
+        from gossipd.node.net.mesh_status import query_mesh, render_mesh
+
+        mesh = asyncio.run(query_mesh(args.address, args.timeout_s, tls=_client_tls(args)))
+        print(json.dumps(mesh) if args.json else render_mesh(mesh))
+        return 0
     from gossipd.node.net.status import query_status, render_status
 
     # One call by a person or a script: worth the model copy a fresh checksum costs.

@@ -14,7 +14,9 @@ each hands its weight to a peer only when stopped, after its final evaluation.
 
 from __future__ import annotations
 
+import math
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +34,11 @@ DEMO_JOB_OPTIONS: dict[str, dict[str, Any]] = {"digits": {"partition": "by_label
 # they mixed to a median test accuracy of 0.73 where 0.975 is reachable, as a
 # budget of wall-clock CPU pays for few pushes per step of so cheap a model.
 DEMO_CPU_SHARE = 0.1
+# What a job's ``partition`` option says of each site's data, where the demo knows it.
+PARTITION_SKEW = {
+    "by_label": "its data holds only some of the classes (partition=by_label)",
+    "iid": "its data is an even share of every class, as every site's (partition=iid)",
+}
 LOCAL_ONLY_DIR = "local-only"
 GOSSIP_DIR = "gossip"
 
@@ -110,6 +117,9 @@ def print_demo(result: dict[str, Any], file: TextIO) -> None:
     for n in result["nodes"]:
         name, acc = n["node_id"], n.get("test_accuracy", float("nan"))
         print(f"{name:<10}{alone.get(name, float('nan')):>16.4f}{acc:>14.4f}", file=file)
+    weakest = weakest_site(result)
+    if weakest:
+        print(weakest, file=file)
     options = ", ".join(f"{k}={v}" for k, v in result["job_options"].items()) or "none"
     print(
         f"job {result['job']} (options: {options}); both runs {result['demo_wall_s']:.0f} s",
@@ -117,3 +127,39 @@ def print_demo(result: dict[str, Any], file: TextIO) -> None:
     )
     if "plot" in result:
         print(f"plot: {result['plot']}", file=file)
+
+
+def weakest_site(result: dict[str, Any]) -> str | None:
+    """The gossip run's site with the lowest final test accuracy, and what set it apart:
+    its share of the mesh's sum-weight at the end (or, for a protocol without weights, its
+    pulls merged), its steps against the others' median, its data's skew where the job
+    options say. None without two sites that evaluated."""
+    nodes = [n for n in result["nodes"] if not math.isnan(n.get("test_accuracy", math.nan))]
+    if len(nodes) < 2:
+        return None
+    weakest = min(nodes, key=lambda n: n["test_accuracy"])
+    others = [n for n in nodes if n is not weakest]
+    reasons = []
+    total = result["sum_weight_end"]
+    if weakest.get("sum_weight") is not None and total:
+        reasons.append(
+            f"it held {weakest['sum_weight'] / total:.1%} of the mesh's sum-weight at the end "
+            f"(an equal share is {1 / len(result['nodes']):.0%})"
+        )
+    elif weakest.get("pulls"):
+        merged = [(n.get("pulls") or {}).get("merged", 0) for n in others]
+        reasons.append(
+            f"it merged {weakest['pulls'].get('merged', 0)} pulls against the others' median "
+            f"{statistics.median(merged):.0f}, waiting {weakest['wait_fraction'] or 0.0:.1%} "
+            "of the time"
+        )
+    steps = statistics.median(n["steps"] for n in others)
+    reasons.append(f"it took {weakest['steps']} steps against the others' median {steps:.0f}")
+    partition = result.get("job_options", {}).get("partition")
+    if partition is not None:
+        reasons.append(PARTITION_SKEW.get(str(partition), f"its data: partition={partition}"))
+    accuracy = statistics.median(n["test_accuracy"] for n in others)
+    return (
+        f"weakest site: {weakest['node_id']}, test accuracy {weakest['test_accuracy']:.4f} "
+        f"against the others' median {accuracy:.4f}: " + "; ".join(reasons)
+    )

@@ -99,6 +99,8 @@ async def _start(mesh: LocalMesh, display: MeshProgress) -> list[checkpoint.Chec
     node's model and weights before its first step."""
     if mesh.spec.coordinator:
         mesh.start_coordinator()
+        assert mesh.coordinator_address is not None  # set with spec.coordinator
+        display.coordinator_started(mesh.coordinator_address, mesh.coordinator_log)
     for i in range(mesh.spec.nodes):
         mesh.start(i)
     watcher = asyncio.create_task(display.watch_start([mesh.node_dir(i) for i in mesh.procs]))
@@ -161,6 +163,10 @@ def _node_entry(mesh: LocalMesh, index: int, state: dict[str, Any]) -> dict[str,
         "wait_fraction": summary.get("wait_fraction", state["wait_fraction"]),
         "wait_s": summary.get("wait_s", state["wait_s"]),
         "scheduling": state["scheduling"],
+        # Its mean segment sum-weight as it settled (None: a protocol without weights), and
+        # a pulling protocol's pulls by outcome: what the demo's summary explains a site by.
+        "sum_weight": _mean(state["sum_weights"]),
+        "pulls": state["pulls"],
     }
     entry.update({k: v for k, v in summary.items() if k.startswith("test_")})
     if mesh.spec.ranks > 1:
@@ -230,13 +236,24 @@ def run_mesh_in(
 
 
 def print_table(result: dict[str, Any], file: TextIO) -> None:
+    """One row per node (steps, loss, test metrics; a pulling protocol's pulls, waits and
+    scheduler too), then what the mesh did as a whole."""
     keys = sorted({k for n in result["nodes"] for k in n if k.startswith("test_")})
+    pulling = any(n.get("pulls") for n in result["nodes"])
     header = f"{'node':<10}{'steps':>8}{'loss':>10}" + "".join(f"{k:>16}" for k in keys)
+    if pulling:
+        header += f"{'pulls':>8}{'failed':>8}{'waiting':>9}  scheduling"
     print(header, file=file)
     for n in result["nodes"]:
         row = f"{n['node_id']:<10}{n['steps']:>8}{n['loss']:>10.4f}"
         row += "".join(f"{n.get(k, float('nan')):>16.4f}" for k in keys)
+        if pulling:
+            pulls = n.get("pulls") or {}
+            row += f"{pulls.get('merged', 0):>8}{pulls.get('failed', 0):>8}"
+            row += f"{n['wait_fraction'] or 0.0:>9.1%}  {n['scheduling'] or '–'}"
         print(row, file=file)
+    if result["coordinator"]:
+        print(f"a local coordinator ran on {result['coordinator']}", file=file)
     start, end = result["sum_weight_start"], result["sum_weight_end"]
     weights = (
         f"sum of weights {start:.6f} -> {end:.6f}"
@@ -252,6 +269,10 @@ def print_table(result: dict[str, Any], file: TextIO) -> None:
     )
     if "plot" in result:
         print(f"plot: {result['plot']}", file=file)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _mean_weight_sum(per_node: Iterable[Sequence[float]]) -> float | None:

@@ -95,11 +95,16 @@ class LocalMesh:
     def node_dir(self, index: int) -> Path:
         return self.root / f"node-{index}"
 
+    @property
+    def coordinator_log(self) -> Path:
+        return self.root / COORDINATOR_ID / "coordinator.log"
+
     def start_coordinator(self) -> None:
         """The local coordinator (``spec.coordinator``); started again after a kill, it
         reloads what it learned from its data dir."""
-        log_path = self.root / COORDINATOR_ID / "coordinator.log"
-        self.coordinator = self.spawn(self.coordinator_config, log_path, "coordinator", ())
+        self.coordinator = self.spawn(
+            self.coordinator_config, self.coordinator_log, "coordinator", ()
+        )
 
     def kill_coordinator(self) -> None:
         """SIGKILL, as a crash would."""

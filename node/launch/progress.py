@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from gossipd.node.protocols import keeps_weights
+
 # A node's start-up (import torch, build the job, listen) costs about this much
 # CPU on the 2-core VM the README's numbers come from; nodes start in parallel.
 # Only for the estimate in the first lines: a loaded machine takes longer.
@@ -55,6 +57,9 @@ class MeshProgress:
         self.ready_s: float | None = None
         self.listening: set[str] = set()
         self.last: tuple[float, list[dict[str, Any]]] | None = None
+        # A protocol without sum-weights averages with pulled models: its nodes' statuses
+        # count pulls by outcome, and the tables show those and the waits, not pushes.
+        self.pulling = not keeps_weights(spec.protocol)
 
     def __enter__(self) -> MeshProgress:
         return self
@@ -77,10 +82,13 @@ class MeshProgress:
         length = (
             f"{spec.duration_s:g} s of training" if spec.duration_s else f"{spec.max_steps} steps"
         )
+        ranks = f" of {spec.ranks} ranks each" if spec.ranks > 1 else ""
         self._line(
-            f"gossipd: starting {spec.nodes} nodes on loopback (job {spec.job}, protocol "
+            f"gossipd: starting {spec.nodes} nodes{ranks} on loopback (job {spec.job}, protocol "
             f"{spec.protocol}, {length})"
         )
+        for line in self._what_runs():
+            self._line(f"gossipd: {line}")
         security = "plaintext gRPC (--insecure)" if spec.insecure else "mutual TLS, throwaway CA"
         kept = "kept" if spec.workdir is not None else "removed at the end"
         self._line(f"gossipd: {security}; configs, logs and node state in {self.root} ({kept})")
@@ -93,6 +101,35 @@ class MeshProgress:
         if self.live is not None:
             self.live.start()
             self.live.update(self._startup_table())
+
+    def _what_runs(self) -> list[str]:
+        """Beside the nodes: how the protocol exchanges models, who schedules its pulls,
+        what a site of several ranks is."""
+        spec, lines = self.spec, []
+        if self.pulling:
+            who = (
+                "a local coordinator schedules the pulls (a node that cannot reach it "
+                "schedules alone)"
+                if spec.coordinator
+                else "each schedules its pulls itself (decentralized; --coordinator local "
+                "starts a coordinator)"
+            )
+            lines.append(f"{spec.protocol}: each node averages with models it pulls; {who}")
+        elif spec.coordinator:
+            lines.append(
+                f"a local coordinator runs too, but {spec.protocol} pushes and never asks it "
+                "(only a protocol that pulls does)"
+            )
+        if spec.ranks > 1:
+            lines.append(
+                f"each node is a site of {spec.ranks} processes: every rank trains on its "
+                "slice of the site's shard, the ranks all-reduce gradients, rank 0 gossips"
+            )
+        return lines
+
+    def coordinator_started(self, address: str, log_path: Path) -> None:
+        """The local coordinator's process exists: where it listens and logs."""
+        self._line(f"[{self.elapsed_s():6.1f}s] coordinator started on {address} (log: {log_path})")
 
     async def watch_start(self, node_dirs: list[Path]) -> None:
         """Say when each node listens (its ``node.json`` appears); cancelled once all are ready.
@@ -137,16 +174,22 @@ class MeshProgress:
         )
         if self.live is not None:
             return
+        pulls = (
+            ", pulls merged by all nodes, their mean share of time waiting for pulls"
+            if self.pulling
+            else ""
+        )
         self._line(
             "columns: seconds since start, steps done by each node, their mean training loss, "
-            "consensus distance max‖xᵢ−x̄‖/‖x̄‖"
+            f"consensus distance max‖xᵢ−x̄‖/‖x̄‖{pulls}"
         )
         nodes = (
             f"{'steps_min':>10}{'steps_med':>10}{'steps_max':>10}"
             if self.spec.nodes > STEP_COLUMNS_MAX
             else "".join(f"{f'node-{i}':>10}" for i in range(self.spec.nodes))
         )
-        self._line(f"{'time_s':>8}{nodes}{'mean_loss':>12}{'consensus':>12}")
+        pulls = f"{'pulls':>8}{'waiting':>9}" if self.pulling else ""
+        self._line(f"{'time_s':>8}{nodes}{'mean_loss':>12}{'consensus':>12}{pulls}")
 
     def sample(self, t: float, states: list[dict[str, Any]], distance: float) -> None:
         if self.live is not None:
@@ -162,14 +205,21 @@ class MeshProgress:
         losses = [s["loss"] for s in states if s["step"] > 0]  # no loss before a first step
         loss = sum(losses) / len(losses) if losses else float("nan")
         row = "".join(f"{c:>10}" for c in cells)
-        self._line(f"{t:>8.1f}{row}{loss:>12.4f}{distance:>12.2e}")
+        if self.pulling:
+            merged = sum(s["pulls"].get("merged", 0) for s in states)
+            waiting = sum(s["wait_fraction"] for s in states) / len(states)
+            row_end = f"{merged:>8}{waiting:>9.1%}"
+        else:
+            row_end = ""
+        self._line(f"{t:>8.1f}{row}{loss:>12.4f}{distance:>12.2e}{row_end}")
 
     def training_done(self) -> None:
         if self.live is not None and self.live.is_started:
             self.live.stop()
+        exchanges = "pulls" if self.pulling else "pushes"
         self._line(
-            f"[{self.elapsed_s():6.1f}s] all nodes stopped training; settling pushes in flight "
-            "and pulling the final models"
+            f"[{self.elapsed_s():6.1f}s] all nodes stopped training; settling {exchanges} in "
+            "flight and pulling the final models"
         )
 
     def _startup_table(self) -> Table:
@@ -184,11 +234,13 @@ class MeshProgress:
 
     def _table(self, t: float, states: list[dict[str, Any]], distance: float) -> Table:
         spec = self.spec
+        ranks = f" × {spec.ranks} ranks" if spec.ranks > 1 else ""
         table = Table(
-            title=f"gossipd · {spec.protocol} · {spec.nodes} nodes · {spec.job}",
+            title=f"gossipd · {spec.protocol} · {spec.nodes} nodes{ranks} · {spec.job}",
             title_justify="left",
         )
-        for name in ("node", "step", "steps/s", "loss", "round", "live peers"):
+        exchange = ("pulls", "waiting", "scheduling") if self.pulling else ("pushes",)
+        for name in ("node", "step", "steps/s", "loss", "round", *exchange, "live peers"):
             table.add_column(name, justify="left" if name == "node" else "right")
         previous = {s["node_id"]: s["step"] for s in self.last[1]} if self.last else {}
         interval = max(1e-9, t - self.last[0]) if self.last else 0.0
@@ -200,6 +252,7 @@ class MeshProgress:
                 f"{rate:.0f}",
                 f"{s['loss']:.4f}" if s["step"] else "–",
                 str(s.get("round", "")),
+                *self._exchange_cells(s),
                 f"{len(s['live_peers'])}/{len(states) - 1}",
             )
         trained = t - (self.ready_s or 0.0)
@@ -209,3 +262,13 @@ class MeshProgress:
             f" (start {self.distance_start or 0:.2e})"
         )
         return table
+
+    def _exchange_cells(self, status: dict[str, Any]) -> tuple[str, ...]:
+        """A node's exchanges in its protocol's terms: pushes its peers acknowledged, or its
+        pulls merged (and failed), its share of time waiting for them and who schedules."""
+        if not self.pulling:
+            return (str(status["pushes_acked"]),)
+        pulls = status["pulls"]
+        failed = pulls.get("failed", 0)
+        merged = f"{pulls.get('merged', 0)}" + (f" ({failed} failed)" if failed else "")
+        return merged, f"{status['wait_fraction']:.1%}", status["scheduling"] or "–"

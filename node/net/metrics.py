@@ -208,6 +208,19 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "gossipd_checkpoint_last_success_timestamp_seconds",
         "Unix time of the newest checkpoint.pt on disk (0: none yet); alert on its age",
     ),
+    gauge(
+        "restart_weight_lost",
+        "gossipd_restart_weight_lost",
+        "Sum-weight per segment this incarnation's restart cost the mesh: what the previous "
+        "incarnation held that its checkpoint lacked, from the peers' accounts (negative: "
+        "weight added; 0 until the audit ends or when the site did not resume)",
+    ),
+    gauge(
+        "restart_audit_peers",
+        "gossipd_restart_audit_peers",
+        "Peers whose accounts the restart audit read (answered) or needed (asked)",
+        ("state",),
+    ),
     histogram(
         "checkpoint_seconds",
         "gossipd_checkpoint_write_seconds",

@@ -22,6 +22,7 @@ from gossipd.node.errors import (
     ConfigError,
     GossipdError,
     Leaving,
+    UnknownPeer,
 )
 from gossipd.node.net.bulk import BulkServer
 from gossipd.node.net.channels import PeerChannels
@@ -371,6 +372,15 @@ class Network:
 
     def check_sender(self, sender: str, incarnation: int) -> None:
         self.health.check_sender(sender, incarnation)
+
+    def check_addressed(self, sender: str, sequence: int, incarnation: int) -> None:
+        """Refuse a push addressed to another incarnation of this node (0: to any)."""
+        if incarnation not in (0, self.incarnation):
+            raise UnknownPeer(
+                f"push {sender!r}#{sequence} is addressed to incarnation {incarnation} of "
+                f"{self.node_id}, which restarted as {self.incarnation}: the sender must verify "
+                "this incarnation first (usual for a moment after a restart; the push is retried)"
+            )
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from gossipd.node.net.channels import PeerChannels
     from gossipd.node.net.health import PeerHealth
+    from gossipd.node.net.membership import PeerState
     from gossipd.node.net.metrics import NodeMetrics
     from gossipd.node.net.tasks import LoopTasks
     from gossipd.node.shared.config import GossipConfig
@@ -210,7 +211,7 @@ class Outbound:
                     f"#{out.push.sequence}; last attempt: {tries.last_error}",
                     exact=not tries.uncertain,
                 )
-            settled = await self._attempt(out, state.address, kind, nbytes, tries)
+            settled = await self._attempt(out, state, kind, nbytes, tries)
             if settled is not None:
                 return settled
             self.metrics.messages.labels("sent", kind, "retry").inc()
@@ -222,17 +223,22 @@ class Outbound:
             delay_s = min(delay_s * 2, gossip.retry_max_s)
 
     async def _attempt(
-        self, out: OutboundPush, address: str, kind: str, nbytes: int, tries: _Tries
+        self, out: OutboundPush, state: PeerState, kind: str, nbytes: int, tries: _Tries
     ) -> Delivery | None:
         """One attempt at what is not yet acknowledged: the delivery that settles the
-        push, or None to retry (``tries`` records what this attempt established)."""
+        push, or None to retry (``tries`` records what this attempt established).
+
+        The push names the receiver's incarnation this node verified: a receiver that
+        restarted since refuses it until this node has verified the new one, so an
+        acknowledgement is never booked (``exchanged``) against the incarnation that
+        did not give it, which a restarted site's audit reads."""
         peer, gossip = out.push.peer, self.gossip
         remaining = sorted(set(out.push.weights) - {a.segment for a in tries.acked})
         never_sent = set(remaining) - tries.sent
         tries.sent |= never_sent
         try:
-            acks = await self.channels.client(address, peer).push(
-                out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining
+            acks = await self.channels.client(state.address, peer).push(
+                out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining, state.incarnation
             )
             self.metrics.messages.labels("sent", kind, "ok").inc()
             self.metrics.bytes.labels("sent", kind, "ok").inc(nbytes)

@@ -99,6 +99,7 @@ class PushReceiver:
         check_mesh(self.node.mesh_id, opened.mesh_id, f"sender {opened.sender!r}")
         check_fingerprint(self.node.fingerprint, opened.fingerprint, f"{opened.sender!r}")
         self.node.check_sender(opened.sender, opened.incarnation)
+        self.node.check_addressed(opened.sender, opened.sequence, opened.receiver_incarnation)
         if not 1 <= opened.sequence_base <= opened.sequence:
             raise InvalidFrame(
                 f"push {opened.sender!r}#{opened.sequence} names sequence_base "

@@ -68,14 +68,16 @@ class PushSender:
         segments: list[int],
         timeout_s: float,
         progressed: Callable[[], None],
+        addressed_to: int = 0,
     ) -> list[pb.PushReply | BaseException]:
         """Every stream's reply or failure: one stream failing must not hide what the
-        others merged, nor leave them running unobserved."""
+        others merged, nor leave them running unobserved. ``addressed_to``: the
+        receiver's incarnation this node verified (0: any)."""
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
 
         async def one(group: list[int]) -> pb.PushReply:
             async with asyncio.timeout(timeout_s):
-                return await self._on_stream(out, group, timeout_s, progressed)
+                return await self._on_stream(out, group, timeout_s, progressed, addressed_to)
 
         results = await asyncio.gather(*(one(g) for g in groups), return_exceptions=True)
         return [
@@ -93,6 +95,7 @@ class PushSender:
         group: list[int],
         timeout_s: float,
         progressed: Callable[[], None],
+        addressed_to: int,
     ) -> pb.PushReply:
         """``group`` of the push on one of this peer's long-lived streams, and its reply.
 
@@ -109,7 +112,7 @@ class PushSender:
                 nbytes = sum(out.snapshot[i].nbytes for i in group)
                 lane = await self.peer_lane.conn(nbytes, timeout_s)
             stream = self.pool.take(fresh)
-            frames = self.frames(out, group, timeout_s, lane, progressed)
+            frames = self.frames(out, group, timeout_s, lane, progressed, addressed_to)
             if small:
                 frames = batched(frames)
             feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
@@ -186,6 +189,7 @@ class PushSender:
         timeout_s: float,
         lane: BulkConn | None = None,
         progressed: Callable[[], None] = lambda: None,
+        addressed_to: int = 0,
     ) -> AsyncIterator[bytes]:
         """Serialized PushFrames: open, then per segment a header and its chunks.
 
@@ -214,6 +218,7 @@ class PushSender:
                 sequence_base=out.push.sequence_base,
                 deadline_s=timeout_s,
                 bulk_token=lane.token if lane is not None else b"",
+                receiver_incarnation=addressed_to,
             )
         ).SerializeToString()
         async with InOrder() as lane_writes:

@@ -47,6 +47,7 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
                 "received": m.received,
                 "sent_before": m.sent_before,
                 "received_before": m.received_before,
+                "incarnation": m.incarnation,
             }
             for m in reply.exchanged
         },
@@ -136,6 +137,62 @@ def _weights(values: list[float]) -> str:
     return " ".join(_number(v) for v in values)
 
 
+def _exchange_rows(status: dict[str, Any]) -> list[tuple[str, str]]:
+    """What this node's protocol exchanges, in its own terms: a pulling core (its ``pulls``
+    counted by outcome) keeps no sum-weights and pushes nothing, so it shows its pulls,
+    the trainer's waits for them and who schedules them instead of push counters."""
+    pulls = status["pulls"]
+    if not pulls:
+        return [
+            ("sum-weight", _weights(status["sum_weights"])),
+            ("reserved", _weights(status["reserved_weights"])),
+            (
+                "pushes",
+                f"{status['pushes_acked']} acknowledged, {status['pushes_failed']} failed, "
+                f"{status['pushes_merged']} merged here, {status['pushes_in_flight']} in flight",
+            ),
+            ("mass issues", str(status["mass_inconsistencies"])),
+        ]
+    skipped = pulls.get("skipped", 0)
+    scheduled = (
+        f"{pulls.get('coordinator', 0)} periods from the coordinator, "
+        f"{pulls.get('alone', 0)} scheduled alone"
+    )
+    if pulls.get("fallback", 0):
+        scheduled += f" ({pulls['fallback']} times the coordinator did not answer)"
+    return [
+        (
+            "pulls",
+            f"{pulls.get('merged', 0)} merged, {pulls.get('failed', 0)} failed "
+            f"({pulls.get('repicked', 0)} re-picked another peer), "
+            f"{skipped} period{'' if skipped == 1 else 's'} skipped (no peer free)",
+        ),
+        (
+            "waits",
+            f"{status['wait_s']:.1f} s for pulls at step boundaries "
+            f"({status['wait_fraction']:.1%} of training time)",
+        ),
+        ("scheduling", f"{status['scheduling'] or '– (no period yet)'}; {scheduled}"),
+    ]
+
+
+def _ranks_row(status: dict[str, Any]) -> list[tuple[str, str]]:
+    """A site of several processes says so: its step is each rank's, its data theirs."""
+    ranks = status["ranks"]
+    if ranks <= 1:
+        return []
+    return [("ranks", f"{ranks} processes train this site; rank 0 gossips for them")]
+
+
+def _evaluation(status: dict[str, Any]) -> str:
+    """The last evaluation's metrics (test accuracy among them) and the step it was at."""
+    metrics = status["eval"]
+    if not metrics:
+        return "– (no evaluation yet)"
+    values = ", ".join(f"{k} {_number(v)}" for k, v in sorted(metrics.items()))
+    return f"{values} (step {status['eval_step']})"
+
+
 def render_status(status: dict[str, Any]) -> str:
     """`gossipd status` for a person: the node's state, then one row per known peer."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(status["rejected"].items())) or "none"
@@ -143,17 +200,12 @@ def render_status(status: dict[str, Any]) -> str:
         ("node", f"{status['node_id']} (mesh {status['mesh_id']}, {status['protocol']})"),
         ("security", status["transport_security"] or "–"),
         ("step", f"{status['step']}" + (" (training done)" if status["training_done"] else "")),
+        *_ranks_row(status),
         ("loss", "– (no step yet)" if math.isnan(status["loss"]) else _number(status["loss"])),
+        ("test", _evaluation(status)),
         ("round", str(status["round"])),
-        ("sum-weight", _weights(status["sum_weights"])),
-        ("reserved", _weights(status["reserved_weights"])),
-        (
-            "pushes",
-            f"{status['pushes_acked']} acknowledged, {status['pushes_failed']} failed, "
-            f"{status['pushes_merged']} merged here, {status['pushes_in_flight']} in flight",
-        ),
+        *_exchange_rows(status),
         ("refused", rejected),
-        ("mass issues", str(status["mass_inconsistencies"])),
         ("fingerprint", status["fingerprint"]),
         ("checksum", status["params_checksum"] or "–"),
     ]

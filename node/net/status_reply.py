@@ -110,6 +110,10 @@ class StatusReplies:
             crash=self.crash,
         )
 
+    def set_crash(self, audit: pb.CrashAudit) -> None:
+        """What the restart audit found so far (:mod:`gossipd.node.net.restart_audit`)."""
+        self.crash = audit
+
     async def _checksum(self) -> str:
         return await self._from_copy(model_checksum)
 

@@ -190,8 +190,11 @@ class PeerClient:
         timeout_s: float,
         progress_timeout_s: float | None = None,
         segments: list[int] | None = None,
+        addressed_to: int = 0,
     ) -> list[Ack]:
         """One attempt: stream the snapshot (or ``segments`` of it), return the acks.
+        ``addressed_to``: the receiver's incarnation this node verified; another one
+        refuses the push (0: any).
 
         Raises :class:`OutcomeUnknown` when the receiver may have merged without us
         hearing of it, another :class:`GossipdError` when it refused. A hung peer
@@ -210,6 +213,7 @@ class PeerClient:
                     sorted(out.push.weights) if segments is None else segments,
                     timeout_s,
                     progressed,
+                    addressed_to,
                 )
         except TimeoutError:
             raise OutcomeUnknown(

@@ -345,12 +345,15 @@ EXTRA_PULLS = "pulls"
 class PeerMass:
     """Sum-weight this node committed to ``peer`` (``sent``: acknowledged) and merged from it
     (``received``), since ``peer``'s current incarnation was first seen; the ``*_before``
-    pair is what went to and came from its previous incarnation (it restarted)."""
+    pair is what went to and came from its previous incarnation (it restarted).
+    ``incarnation``: the one these accounts are of, once ``peer`` restarted (0: the first
+    this node saw); a restarted node's audit waits for its own here."""
 
     sent: float = 0.0
     received: float = 0.0
     sent_before: float = 0.0
     received_before: float = 0.0
+    incarnation: int = 0
 
 
 class GossipProtocol(ABC):

@@ -43,10 +43,12 @@ class ExchangedBook:
             mass, sent=mass.sent + sent, received=mass.received + received
         )
 
-    def restarted(self, peer: str) -> None:
-        """``peer`` came back as a new incarnation: what it exchanged so far is its past."""
+    def restarted(self, peer: str, incarnation: int) -> None:
+        """``peer`` came back as ``incarnation``: what it exchanged so far is its past."""
         before = self.by_peer.get(peer, PeerMass())
-        self.by_peer[peer] = PeerMass(sent_before=before.sent, received_before=before.received)
+        self.by_peer[peer] = PeerMass(
+            sent_before=before.sent, received_before=before.received, incarnation=incarnation
+        )
 
     def state(self) -> dict[str, dict[str, float]]:
         return {peer: dataclasses.asdict(m) for peer, m in self.by_peer.items()}

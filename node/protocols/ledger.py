@@ -278,7 +278,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         with its previous incarnation is kept apart from what follows."""
         self.windows.forget_sender(peer, incarnation)
         self.numberings.renumber(peer)
-        self.exchanged.restarted(peer)
+        self.exchanged.restarted(peer, incarnation)
 
     # -- receiving ----------------------------------------------------------------------
     def plan_receive(

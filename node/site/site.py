@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.mqtt import MqttAgent
 from gossipd.node.net.network import Network
+from gossipd.node.net.restart_audit import RestartAudit
+from gossipd.node.protocols.base import PeerMass
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.statefiles import FailureStreak, write_json
 from gossipd.node.site.checkpoint_record import SiteIdentity
@@ -226,7 +229,10 @@ class Site:
         it runs, every way out goes through :meth:`shutdown`.
         """
         self.checkpoints.restore()
+        accounts = self.replica.summary.exchanged  # the checkpoint's, before any exchange
         await self.network.start()
+        if self.checkpoints.resumed_from is not None:
+            self.network.tasks.spawn(self._audit_restart(accounts), "restart-audit")
         progress = self._progress()
         try:
             try:
@@ -253,12 +259,31 @@ class Site:
                 progress.cancel()
             await self.shutdown()
 
+    async def _audit_restart(self, accounts: Mapping[str, PeerMass]) -> None:
+        """Learn from the peers what resuming from the checkpoint cost the mesh."""
+        assert self.checkpoints.resumed_from is not None
+        audit = RestartAudit(
+            node_id=self.config.node_id,
+            incarnation=self.network.incarnation,
+            checkpoint_step=self.checkpoints.resumed_from,
+            segments=len(self.replica.summary.weights),
+            accounts=accounts,
+            peers=self.network.peering.known,
+            tls=self.network.tls,
+            metrics=self.metrics,
+            publish=self.network.status.set_crash,
+        )
+        await audit.run()
+
     def _progress(self) -> asyncio.Task[None] | None:
         """The periodic INFO line an operator tails (none when progress_interval_s = 0)."""
         if not self.config.progress_interval_s:
             return None
         lines = ProgressLog(
-            self.config.progress_interval_s, self.replica.published, self.network.live_peers
+            self.config.progress_interval_s,
+            self.replica.published,
+            self.network.live_peers,
+            ranks=self.network.status.ranks,
         )
         return asyncio.create_task(lines.run(), name="progress-log")
 

@@ -12,7 +12,6 @@ as 1/√size (Charikar, Chen and Farach-Colton 2002): about 2 % at the default 4
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -41,16 +40,3 @@ def sketch(buffers: Sequence[torch.Tensor], size: int) -> list[float]:
             signs = torch.randint(2, (chunk.numel(),), generator=generator) * 2 - 1
             out.index_add_(0, buckets, chunk * signs)
     return out.tolist()
-
-
-def distances_from_mean(sketches: Sequence[Sequence[float]]) -> tuple[list[float], float]:
-    """Each sketch's estimated distance from the mean of all, and the mean's estimated norm.
-
-    The launcher's consensus distance divides by the mean's norm; this returns both so a
-    caller can show either.
-    """
-    if not sketches:
-        return [], math.nan
-    stacked = torch.tensor([list(s) for s in sketches], dtype=torch.float64)
-    mean = stacked.mean(dim=0)
-    return (stacked - mean).norm(dim=1).tolist(), float(mean.norm())
