@@ -112,6 +112,20 @@ def test_issue_refuses_to_replace_a_site_key_and_reserves_ca(ca_dir: Path) -> No
         certs.issue("ca", ca_dir)
 
 
+def test_renew_replaces_the_pair_with_a_new_key_and_needs_one_to_replace(ca_dir: Path) -> None:
+    with pytest.raises(CertificateError, match="issue one without --renew"):
+        certs.issue("site-a", ca_dir, renew=True)
+    pem, key = certs.issue("site-a", ca_dir)
+    old_pem, old_key = pem.read_bytes(), key.read_bytes()
+    with pytest.raises(CertificateError, match="with --renew"):
+        certs.issue("site-a", ca_dir)
+    assert certs.issue("site-a", ca_dir, renew=True, days=30) == (pem, key)
+    assert pem.read_bytes() != old_pem and key.read_bytes() != old_key
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    certs.check_pair(ca_dir / "ca.pem", pem, key)  # the new key is the new certificate's
+    assert sorted(p.name for p in ca_dir.iterdir() if p.name.endswith(".new")) == []
+
+
 def test_issue_without_a_ca_says_how_to_make_one(tmp_path: Path) -> None:
     with pytest.raises(CertificateError, match="gossipd certs init --dir"):
         certs.issue("site-a", tmp_path)

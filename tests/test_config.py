@@ -149,7 +149,9 @@ def test_unknown_nested_key_names_full_path_and_suggests() -> None:
     message = _error(_with(gossip={"push_probabilty": 0.1}))
     assert "gossip.push_probabilty" in message
     assert "unknown key" in message
-    assert "did you mean 'push_probability'?" in message
+    # Not the deprecated flat spelling: where the key lives now.
+    assert "did you mean 'push_probability'? It lives in the protocol's own table" in message
+    assert "[gossip.sumweight] push_probability = ..." in message
 
 
 def test_unknown_key_without_near_miss_lists_known_keys() -> None:
@@ -305,7 +307,7 @@ def test_validation_error_from_file_names_the_file(tmp_path: Path) -> None:
     message = str(info.value)
     assert f"invalid config {path}:" in message
     assert "gossip.push_probabilty" in message
-    assert "did you mean 'push_probability'?" in message
+    assert "[gossip.sumweight] push_probability = ..." in message
 
 
 # ---------------------------------------------------------------------------

@@ -188,10 +188,19 @@ def test_progress_on_a_terminal_is_a_live_table_with_named_columns(tmp_path: Pat
         max_steps=0,
         sample_interval_s=2.0,
         workdir=None,
+        ranks=1,
+        coordinator=None,
     )
     out = _Terminal()
     states = [
-        {"node_id": f"node-{i}", "step": 50 + i, "loss": 0.25, "round": 50, "live_peers": ["x"]}
+        {
+            "node_id": f"node-{i}",
+            "step": 50 + i,
+            "loss": 0.25,
+            "round": 50,
+            "live_peers": ["x"],
+            "pushes_acked": 7,
+        }
         for i in range(2)
     ]
     with MeshProgress(out, spec, tmp_path) as progress:
@@ -203,7 +212,7 @@ def test_progress_on_a_terminal_is_a_live_table_with_named_columns(tmp_path: Pat
         progress.training_done()
     shown = out.getvalue()
     assert "starting 2 nodes" in shown
-    for column in ("node", "step", "steps/s", "loss", "round", "live peers"):
+    for column in ("node", "step", "steps/s", "loss", "round", "live peers", "pushes"):
         assert column in shown
     assert "all nodes stopped training" in shown
 

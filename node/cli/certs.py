@@ -21,7 +21,9 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _certs_issue(args: argparse.Namespace) -> int:
     from gossipd.node.shared.certs import CA_CERT_FILE, issue
 
-    cert, key = issue(args.node_id, args.dir, days=args.days, coordinator=args.coordinator)
+    cert, key = issue(
+        args.node_id, args.dir, days=args.days, coordinator=args.coordinator, renew=args.renew
+    )
     what = "the mesh coordinator" if args.coordinator else "site"
     print(f"wrote {cert} (certificate of {what} {args.node_id})")
     print(f"wrote {key} (its private key, mode 0600)")
@@ -66,6 +68,12 @@ def add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument(
         "--days", type=int, default=SITE_DAYS, help="validity in days (default: %(default)s)"
+    )
+    p.add_argument(
+        "--renew",
+        action="store_true",
+        help="replace NODE_ID's existing certificate and key (rotation; then SIGHUP the site); "
+        "default: refuse to overwrite them",
     )
     p.set_defaults(func=_certs_issue)
 

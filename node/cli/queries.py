@@ -35,6 +35,14 @@ def add_query_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="every site the node knows, asked at once, with the mesh's sums (default: the "
         "node alone)",
     )
+    p.add_argument(
+        "--expect-sites",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --mesh: exit 1 unless at least N sites answer and none known is "
+        "unreachable (for scripts and alerts; default: exit 0 whenever the node answers)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (default: a table)")
     _add_client_tls_args(p)
     p.set_defaults(func=_status)
@@ -88,12 +96,14 @@ def _client_tls(args: argparse.Namespace) -> object:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.expect_sites and not args.mesh:
+        raise GossipdError("--expect-sites goes with --mesh")
     if args.mesh:
         from gossipd.node.net.mesh_status import query_mesh, render_mesh
 
         mesh = asyncio.run(query_mesh(args.address, args.timeout_s, tls=_client_tls(args)))
         print(json.dumps(mesh) if args.json else render_mesh(mesh))
-        return 0
+        return 0 if len(mesh["sites"]) >= args.expect_sites and not mesh["unreachable"] else 1
     from gossipd.node.net.status import query_status, render_status
 
     # One call by a person or a script: worth the model copy a fresh checksum costs.

@@ -6,6 +6,7 @@ in :mod:`.certs`.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -86,9 +87,12 @@ def init_ca(directory: str | Path, *, mesh_id: str, days: float = CA_DAYS) -> tu
     return write_pair(cert_path, key_path, cert, key)
 
 
-def _issuable_paths(node_id: str, directory: Path) -> tuple[Path, Path, Path, Path]:
+def _issuable_paths(
+    node_id: str, directory: Path, *, renew: bool = False
+) -> tuple[Path, Path, Path, Path]:
     """The CA's certificate and key and the new pair's paths, once ``node_id`` may be issued
-    in ``directory``: a valid, unreserved name, a CA there, no pair of that name yet."""
+    in ``directory``: a valid, unreserved name, a CA there, no pair of that name yet (with
+    ``renew``: that pair, which the new one replaces)."""
     check_id("node id", node_id)
     if node_id == Path(CA_CERT_FILE).stem:
         raise CertificateError(
@@ -107,12 +111,20 @@ def _issuable_paths(node_id: str, directory: Path) -> tuple[Path, Path, Path, Pa
             f"create one with: gossipd certs init --dir {directory} --mesh-id MESH_ID"
         )
     cert_path, key_path = directory / f"{node_id}.pem", directory / f"{node_id}.key"
-    refuse_existing(
-        cert_path,
-        key_path,
-        fix=f"node {node_id!r} already has a certificate; delete {cert_path.name} and "
-        f"{key_path.name} to issue a new one",
-    )
+    if renew:
+        missing = [p.name for p in (cert_path, key_path) if not p.exists()]
+        if missing:
+            raise CertificateError(
+                f"--renew replaces {node_id!r}'s certificate and key, but {directory} has no "
+                f"{' or '.join(missing)}; issue one without --renew"
+            )
+    else:
+        refuse_existing(
+            cert_path,
+            key_path,
+            fix=f"node {node_id!r} already has a certificate; to rotate it, issue a new one "
+            "with --renew (the old pair is replaced), then send the site SIGHUP",
+        )
     return ca_cert_path, ca_key_path, cert_path, key_path
 
 
@@ -160,19 +172,33 @@ def issue(
     days: float = SITE_DAYS,
     not_before: dt.datetime | None = None,
     coordinator: bool = False,
+    renew: bool = False,
 ) -> tuple[Path, Path]:
     """Write ``<node_id>.pem`` and ``<node_id>.key``, signed by the CA in ``directory``:
     a site's certificate, or with ``coordinator`` the mesh coordinator's (named ``node_id``).
 
     The certificate is valid from ``not_before`` (default: now, less a few minutes of clock
     skew) for ``days``. Tests pass a ``not_before`` in the past with a short ``days`` for an
-    expired certificate, or one in the future for a not-yet-valid one.
+    expired certificate, or one in the future for a not-yet-valid one. ``renew`` replaces
+    the pair ``node_id`` has (rotation); without it an existing pair is refused.
     """
-    ca_cert_path, ca_key_path, cert_path, key_path = _issuable_paths(node_id, Path(directory))
+    ca_cert_path, ca_key_path, cert_path, key_path = _issuable_paths(
+        node_id, Path(directory), renew=renew
+    )
     ca_cert, ca_key = load_cert(ca_cert_path), load_key(ca_key_path)
     if ca_cert.public_key() != ca_key.public_key():
         raise CertificateError(f"{ca_key_path} is not the key of {ca_cert_path}")
     validity = _validity(not_before, days)
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _signed_leaf(node_id, key, ca_cert, ca_key, validity, coordinator=coordinator)
-    return write_pair(cert_path, key_path, cert, key)
+    if not renew:
+        return write_pair(cert_path, key_path, cert, key)
+    # Written whole beside the old pair, then renamed over it: a site reading the files
+    # (at SIGHUP) sees the old pair or the new one, never a half-written file.
+    fresh_cert, fresh_key = cert_path.with_suffix(".pem.new"), key_path.with_suffix(".key.new")
+    for stale in (fresh_cert, fresh_key):
+        stale.unlink(missing_ok=True)
+    write_pair(fresh_cert, fresh_key, cert, key)
+    os.replace(fresh_key, key_path)
+    os.replace(fresh_cert, cert_path)
+    return cert_path, key_path

@@ -6,6 +6,7 @@ person reading it is an operator at another site with no access to our logs.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, get_args
@@ -217,8 +218,22 @@ def _known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
             return []
         model = annotation
     if model is GossipConfig:
-        return [*model.model_fields, *sorted(PROTOCOLS), *DEPRECATED_FLAT_KEYS]
+        return [*model.model_fields, *sorted(PROTOCOLS)]
     return list(model.model_fields)
+
+
+def _moved_key(name: str, loc: tuple[Any, ...]) -> str | None:
+    """The hint for a near miss of a ``[gossip]`` key that moved to the protocols' tables:
+    point at where it lives now, not at its deprecated spelling."""
+    if tuple(str(p) for p in loc[:-1]) != ("gossip",):
+        return None
+    close = difflib.get_close_matches(name, DEPRECATED_FLAT_KEYS, n=1)
+    if not close:
+        return None
+    return (
+        f"did you mean {close[0]!r}? It lives in the protocol's own table now, for example "
+        f"[gossip.sumweight] {close[0]} = ..."
+    )
 
 
 def explain(err: ValidationError, source: str, root: type[BaseModel] | None = None) -> ConfigError:
@@ -228,7 +243,10 @@ def explain(err: ValidationError, source: str, root: type[BaseModel] | None = No
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            hint = did_you_mean(str(e["loc"][-1]), _known_keys(root or NodeConfig, e["loc"]))
+            name = str(e["loc"][-1])
+            hint = _moved_key(name, e["loc"]) or did_you_mean(
+                name, _known_keys(root or NodeConfig, e["loc"])
+            )
             lines.append(f"  {key}: unknown key; {hint}")
         elif e["type"] == "missing":
             lines.append(f"  {key}: required; add `{e['loc'][-1]} = ...` to the file")
