@@ -90,7 +90,7 @@ SLOW_FILES_FIRST = (
     "test_liveness.py", "test_attacks.py", "test_attacks_membership.py", "test_mqtt.py",
     "test_overlap_daemon.py", "test_operator.py", "test_sim.py", "test_clean_shutdown.py",
     "test_leaving_receiver.py", "test_lost_ack.py", "test_mass_faults.py", "test_bulk_lane.py",
-    "test_bulk_lane_hostile.py",
+    "test_bulk_lane_hostile.py", "test_first_mesh.py", "test_startup_mismatch.py",
 )  # fmt: skip
 
 
