@@ -26,14 +26,14 @@ from gossipd.node.net.transport import PeerClient
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import OutboundPush
 
-MODEL_MB = 8
+MODEL_MB = 4
 MODEL_BYTES = MODEL_MB << 20
 REPS = 2
-# Loopback goodput of 8 MiB can exceed no memory bus; anything faster is a timing bug.
+# Loopback goodput of 4 MiB can exceed no memory bus; anything faster is a timing bug.
 MAX_PLAUSIBLE_GBPS = 100.0
 # A push goes through gRPC, checksums and a merge: it cannot beat a bare socket by this much.
 ABSURD_VS_RAW_TCP = 10.0
-COST_PUSHES = 20
+COST_PUSHES = 10
 # Steps with pushes over steps without: no real run comes near this in either direction.
 ABSURD_STEP_RATIO = 10.0
 
