@@ -341,3 +341,12 @@ def test_weakest_site_of_a_protocol_without_weights_is_told_by_its_pulls() -> No
 def test_no_weakest_site_is_named_without_two_sites_that_evaluated() -> None:
     nodes = [_node("node-0", 0.9, 10), _node("node-1", math.nan, 10)]
     assert weakest_site(_result(nodes)) is None
+
+
+def test_the_demo_warns_only_on_a_machine_busier_than_its_figures_were_measured_at() -> None:
+    from gossipd.node.launch.demo import busy_machine
+
+    assert busy_machine(8.0, 2) is None  # load 8 on 2 cores: the sites still ended at 0.95+
+    warning = busy_machine(12.0, 2)
+    assert warning is not None and "load average 12.0 on 2 cores" in warning
+    assert "names it and why" in warning

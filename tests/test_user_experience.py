@@ -240,8 +240,8 @@ def test_readme_quickstart_shows_the_demos_picture_of_both_runs() -> None:
         runs = json.loads(image.text["Description"])  # written by plot_mesh with both runs
     assert set(runs) == {"gossip", LOCAL_ONLY_LABEL}
     assert len(runs["gossip"]) == len(runs[LOCAL_ONLY_LABEL]) == 4
-    # The numbers the text quotes are the picture's.
-    assert max(runs[LOCAL_ONLY_LABEL].values()) < 0.4 < 0.9 < min(runs["gossip"].values())
+    # The numbers the text quotes are the picture's; the text says the sites end at 0.87 or more.
+    assert max(runs[LOCAL_ONLY_LABEL].values()) < 0.4 < 0.85 < min(runs["gossip"].values())
     for name, accuracy in runs["gossip"].items():
         assert f"{name}              {runs[LOCAL_ONLY_LABEL][name]:.4f}" in section, name
         assert f"{accuracy:.4f}" in section, name

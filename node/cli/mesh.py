@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -125,8 +126,17 @@ def _run_demo(args: argparse.Namespace) -> int:
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
-    from gossipd.node.launch.demo import DEMO_CPU_SHARE, demo_job_options, print_demo, run_demo
+    from gossipd.node.launch.demo import (
+        DEMO_CPU_SHARE,
+        busy_machine,
+        demo_job_options,
+        print_demo,
+        run_demo,
+    )
 
+    warning = busy_machine(os.getloadavg()[0], len(os.sched_getaffinity(0)))
+    if warning is not None:
+        print(warning, file=sys.stderr if args.json else sys.stdout, flush=True)
     options = demo_job_options(args.job, parse_job_options(args.job_option))
     with contextlib.ExitStack() as stack:
         broker = None
