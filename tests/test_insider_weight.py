@@ -105,6 +105,11 @@ def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, found
         120.0,
         lambda: check_alive(mesh),
     )
+    # The operator reads INFO logs: each site names the sink there, whichever path (a
+    # settle, a merge, a step boundary) took its score over the bound.
+    named = f"peer {INSIDER} took this node's weight and gave none back"
+    for h in mesh:
+        wait_until(lambda h=h: named in h.log(), f"{h.node_id} to log the sink", 30.0)
     during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
     after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
     taken = dict(insider.pushes_taken)

@@ -54,7 +54,7 @@ from gossipd.node.trainer.messages import (
     ViewNotice,
 )
 from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
-from gossipd.node.trainer.report import StepReport, Summary, log_sinks
+from gossipd.node.trainer.report import SinkLog, StepReport, Summary
 from gossipd.node.trainer.segments import FlatModel
 
 # Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
@@ -117,6 +117,7 @@ class Replica(Arrivals):
         self.pushes_merged = 0
         self.merge_cpu_s = 0.0
         self.summary = Summary.of(self)
+        self.sink_log = SinkLog()
 
     @classmethod
     def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> Replica:
@@ -252,8 +253,8 @@ class Replica(Arrivals):
             report.started_push_to = push.peer
 
     def _publish(self) -> None:
-        before, self.summary = self.summary, Summary.of(self)
-        log_sinks(before, self.summary)
+        self.summary = Summary.of(self)
+        self.sink_log.update(self.summary.sinks)
 
     def _due_now(self) -> bool:
         return self.due_pulls.due_now(self.steps)
@@ -306,8 +307,8 @@ class Replica(Arrivals):
         with self.lock, self.core_lock:
             report = StepReport(self.steps)
             self.drain(report)
-            before, self.summary = self.summary, Summary.of(self)
-            log_sinks(before, self.summary)
+            self.summary = Summary.of(self)
+            self.sink_log.update(self.summary.sinks)
             return report
 
     def gauge(

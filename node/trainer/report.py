@@ -124,15 +124,27 @@ class Summary:
         )
 
 
-def log_sinks(before: Summary, after: Summary) -> None:
-    """Tell the operator when a peer starts or stops being suspected of sinking weight."""
-    for peer in sorted(after.sinks - before.sinks):
-        log.warning(
-            "peer %s took this node's weight and gave none back (sink score over "
-            "limits.sink_score_bound): no more pushes to it until it pushes weight back; "
-            "if it is a member you trust, check its logs: it acknowledges pushes but never "
-            "pushes",
-            peer,
-        )
-    for peer in sorted(before.sinks - after.sinks):
-        log.info("peer %s pushed weight back: no longer suspected of sinking weight", peer)
+class SinkLog:
+    """Tells the operator when a peer starts or stops being suspected of sinking weight.
+
+    It compares with what it said last, not with the previous summary: settles and merges
+    publish summaries between step boundaries too, so a sink that crossed the bound on a
+    settle was already in the summary the boundary compared with, and the WARNING naming
+    it was never logged (found by an insider test: only the gauge showed it).
+    """
+
+    def __init__(self) -> None:
+        self.said: frozenset[str] = frozenset()
+
+    def update(self, sinks: frozenset[str]) -> None:
+        for peer in sorted(sinks - self.said):
+            log.warning(
+                "peer %s took this node's weight and gave none back (sink score over "
+                "limits.sink_score_bound): no more pushes to it until it pushes weight back; "
+                "if it is a member you trust, check its logs: it acknowledges pushes but never "
+                "pushes",
+                peer,
+            )
+        for peer in sorted(self.said - sinks):
+            log.info("peer %s pushed weight back: no longer suspected of sinking weight", peer)
+        self.said = sinks
