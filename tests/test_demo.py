@@ -116,8 +116,10 @@ def test_demo_says_what_starts_before_any_node_steps_then_a_header_then_json_las
     # The first line comes before the heavy imports; the next says what starts.
     assert first_name == "stderr" and f"to start {DEMO_NODES} nodes" in first_line, text
     assert "alone" in first_line and "with gossip" in first_line, text
-    assert f"starting {DEMO_NODES} nodes" in seen[1][1], text
-    assert not stepped and not seen[1][2], f"the first lines came after a node stepped:\n{text}"
+    # On a busy machine the demo warns first that its figures may not hold (busy_machine).
+    after = seen[2] if seen[1][1].startswith("gossipd: this machine is busy") else seen[1]
+    assert f"starting {DEMO_NODES} nodes" in after[1], text
+    assert not stepped and not after[2], f"the first lines came after a node stepped:\n{text}"
     # Without this, a probe that never found a node's initial.pt would pass the line above.
     assert seen[-1][2], f"no node ever stepped as far as the probe could see:\n{text}"
 
