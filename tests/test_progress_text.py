@@ -350,3 +350,23 @@ def test_the_demo_warns_only_on_a_machine_busier_than_its_figures_were_measured_
     warning = busy_machine(12.0, 2)
     assert warning is not None and "load average 12.0 on 2 cores" in warning
     assert "names it and why" in warning
+
+
+def test_status_table_of_a_restarted_site_says_what_the_restart_cost() -> None:
+    crash = pb.CrashAudit(
+        resumed=True,
+        done=True,
+        weight_lost=0.112289,
+        peers_answered=3,
+        peers_asked=3,
+        checkpoint_step=700,
+    )
+    assert _row(render_status(_status(crash=crash)), "restart") == (
+        "restarted from its checkpoint of step 700: cost the mesh 0.112289 of sum-weight per "
+        "segment (from 3 of 3 peers' accounts)"
+    )
+    reading = pb.CrashAudit(resumed=True, peers_answered=1, peers_asked=3, checkpoint_step=700)
+    assert "being read from its peers (1 of 3 so far)" in _row(
+        render_status(_status(crash=reading)), "restart"
+    )
+    assert "restart" not in render_status(_status())  # a site that did not resume

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.net.status import query_status
+from gossipd.node.net.status import describe_restart, query_status
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.sketch import DEFAULT_SKETCH_SIZE
 
@@ -195,19 +195,7 @@ def render_mesh(mesh: Mapping[str, Any]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
     ]
     for r in sorted(rows, key=lambda r: r["node_id"]):
-        crash = r["crash"]
-        if not crash["resumed"]:
-            continue
-        if crash["done"]:
-            lines.append(
-                f"{r['node_id']} restarted from its checkpoint of step {crash['checkpoint_step']}: "
-                f"cost the mesh {crash['weight_lost']:.6g} of sum-weight per segment "
-                f"(from {crash['peers_answered']} of {crash['peers_asked']} peers' accounts)"
-            )
-        else:
-            lines.append(
-                f"{r['node_id']} restarted from its checkpoint of step {crash['checkpoint_step']}: "
-                f"its cost is being read from its peers ({crash['peers_answered']} of "
-                f"{crash['peers_asked']} so far)"
-            )
+        restart = describe_restart(r["crash"])
+        if restart is not None:
+            lines.append(f"{r['node_id']} {restart}")
     return "\n".join(lines)

@@ -193,9 +193,27 @@ def _evaluation(status: dict[str, Any]) -> str:
     return f"{values} (step {status['eval_step']})"
 
 
+def describe_restart(crash: dict[str, Any]) -> str | None:
+    """What this incarnation's restart from a checkpoint cost the mesh, as the restart audit
+    (:mod:`gossipd.node.net.restart_audit`) has it so far; None if it did not resume."""
+    if not crash["resumed"]:
+        return None
+    resumed = f"restarted from its checkpoint of step {crash['checkpoint_step']}"
+    if not crash["done"]:
+        return (
+            f"{resumed}: its cost is being read from its peers ({crash['peers_answered']} of "
+            f"{crash['peers_asked']} so far)"
+        )
+    return (
+        f"{resumed}: cost the mesh {crash['weight_lost']:.6g} of sum-weight per segment "
+        f"(from {crash['peers_answered']} of {crash['peers_asked']} peers' accounts)"
+    )
+
+
 def render_status(status: dict[str, Any]) -> str:
     """`gossipd status` for a person: the node's state, then one row per known peer."""
     rejected = ", ".join(f"{k} {v}" for k, v in sorted(status["rejected"].items())) or "none"
+    restart = describe_restart(status["crash"])
     rows = [
         ("node", f"{status['node_id']} (mesh {status['mesh_id']}, {status['protocol']})"),
         ("security", status["transport_security"] or "–"),
@@ -206,6 +224,7 @@ def render_status(status: dict[str, Any]) -> str:
         ("round", str(status["round"])),
         *_exchange_rows(status),
         ("refused", rejected),
+        *([("restart", restart)] if restart is not None else []),
         ("fingerprint", status["fingerprint"]),
         ("checksum", status["params_checksum"] or "–"),
     ]
