@@ -170,11 +170,11 @@ class RestartAudit:
         while True:
             addresses = {p.node_id: p.address for p in self.peers() if p.node_id != self.node_id}
             asked |= addresses.keys()
-            for peer in sorted(asked - parts.keys()):
-                if peer in addresses:
-                    part = await self._ask(peer, addresses[peer])
-                    if part is not None:
-                        parts[peer] = part
+            # Asked at once: one peer that does not answer must not hold up the others'
+            # STATUS_TIMEOUT_S at each poll.
+            waiting = sorted(p for p in asked - parts.keys() if p in addresses)
+            answers = await asyncio.gather(*(self._ask(p, addresses[p]) for p in waiting))
+            parts.update({p: a for p, a in zip(waiting, answers, strict=True) if a is not None})
             self._progress(len(parts), len(asked))
             if (asked and asked <= parts.keys()) or time.monotonic() >= deadline:
                 break
