@@ -31,6 +31,11 @@ class WeightOverCap(InvalidFrame):
     number of founding members): an inflated weight, refused before it spreads."""
 
 
+class OverCredit(InvalidFrame):
+    """A push bringing more sum-weight than its sender took from this node plus
+    limits.peer_credit: weight made up, or taken from others, refused before it spreads."""
+
+
 class NonFinitePayload(GossipdError):
     """A payload carrying NaN or infinity, which would poison every model it reaches."""
 

@@ -16,6 +16,7 @@ import torch
 
 from gossipd.node.net.wire import ReceivedSegment
 from gossipd.node.protocols.base import PushSettled
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.sumweight import SumWeightGossip
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import (
@@ -152,7 +153,9 @@ def test_a_barrier_counts_pushes_outstanding_so_a_leave_hands_off_only_after_fol
     replica.post(ViewNotice(frozenset({"s", "r"})))
     replica.step()
     [push] = port.pushes
-    assert push.push.weights == {0: 0.5}  # half reserved until its outcome lands
+    # Half, cut to the credit a peer may hold of this node's weight, reserved until its
+    # outcome lands.
+    assert push.push.weights == {0: DEFAULT_CREDIT}
 
     counted = replica.barrier()
     replica.idle(0)

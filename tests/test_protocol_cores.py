@@ -10,6 +10,8 @@ tests/core_harness.py's in-test driver.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -43,7 +45,15 @@ def test_crossover_pushes_follow_the_shared_derangement_and_mix_doubly_stochasti
     n: int,
 ) -> None:
     segments, mesh_seed = 4, 23
-    h = Harness("crossover", n, segments=segments, mesh_seed=mesh_seed, max_in_flight=segments)
+    # The protocol as the paper states it: no peer credit cutting the halves it pushes.
+    h = Harness(
+        "crossover",
+        n,
+        segments=segments,
+        mesh_seed=mesh_seed,
+        max_in_flight=segments,
+        peer_credit=math.inf,
+    )
     epoch = ranked(frozenset(h.ids)).epoch
     for step in range(6):
         h.step(step)
@@ -116,7 +126,7 @@ def test_pushsum_expgraph_averages_exactly_in_log2_n_rounds_for_a_power_of_two()
 
 @pytest.mark.parametrize("n", [2, 3, 10, 16, 64])
 def test_shuffle_exchange_groups_average_and_talk_to_sqrt_n_peers(n: int) -> None:
-    h = Harness("shuffle-exchange", n, dim=3, mesh_seed=9, max_in_flight=n)
+    h = Harness("shuffle-exchange", n, dim=3, mesh_seed=9, max_in_flight=n, peer_credit=math.inf)
     epoch = ranked(frozenset(h.ids)).epoch
     for step in range(3):
         x_before = {node: h.x[node].copy() for node in h.ids}
@@ -207,8 +217,9 @@ FIGURE6_DRAWS = 20
 
 
 def core_flows(protocol: str, n: int, rounds: int, mesh_seed: int = 0) -> list[np.ndarray]:
-    """One segment's mixing matrices of ``rounds`` synchronous rounds, from the cores' pushes."""
-    h = Harness(protocol, n, dim=1, mesh_seed=mesh_seed)
+    """One segment's mixing matrices of ``rounds`` synchronous rounds, from the cores' pushes
+    (the protocols as their papers state them: no peer credit cutting a push)."""
+    h = Harness(protocol, n, dim=1, mesh_seed=mesh_seed, peer_credit=math.inf)
     h.run_sync(range(rounds))
     return [flows[0] for flows in h.flows]
 

@@ -63,6 +63,7 @@ def test_no_honest_peer_is_suspected_over_thousands_of_rounds(protocol, nodes, s
     )
     assert result.rounds >= ROUNDS
     assert suspected == []
+    assert result.refused == 0  # nor refused by its credit (limits.peer_credit)
     # Between two probes a score moves by at most one round's pushes: keep a margin of 2.
     assert highest["score"] < DEFAULT_BOUND - 2.0
 

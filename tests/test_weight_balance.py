@@ -38,7 +38,13 @@ def _two_speeds(protocol: str, balance: bool) -> tuple[Harness, list[float]]:
     simulator runs it for two nodes). Returns the harness and the fast node's weight
     after each of its steps."""
     h = Harness(
-        protocol, 2, segments=2, push_probability=1.0, average_every_steps=1, weight_balance=balance
+        protocol,
+        2,
+        segments=2,
+        push_probability=1.0,
+        average_every_steps=1,
+        weight_balance=balance,
+        peer_credit=math.inf,  # the balance alone: a credit also keeps weight from speed
     )
     fast, slow = h.ids
     held, steps = [], {fast: 0, slow: 0}  # each node counts its own steps
@@ -124,6 +130,7 @@ def test_simulated_sites_25_times_apart_share_weight_about_evenly(protocol: str)
         scenario=ONE_SLOW,
         check_invariants=True,
         weight_balance=True,
+        peer_credit=math.inf,  # the balance alone: a credit also keeps weight from speed
     )
     balanced, bare = run_sim(spec), run_sim(replace(spec, weight_balance=False))
     for result in (balanced, bare):

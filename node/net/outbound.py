@@ -401,17 +401,22 @@ class Outbound:
         return [s.node_id for s in live]
 
     async def _hand_off(self, candidates: list[str]) -> bool:
-        """Hand all weight to the first candidate that takes it; True if one did.
+        """Hand all weight to the candidates in turn; True once none is left here.
 
-        A hand-off that surely merged nothing (the peer died since it was last heard
-        from, or answered that it is leaving too, as when a whole mesh stops at once)
-        goes to the next candidate; one that may have merged ends the tries.
+        Each takes what its credit admits (``limits.peer_credit``: a peer may bring at
+        most what it took plus its credit and a founding member's weight), so a site
+        holding more than one peer admits hands the rest to the next. A hand-off that
+        surely merged nothing (the peer died since it was last heard from, or answered
+        that it is leaving too, as when a whole mesh stops at once) goes to the next
+        candidate; one that may have merged ends the tries.
         """
         replica = self.replica
         for peer in candidates:
+            if not any(replica.summary.weights):
+                return True
             out = await asyncio.wrap_future(replica.request_hand_off(peer))
             if out is None:
-                return False
+                continue  # its credit admits none of it
             delivery = Delivery([], "leaving took too long", exact=False)
             try:
                 delivery = await self.deliver(out, "handoff")
@@ -420,8 +425,12 @@ class Outbound:
             await asyncio.wrap_future(replica.barrier())
             took = len(delivery.acks)
             if delivery.error is None and took == len(out.push.weights):
-                log.info("handed weight to %s", out.push.peer)
-                return True
+                log.info(
+                    "handed weight to %s (sum-weight %s)",
+                    out.push.peer,
+                    ", ".join(f"{w:.6g}" for w in out.push.weights.values()),
+                )
+                continue
             if delivery.error is None:
                 # Answered without merging (it is leaving too): exact, so the weight folded
                 # back here and may go to the next candidate.
@@ -436,9 +445,11 @@ class Outbound:
             log.warning("weight hand-off to %s failed: %s", out.push.peer, delivery.error)
             if not delivery.exact:
                 return False
-        if candidates and any(replica.summary.weights):
+        if not any(replica.summary.weights):
+            return True
+        if candidates:
             log.info(
-                "no live peer took the weight (%s): it stays in this node's final "
+                "no live peer took the rest of the weight (%s): it stays in this node's final "
                 "checkpoint, and comes back to the mesh when this node restarts",
                 ", ".join(f"{w:.6g}" for w in replica.summary.weights),
             )

@@ -17,6 +17,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.InvalidFrame: grpc.StatusCode.INVALID_ARGUMENT,
     errors.WeightOverCap: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.OverCredit: grpc.StatusCode.INVALID_ARGUMENT,
     errors.PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.NonFinitePayload: grpc.StatusCode.INVALID_ARGUMENT,
     errors.MeshMismatch: grpc.StatusCode.FAILED_PRECONDITION,

@@ -22,8 +22,9 @@ This module holds the ledger's state, the receiving side and the core's interfac
 sender's numberings and the receiver's de-duplication windows, are :mod:`.sequences`;
 the most weight a segment may hold after a merge is :mod:`.weight_cap`; how much a
 push carries so weight does not follow speed is :mod:`.weight_balance`; the weight
-exchanged with each peer is booked in :mod:`.exchanged`, and suspected sinks in
-:mod:`.sinks`.
+exchanged with each peer is booked in :mod:`.exchanged`, suspected sinks in
+:mod:`.sinks`, and how much of this node's weight each peer may hold (and bring) in
+:mod:`.credit`.
 
 Mass bound: without faults Σw is exact. A push is folded back into its sender
 only when the receiver refused it (it merged nothing) or was declared dead; a
@@ -71,6 +72,7 @@ from gossipd.node.protocols.base import (
     ViewChanged,
     ranked,
 )
+from gossipd.node.protocols.credit import PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.reservations import Reservations
 from gossipd.node.protocols.sequences import DEDUP_WINDOW, Numberings, Windows
@@ -106,13 +108,15 @@ class SumWeightLedger(Reservations, GossipProtocol):
         max_weight: float | None = math.inf,
         sink_bound: float = 6.0,
         sink_allowance: float = 0.5,
+        peer_credit: float = math.inf,
         weight_balance: bool = False,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
         ``sink_bound`` and ``sink_allowance``: when a peer is suspected of sinking weight
-        (:mod:`.sinks`); ``weight_balance``: whether pushes are scaled so a site's weight
-        does not depend on its speed (:mod:`.weight_balance`)."""
+        (:mod:`.sinks`); ``peer_credit``: the most of this node's weight a peer may hold
+        (:mod:`.credit`; inf: unbounded); ``weight_balance``: whether pushes are scaled so a
+        site's weight does not depend on its speed (:mod:`.weight_balance`)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -132,6 +136,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.exchanged = ExchangedBook()
         self.sinks = SinkWatch(
             sink_bound if self.returns_weight_per_peer else math.inf, sink_allowance
+        )
+        self.credit = PeerCredit(
+            peer_credit if self.returns_weight_per_peer else math.inf, num_segments
         )
         self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
         self.cap = WeightCap(max_weight, max(1, math.ceil(initial_weight)))
@@ -204,6 +211,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
             "windows": self.windows.state(),
             "exchanged": self.exchanged.state(),
             "sink_scores": self.sinks.state(),
+            "credit_nets": self.credit.state(),
             "largest_view": self.cap.largest_view,
         }
 
@@ -236,6 +244,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.exchanged = ExchangedBook.restore(state.get("exchanged", {}))
         self._shares.clear()
         self.sinks.restore(state.get("sink_scores", {}))
+        self.credit.restore(state.get("credit_nets", {}))
         self.cap.saw_view(int(state.get("largest_view", 1)))
 
     # -- what subclasses decide ----------------------------------------------------------
@@ -303,6 +312,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
             if not window.is_new(sequence, segment):
                 actions.append(Duplicate(segment))
                 continue
+            self.credit.check(sender, segment, weight, self.in_flight_to(sender, segment))
             self.cap.check(segment, self.weights[segment], weight)
             mine = self.available(segment)
             total = mine + weight
@@ -329,6 +339,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 weight = action.weight_after - self.weights[action.segment]
                 mine = self.available(action.segment)
                 received += weight
+                self.credit.received(sender, action.segment, weight)
                 share += weight / mine if mine > 0 else (math.inf if weight > 0 else 0.0)
                 self.weights[action.segment] = action.weight_after
                 merged = True

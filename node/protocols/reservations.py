@@ -14,15 +14,21 @@ its own and uses the ledger's, declared below.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gossipd.node.protocols.base import FoldBack, Push, View
+from gossipd.node.protocols.credit import PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.sequences import Numberings
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
+
+# The least share of this node's available weight a push is cut to by a peer's credit
+# before that peer is passed over (:meth:`Reservations.credit_leaves_room`).
+MIN_ROOM = 0.1
 
 
 class Reservations:
@@ -39,6 +45,7 @@ class Reservations:
     numberings: Numberings
     exchanged: ExchangedBook
     sinks: SinkWatch
+    credit: PeerCredit
     balance: WeightBalance
     view: View
     _shares: dict[tuple[str, int], dict[int, float]]
@@ -59,14 +66,31 @@ class Reservations:
     def busy_peers(self) -> set[str]:
         return {peer for peer, _ in self.in_flight}
 
+    def in_flight_to(self, peer: str, segment: int) -> float:
+        """What this node's unsettled pushes to ``peer`` carry of ``segment``."""
+        return sum(p.weights.get(segment, 0.0) for p in self.in_flight.values() if p.peer == peer)
+
     def can_push(self, peer: str) -> bool:
-        """A free slot, nothing unacknowledged to ``peer`` already (one per edge), and
-        ``peer`` not suspected of sinking weight (:mod:`.sinks`)."""
+        """A free slot, nothing unacknowledged to ``peer`` already (one per edge), ``peer``
+        not suspected of sinking weight (:mod:`.sinks`), and its credit (:mod:`.credit`)
+        leaving room for a push worth its bytes in some segment."""
         return (
             peer != self.node_id
             and len(self.in_flight) < self.max_in_flight
             and not self.sinks.suspected(peer)
             and all(p != peer for p, _ in self.in_flight)
+            and self.credit_leaves_room(peer)
+        )
+
+    def credit_leaves_room(self, peer: str) -> bool:
+        """Whether ``peer``'s credit admits at least ``MIN_ROOM`` of this node's available
+        weight in some segment: a push cut to less than that moves nearly nothing for a
+        whole payload's bytes, so the protocol picks another peer (or waits) instead."""
+        if not self.credit.on:
+            return True
+        return any(
+            self.credit.room(peer, s, self.in_flight_to(peer, s)) >= MIN_ROOM * self.available(s)
+            for s in range(len(self.weights))
         )
 
     def push(
@@ -77,7 +101,8 @@ class Reservations:
         ``everything`` hands over the whole weight exactly: w + reserved may
         round away from it, leaving a leaving node a crumb it no longer has.
         """
-        weights = {s: float(w) for s, w in amounts.items()}
+        asked = {s: float(w) for s, w in amounts.items()}
+        weights = self._within_credit(peer, asked, everything)
         if not any(w > 0 for w in weights.values()) or self.sinks.suspected(peer):
             return None  # nothing to send, or nothing more for a suspected sink
         for s, w in weights.items():
@@ -88,11 +113,22 @@ class Reservations:
             s: w / self.available(s) if self.available(s) > 0 else 1.0 for s, w in weights.items()
         }
         for s, w in weights.items():
-            self.reserved[s] = self.weights[s] if everything else self.reserved[s] + w
+            whole = everything and w == asked[s]
+            self.reserved[s] = self.weights[s] if whole else self.reserved[s] + w
         push = Push(peer, sequence, weights, self.round, base)
         self.in_flight[push.key] = push
         self._shares[push.key] = shares
         return push
+
+    def _within_credit(
+        self, peer: str, asked: dict[int, float], hand_off: bool
+    ) -> dict[int, float]:
+        """``asked``, each segment cut to what ``peer``'s credit allows: what it may hold of
+        this node's weight, or for a hand-off, what it admits (:mod:`.credit`)."""
+        if not self.credit.on:
+            return asked
+        limit = self.credit.handable if hand_off else self.credit.room
+        return {s: min(w, limit(peer, s, self.in_flight_to(peer, s))) for s, w in asked.items()}
 
     def push_share(
         self, peer: str, fraction: float, segments: Iterable[int] | None = None
@@ -103,16 +139,27 @@ class Reservations:
         return self.push(peer, {s: self.available(s) * fraction * self.balanced(s) for s in chosen})
 
     def hand_off(self, peer: str | None = None) -> Push | None:
-        """Hand all available weight to ``peer`` (or a random live one) before leaving."""
+        """Hand all available weight to ``peer`` (or a random live one) before leaving, or
+        as much of it as ``peer`` admits (:mod:`.credit`): the rest goes to the next heir."""
         if peer is None:
             peers = sorted(p for p in self.peers if not self.sinks.suspected(p))
             if not peers:
                 return None
-            peer = self.rng.choice(peers)
+            self.rng.shuffle(peers)  # ties: leavers do not all pick the same heir
+            peer = max(peers, key=self._handable)
         if peer == self.node_id:
             raise ValueError("a node cannot hand its weight to itself")
         amounts = {s: self.available(s) for s in range(len(self.weights))}
         return self.push(peer, amounts, everything=True)
+
+    def _handable(self, peer: str) -> float:
+        """What a hand-off to ``peer`` could carry, over all segments (inf: no credit)."""
+        if not self.credit.on:
+            return math.inf
+        return sum(
+            self.credit.handable(peer, s, self.in_flight_to(peer, s))
+            for s in range(len(self.weights))
+        )
 
     def settle(self, key: tuple[str, int], acked_segments: Sequence[int]) -> list[FoldBack]:
         """Commit acknowledged segments; the rest of the reservation comes home.
@@ -137,11 +184,14 @@ class Reservations:
             if s in acked:
                 self.weights[s] = max(self.weights[s] - w, 0.0)
                 sent += w
+                self.credit.sent(push.peer, s, w)
             elif w > 0:
                 available = self.available(s)
                 folds.append(
                     FoldBack(push.peer, push.sequence, s, w / available if available > 0 else 1.0)
                 )
+        if not self.in_flight:  # nor in a segment this push did not carry
+            self.reserved = [0.0] * len(self.reserved)
         if acked & push.weights.keys():
             self.exchanged.add(push.peer, sent=sent, members=self.view.rank_of)
             taken = sum(f for s, f in shares.items() if s in acked)

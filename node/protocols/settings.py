@@ -20,6 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
+
 
 class ProtocolSettings(BaseModel):
     """A protocol's own settings, one ``[gossip.<protocol>]`` table: unknown keys are refused."""
@@ -47,6 +49,7 @@ class CoreSettings:
     max_weight: float | None = None  # None: the number of founding members (largest view)
     sink_bound: float = 6.0
     sink_allowance: float = 0.5
+    peer_credit: float = DEFAULT_CREDIT  # limits.peer_credit
     weight_balance: bool = False
     # A coordinator schedules this node's pulls (a core that schedules asks it with
     # AskPeer, and schedules alone while it cannot answer); False: decentralized.
@@ -64,6 +67,7 @@ class CoreSettings:
             "max_weight": self.max_weight,
             "sink_bound": self.sink_bound,
             "sink_allowance": self.sink_allowance,
+            "peer_credit": self.peer_credit,
             "weight_balance": self.weight_balance,
         }
 

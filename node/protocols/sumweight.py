@@ -62,14 +62,15 @@ class SumWeightGossip(SumWeightLedger):
     def on_step_end(self) -> list[Push]:
         """Maybe push half of the available weight to a random live peer that is not busy.
 
-        A peer suspected of sinking weight is no candidate (:mod:`.sinks`).
+        A peer suspected of sinking weight is no candidate (:mod:`.sinks`), nor one
+        whose credit leaves no room (:mod:`.credit`).
         At most one push per peer is unacknowledged, and ``max_in_flight`` in all:
         a slow or hung receiver holds one slot while the others keep gossiping,
         and a node with every slot taken skips its turn instead of queueing.
         """
         if len(self.in_flight) >= self.max_in_flight:
             return []
-        candidates = sorted(self.peers - self.busy_peers() - self.sinks.sinks())
+        candidates = sorted(p for p in self.peers if self.can_push(p))
         if not candidates:
             return []
         if self.rng.random() >= self.push_probability:

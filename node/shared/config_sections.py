@@ -9,6 +9,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
+
 
 def check_address(value: str) -> str:
     """``value`` if it is HOST:PORT with a port in 0..65535 (the coordinator's config and
@@ -71,6 +73,14 @@ class LimitsConfig(_Section):
         ge=0,
         lt=1,
         description="drift allowed per exchange in the sink score (higher: slower to suspect)",
+    )
+    peer_credit: float = Field(
+        DEFAULT_CREDIT,
+        gt=0,
+        description="the most sum-weight (per segment) one peer may hold of this node's, net: "
+        "pushes are cut to it, so a sink takes at most this from each site; a peer may bring "
+        "at most what it took plus this plus 1 (a leaving site's own weight), more is refused "
+        "(OverCredit); inf: unbounded",
     )
     max_inbound_pushes: int = Field(
         128, ge=1, description="inbound push streams at once (a push uses up to 4)"
@@ -248,6 +258,19 @@ class MqttConfig(_Section):
     )
     reconnect_max_s: float = Field(
         30.0, gt=0, description="longest wait between attempts to reach the broker"
+    )
+    control_requires_signature: bool = Field(
+        True,
+        description="obey only control commands signed by an operator certificate of the "
+        "mesh CA (tls.ca); without TLS there is no CA, so every command is refused. false: "
+        "obey unsigned ones, from anyone who can publish on the broker",
+    )
+    control_window_s: float = Field(
+        120.0,
+        ge=1,
+        le=3600,
+        description="a signed command issued further than this from the node's clock is "
+        "refused (stale); obeyed nonces are remembered this long against replay",
     )
 
     @field_validator("broker")

@@ -30,6 +30,7 @@ from gossipd.node.errors import (
     GossipdError,
     InvalidFrame,
     NonFinitePayload,
+    OverCredit,
     PayloadOutOfBounds,
     WeightOverCap,
 )
@@ -49,6 +50,7 @@ from gossipd.node.protocols.base import (
     Refused,
     WeightCapExceeded,
 )
+from gossipd.node.protocols.credit import CreditExceeded
 from gossipd.node.trainer.messages import Ack, InboundPush, OutboundPush, Pulled
 from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
 from gossipd.node.trainer.report import MergeRecord, PullRecord
@@ -238,7 +240,11 @@ class Merger:
         try:
             actions = self.core.handle(arrival)
         except Refused as err:
-            refusal = WeightOverCap if isinstance(err, WeightCapExceeded) else InvalidFrame
+            refusal: type[InvalidFrame] = InvalidFrame
+            if isinstance(err, WeightCapExceeded):
+                refusal = WeightOverCap
+            elif isinstance(err, CreditExceeded):
+                refusal = OverCredit
             raise refusal(f"{what}: {err}") from None
         if not merge_new:
             actions = [a for a in actions if isinstance(a, Duplicate)]

@@ -136,6 +136,7 @@ class Replica(Arrivals):
                 "max_weight": config.limits.max_sum_weight,
                 "sink_bound": config.limits.sink_score_bound,
                 "sink_allowance": config.limits.sink_allowance,
+                "peer_credit": config.limits.peer_credit,
                 "weight_balance": gossip.weight_balance,
                 "coordinator": config.coordinator is not None,
                 "options": gossip.options,  # the protocol's own [gossip.<protocol>] table

@@ -1,0 +1,138 @@
+"""Per-peer weight credit: how much of this node's weight one peer may hold, and bring.
+
+Part of the sum-weight ledger (:mod:`.ledger`). Weight is influence: a push at weight
+w merged into a model of weight v moves it w/(v + w) of the way to the payload. A
+member with a valid certificate that acknowledges every push and returns nothing (a
+sink) took 2.997 of a 3-site mesh's 3.0 in 14 s before the sink watch
+(:mod:`.sinks`) stopped the pushes, since each push carries half of what the sender
+holds; and a member can claim any weight it likes in its own pushes. This book bounds
+both in absolute weight, per peer and segment, with the *net* weight: what this node
+sent the peer (acknowledged) minus what it merged from it.
+
+* **take**: this node sizes every push so the net stays at most ``take``
+  (``limits.peer_credit``): a peer can hold at most that much of this node's weight,
+  whatever it does. With founding weight 1 per site, a sink ends with at most
+  ``take`` of each honest site's weight: ``take`` = 1/3 leaves the honest sites at
+  least two thirds of theirs.
+* **bring**: a payload is refused (:class:`CreditExceeded`, nothing merged, the sender
+  keeps its weight) if it would take the net below ``−bring``: a peer can bring at most
+  what it took plus ``bring``. ``bring`` is ``take`` plus one founding member's
+  weight, because a leaving site hands its own weight over, and with every peer's
+  ``bring`` room together it always can (:meth:`handable`).
+
+Both ends keep the same account of an edge (my net with you is minus yours with me),
+so an honest sender that sizes by its own book is never refused by an honest
+receiver: the sender counts what it has in flight to the peer as sent, the receiver
+counts what it has in flight to the sender as sent, and the difference ``bring −
+take`` absorbs what the two books disagree by after a restart from a checkpoint.
+
+Honest peers do hit ``take``: the net weight of one edge is a random walk (weight can
+go round a cycle of three sites for ever). Then this node pushes to another peer, or
+pushes less: the simulator measures what that costs the mixing (tests/test_credit_sim.py).
+A protocol that pushes along a fixed directed graph returns nothing along an edge, so
+every honest edge would run out: it keeps no book (``take`` and ``bring`` are inf).
+
+Pure: no clock, no I/O; the simulator drives it through the same cores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossipd.node.protocols.base import Refused
+
+# Peers whose net weight is kept; beyond this, the one with the smallest net is forgotten
+# (forgetting a net resets that peer's credit, so the smallest loses the least).
+NETS_KEPT = 1024
+# limits.peer_credit's default: a sink ends with at most a third of each honest site's
+# founding weight, so the honest sites keep two thirds of theirs.
+DEFAULT_CREDIT = 1 / 3
+# What a leaving site owns that it did not take: a founding member's weight.
+FOUNDING_WEIGHT = 1.0
+
+
+class CreditExceeded(Refused):
+    """A payload bringing more weight than the sender took from this node plus its credit."""
+
+
+@dataclass
+class PeerCredit:
+    """Per peer and segment, weight sent minus weight received; pushes are sized by it."""
+
+    take: float
+    segments: int
+    nets: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.take > 0:  # inf: no book (a directed protocol, or the credit off)
+            raise ValueError(f"peer credit must be > 0, got {self.take}")
+
+    @property
+    def bring(self) -> float:
+        return self.take + FOUNDING_WEIGHT
+
+    @property
+    def on(self) -> bool:
+        return math.isfinite(self.take)
+
+    def net(self, peer: str, segment: int) -> float:
+        nets = self.nets.get(peer)
+        return nets[segment] if nets is not None else 0.0
+
+    def room(self, peer: str, segment: int, in_flight: float) -> float:
+        """The most a push to ``peer`` may carry of ``segment`` now (``in_flight``: what
+        this node's unsettled pushes to it carry of that segment)."""
+        return max(0.0, self.take - self.net(peer, segment) - in_flight)
+
+    def handable(self, peer: str, segment: int, in_flight: float) -> float:
+        """The most a leaving node's hand-off to ``peer`` may carry: what ``peer`` admits."""
+        return max(0.0, self.bring - self.net(peer, segment) - in_flight)
+
+    def check(self, peer: str, segment: int, weight: float, in_flight: float) -> None:
+        """Refuse a payload of ``weight`` from ``peer`` that would bring more than the
+        credit allows (``in_flight``: what this node's unsettled pushes to ``peer`` carry
+        of ``segment``, counted as sent: the sender may have merged them already)."""
+        if not self.on:
+            return
+        allowed = self.bring + self.net(peer, segment) + in_flight
+        if weight > allowed * (1 + 1e-9) + 1e-12:
+            raise CreditExceeded(
+                f"sum-weight {weight:.6g} of segment {segment} from {peer} is more than it may "
+                f"bring: {allowed:.6g} (what it took from this node, net, plus "
+                f"limits.peer_credit {self.take:g} plus a founding member's weight); refused, "
+                "nothing merged, the sender keeps its weight"
+            )
+
+    def sent(self, peer: str, segment: int, weight: float) -> None:
+        self._move(peer, segment, weight)
+
+    def received(self, peer: str, segment: int, weight: float) -> None:
+        self._move(peer, segment, -weight)
+
+    def _move(self, peer: str, segment: int, delta: float) -> None:
+        if not self.on or delta == 0.0:
+            return
+        nets = self.nets.get(peer)
+        if nets is None:
+            if len(self.nets) >= NETS_KEPT:
+                smallest = min(self.nets, key=lambda p: max(abs(n) for n in self.nets[p]))
+                del self.nets[smallest]
+            nets = self.nets[peer] = [0.0] * self.segments
+        nets[segment] += delta
+
+    def exhausted(self) -> frozenset[str]:
+        """Peers this node can push nothing more to, in any segment, until they return some."""
+        return frozenset(p for p, nets in self.nets.items() if min(nets) >= self.take)
+
+    def state(self) -> dict[str, list[float]]:
+        return {p: list(n) for p, n in self.nets.items()}
+
+    def restore(self, nets: Mapping[str, Any]) -> None:
+        """Nets from a checkpoint: a peer does not get its credit back by outlasting a restart
+        (of either end)."""
+        self.nets = {
+            str(p): [float(x) for x in n] for p, n in nets.items() if len(n) == self.segments
+        }
