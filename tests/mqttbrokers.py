@@ -1,14 +1,17 @@
 """Real MQTT brokers for tests (Mosquitto as a child process, amqtt in this process) and a
-test's own MQTT client: subscribe-and-wait, publish, ask a node a command."""
+test's own MQTT client: subscribe-and-wait, publish, ask a node a command signed by an
+operator."""
 
 from __future__ import annotations
 
 import asyncio
 import getpass
 import json
+import secrets
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +22,8 @@ import aiomqtt
 
 from gossipd.node.launch.broker import EmbeddedBroker
 from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.shared.cert_files import load_cert, load_key
+from gossipd.node.shared.control_signing import ALL_NODES, ControlClaim, sign
 from tests.conftest import wait_until
 
 # Debian installs the broker outside a normal user's PATH.
@@ -129,18 +134,47 @@ def publish(port: int, topic: str, payload: bytes, *, retain: bool = False) -> N
     asyncio.run(run())
 
 
-def ask(
-    port: int, mesh: str, node_id: str, command: str, *, to_all: bool = False
+def signed_command(
+    signer: Path,
+    mesh: str,
+    target: str,
+    command: str,
+    *,
+    issued_at: int | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
-    """Send ``command`` on the node's control topic (or the mesh's) and return its reply."""
-    request_id = uuid.uuid4().hex
+    """``command`` for ``target`` (a node id or ``*``), signed with ``signer`` (a .pem path;
+    its key is the .key beside it), as gossipd control sends it."""
+    claim = ControlClaim(
+        mesh_id=mesh,
+        target=target,
+        command=command,
+        request_id=request_id or uuid.uuid4().hex,
+        issued_at=int(time.time()) if issued_at is None else issued_at,
+        nonce=secrets.token_hex(16),
+    )
+    return sign(claim, load_cert(signer), load_key(signer.with_suffix(".key")))
+
+
+def send_command(
+    port: int, mesh: str, node_id: str, body: dict[str, Any], *, to_all: bool = False
+) -> dict[str, Any]:
+    """Publish ``body`` on the node's control topic (or the mesh's) and return its reply."""
     topic = f"gossipd/{mesh}/control" + ("" if to_all else f"/{node_id}")
-    body = json.dumps({"command": command, "request_id": request_id}).encode()
+    request_id = body["request_id"]
     reply = wait_message(
         port,
         f"gossipd/{mesh}/reply/{node_id}",
         lambda p: json.loads(p).get("request_id") == request_id,
-        f"{node_id}'s reply to {command}",
-        action=lambda: publish(port, topic, body),
+        f"{node_id}'s reply to {body.get('command')!r} {request_id}",
+        action=lambda: publish(port, topic, json.dumps(body).encode()),
     )
     return json.loads(reply)
+
+
+def ask(
+    port: int, mesh: str, node_id: str, command: str, signer: Path, *, to_all: bool = False
+) -> dict[str, Any]:
+    """Send ``command`` signed by the operator certificate ``signer``; return its reply."""
+    body = signed_command(signer, mesh, ALL_NODES if to_all else node_id, command)
+    return send_command(port, mesh, node_id, body, to_all=to_all)

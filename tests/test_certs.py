@@ -278,3 +278,54 @@ def test_cli_bad_node_id_exits_2_with_one_line(tmp_path: Path) -> None:
     assert bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "'no/slashes'" in lines[0], bad.stderr
+
+
+# --- operator certificates ------------------------------------------------------------
+
+
+def test_an_operator_cert_signs_only_and_names_no_site_nor_coordinator(ca_dir: Path) -> None:
+    pem, key = certs.issue("alice", ca_dir, operator=True)
+    cert = _load(pem)
+    cert.verify_directly_issued_by(_load(ca_dir / "ca.pem"))
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage)
+    assert list(eku.value) == [certs.OPERATOR_EKU] and eku.critical
+    usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert usage.digital_signature and not usage.key_encipherment and not usage.key_cert_sign
+    with pytest.raises(x509.ExtensionNotFound):
+        cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert certs.operator_name_of(cert) == "alice"
+    assert certs.node_id_of(pem.read_bytes()) is None  # the servicer refuses it as a peer
+    assert certs.coordinator_name_of(pem.read_bytes()) is None
+    assert certs.check_pair(ca_dir / "ca.pem", pem, key) is None  # a site cannot start with it
+    info = certs.describe(pem)
+    assert (info["role"], info["node_id"], info["subject"]) == ("operator", None, "CN=alice")
+    site_pem, _ = certs.issue("site-a", ca_dir)
+    coordinator_pem, _ = certs.issue("coord", ca_dir, coordinator=True)
+    assert certs.operator_name_of(_load(site_pem)) is None  # a site cannot sign control
+    roles = [certs.describe(p)["role"] for p in (site_pem, coordinator_pem, ca_dir / "ca.pem")]
+    assert roles == ["site", "coordinator", "ca"]
+    with pytest.raises(CertificateError, match="coordinator or for an operator, not both"):
+        certs.issue("bob", ca_dir, operator=True, coordinator=True)
+
+
+def test_mtls_refuses_an_operator_cert_as_a_client(ca_dir: Path) -> None:
+    certs.issue("server", ca_dir)
+    certs.issue("alice", ca_dir, operator=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(_mtls_calls(ca_dir, ca_dir, "alice"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_cli_issue_operator_and_show_its_role(
+    ca_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gossipd.node.cli.main import main
+
+    assert main(["certs", "issue", "--operator", "alice", "--dir", str(ca_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "operator alice" in out and "gossipd control --broker" in out, out
+    assert main(["certs", "show", str(ca_dir / "alice.pem"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["role"] == "operator"
+    assert main(["certs", "show", str(ca_dir / "alice.pem")]) == 0
+    assert "       role: operator" in capsys.readouterr().out

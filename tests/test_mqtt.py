@@ -1,9 +1,10 @@
 """MQTT discovery and control against real brokers (Mosquitto, and the embedded amqtt).
 
 Three daemons with mutual TLS and no seeds find each other only through the
-broker's presence messages, gossip, answer control commands, shrug off junk and
-forged presences, and one leaves on command: the mesh's Σw is checked at the end.
-The tests of one broker share its mesh and run in file order.
+broker's presence messages, gossip, answer control commands signed by an operator
+(``gossipd control`` included), refuse and count commands nobody may give, shrug off
+junk and forged presences, and one leaves on command: the mesh's Σw is checked at the
+end. The tests of one broker share its mesh and run in file order.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from gossipd.node.cli.main import main
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.shared import certs
 from gossipd.node.shared.tls import Credentials
@@ -34,17 +37,40 @@ from tests.conftest import (
     wait_mesh_live,
     wait_until,
 )
-from tests.mqttbrokers import ask, broker, publish, wait_message
+from tests.mqttbrokers import ask, broker, publish, send_command, signed_command, wait_message
 
 MESH = "test-mesh"
 NODES = ["a", "b", "c"]
 
 
 class Mesh:
-    def __init__(self, port: int, handles: list[DaemonHandle]) -> None:
+    def __init__(self, port: int, tls_dir: Path, handles: list[DaemonHandle]) -> None:
         self.port = port
+        self.tls_dir = tls_dir
+        self.operator = tls_dir / "operator.pem"  # an operator certificate of the mesh CA
         self.handles = handles
         self.by_id = {h.node_id: h for h in handles}
+
+    def control(self, command: str, *args: str, cert: Path | None = None) -> int:
+        """``gossipd control COMMAND`` against this mesh's broker, in this process."""
+        cert = cert or self.operator
+        return main(
+            [
+                "control",
+                "--broker",
+                f"127.0.0.1:{self.port}",
+                "--mesh-id",
+                MESH,
+                "--cert",
+                str(cert),
+                "--key",
+                str(cert.with_suffix(".key")),
+                "--timeout-s",
+                "60",
+                *args,
+                command,
+            ]
+        )
 
 
 @pytest.fixture(scope="module", params=["mosquitto", "amqtt"])
@@ -56,6 +82,7 @@ def mesh(
     certs.init_ca(tls_dir, mesh_id=MESH)
     for node_id in [*NODES, "tester", "mallory"]:
         certs.issue(node_id, tls_dir)
+    certs.issue("operator", tls_dir, operator=True)
     with broker(request.param, root) as port:
         ports = free_ports(len(NODES))
 
@@ -85,7 +112,7 @@ def mesh(
                     with contextlib.suppress(Exception):
                         handles.append(future.result())
             assert len(handles) == len(NODES), [f.exception() for f in futures]
-            yield Mesh(port, handles)
+            yield Mesh(port, tls_dir, handles)
         finally:
             stop_all(handles)
 
@@ -122,23 +149,34 @@ def test_nodes_with_no_seeds_find_each_other_through_the_broker_and_gossip(mesh:
     assert presence["fingerprint"] == certs.describe(a.data_dir.parent / "tls" / "a.pem")["sha256"]
 
 
-def test_pause_resume_and_checkpoint_take_effect_and_are_answered(mesh: Mesh) -> None:
+def test_signed_pause_resume_and_checkpoint_take_effect_and_are_answered(
+    mesh: Mesh, capsys: pytest.CaptureFixture[str]
+) -> None:
     c, others = mesh.by_id["c"], [mesh.by_id["a"], mesh.by_id["b"]]
-    reply = ask(mesh.port, MESH, "c", "pause")
-    assert reply["ok"] and reply["node_id"] == "c" and reply["command"] == "pause", reply
+    assert mesh.control("pause", "--node", "c") == 0
+    assert capsys.readouterr().out.startswith("c: ok: training pauses")
     paused_at = status_of(c)["step"]
     # The other nodes' steps are the clock: while they take 30 more, c takes at most
     # the one it was in when the command came.
     wait_counters_grow(others, ("step",), 30, "steps on the nodes not paused")
     assert status_of(c)["step"] <= paused_at + 1
     assert set(status_of(c)["live_peers"]) == {"a", "b"}  # still serving gossip
-    assert ask(mesh.port, MESH, "c", "resume")["ok"]
+    # To every node: gossipd control waits for each site whose presence the broker holds.
+    assert mesh.control("resume") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "a: ok: training was not paused",
+        "b: ok: training was not paused",
+        "c: ok: training resumes",
+    ], out
     wait_counters_grow([c], ("step",), 20, "steps on c after resume")
+    assert "MQTT control: resume" in c.log() and "signed by operator 'operator'" in c.log()
 
     checkpoint = c.data_dir / "checkpoint.pt"
     assert not checkpoint.exists()  # checkpoint.every_steps = 0: only on command or at exit
-    reply = ask(mesh.port, MESH, "c", "checkpoint")
-    assert reply["ok"] and str(checkpoint) in reply["detail"], reply
+    reply = ask(mesh.port, MESH, "c", "checkpoint", mesh.operator)
+    assert reply["ok"] and reply["node_id"] == "c" and reply["command"] == "checkpoint", reply
+    assert str(checkpoint) in reply["detail"], reply
     assert checkpoint.exists()
 
 
@@ -227,7 +265,7 @@ def test_junk_on_the_topics_is_counted_and_the_node_keeps_working(mesh: Mesh) ->
     reasons = sorted({reason for _, _, reason in JUNK})
     for topic, payload, _ in JUNK:
         publish(mesh.port, f"gossipd/{MESH}/{topic}", payload)
-    reply = ask(mesh.port, MESH, "a", "resume")  # after the junk, in order on one broker
+    reply = ask(mesh.port, MESH, "a", "resume", mesh.operator)  # after the junk, in order
     assert reply["ok"], reply
 
     def counted() -> bool:
@@ -244,6 +282,48 @@ def test_junk_on_the_topics_is_counted_and_the_node_keeps_working(mesh: Mesh) ->
     wait_counters_grow(mesh.handles, ("step", "pushes_acked"), 3, "training and gossip after junk")
 
 
+def test_commands_no_operator_of_this_mesh_signed_for_this_node_now_are_refused_and_counted(
+    mesh: Mesh, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = mesh.by_id["a"]
+    before = _metrics(a)
+    altered = signed_command(mesh.operator, MESH, "a", "resume")
+    refused: list[tuple[str, dict[str, Any]]] = [
+        ("unsigned", {"command": "pause", "request_id": "unsigned-1"}),
+        ("bad_signature", {**altered, "command": "pause"}),
+        ("not_operator", signed_command(mesh.tls_dir / "tester.pem", MESH, "a", "pause")),
+        ("wrong_mesh", signed_command(mesh.operator, "other-mesh", "a", "pause")),
+        ("wrong_node", signed_command(mesh.operator, MESH, "b", "pause")),
+        (
+            "stale",
+            signed_command(mesh.operator, MESH, "a", "pause", issued_at=int(time.time()) - 3600),
+        ),
+    ]
+    # Each would pause a if it were obeyed; every one is answered "ok": false with its reason.
+    for reason, body in refused:
+        reply = send_command(mesh.port, MESH, "a", body)
+        assert reply["ok"] is False and f"refused ({reason})" in reply["detail"], (reason, reply)
+    once = signed_command(mesh.operator, MESH, "a", "resume")
+    assert send_command(mesh.port, MESH, "a", once)["ok"]
+    reply = send_command(mesh.port, MESH, "a", once)
+    assert reply["ok"] is False and "refused (replay)" in reply["detail"], reply
+    # Signed by an operator of another CA, through gossipd control: a refusal exits 1.
+    other = tmp_path / "other-ca"
+    certs.init_ca(other, mesh_id=MESH)
+    foreign, _ = certs.issue("operator", other, operator=True)
+    assert mesh.control("pause", "--node", "a", cert=foreign) == 1
+    assert capsys.readouterr().out.startswith("a: REFUSED: refused (other_ca)")
+
+    reasons = [r for r, _ in refused] + ["replay", "other_ca"]
+    now = _metrics(a)
+    for reason in reasons:
+        key = f'gossipd_mqtt_control_refused_total{{reason="{reason}"}}'
+        assert now.get(key, 0) - before.get(key, 0) == 1, (reason, now.get(key))
+    assert "refused a request from MQTT control: pause (request 'unsigned-1')" in a.log()
+    assert "gossipd certs issue NAME --operator" in a.log()  # the fix, in the log
+    wait_counters_grow([a], ("step",), 5, "steps on a after the refused pauses")
+
+
 def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: Mesh) -> None:
     b = mesh.by_id["b"]
     replies: list[dict[str, Any]] = []
@@ -253,7 +333,7 @@ def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: 
         f"gossipd/{MESH}/presence/b",
         lambda p: p == b"",
         "b's presence cleared as it leaves",
-        action=lambda: replies.append(ask(mesh.port, MESH, "b", "leave")),
+        action=lambda: replies.append(ask(mesh.port, MESH, "b", "leave", mesh.operator)),
     )
     assert replies[0]["ok"] and replies[0]["command"] == "leave", replies
     assert b.proc.wait(timeout=60) == 0, b.log()[-3000:]

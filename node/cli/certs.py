@@ -1,5 +1,6 @@
-"""`gossipd certs`: the mesh CA and the site certificates for mutual TLS, made, issued
-and shown without loading torch or gRPC."""
+"""`gossipd certs`: the mesh CA, the site certificates for mutual TLS and the operator
+certificates that sign MQTT control commands, made, issued and shown without loading torch
+or gRPC."""
 
 from __future__ import annotations
 
@@ -22,8 +23,21 @@ def _certs_issue(args: argparse.Namespace) -> int:
     from gossipd.node.shared.certs import CA_CERT_FILE, issue
 
     cert, key = issue(
-        args.node_id, args.dir, days=args.days, coordinator=args.coordinator, renew=args.renew
+        args.node_id,
+        args.dir,
+        days=args.days,
+        coordinator=args.coordinator,
+        operator=args.operator,
+        renew=args.renew,
     )
+    if args.operator:
+        print(f"wrote {cert} (certificate of operator {args.node_id}: signs control commands)")
+        print(f"wrote {key} (its private key, mode 0600: keep it with the operator)")
+        print(
+            f"next: gossipd control --broker HOST:PORT --mesh-id MESH_ID --cert {cert} "
+            f"--key {key} COMMAND"
+        )
+        return 0
     what = "the mesh coordinator" if args.coordinator else "site"
     print(f"wrote {cert} (certificate of {what} {args.node_id})")
     print(f"wrote {key} (its private key, mode 0600)")
@@ -61,10 +75,17 @@ def add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p = certs_sub.add_parser("issue", help="write NODE_ID.pem and NODE_ID.key signed by the CA")
     p.add_argument("node_id", metavar="NODE_ID", help="the site's node_id, as in its config")
     p.add_argument("--dir", required=True, type=Path, help="directory of the CA (required)")
-    p.add_argument(
+    role = p.add_mutually_exclusive_group()
+    role.add_argument(
         "--coordinator",
         action="store_true",
         help="a certificate for the mesh coordinator named NODE_ID, not for a site",
+    )
+    role.add_argument(
+        "--operator",
+        action="store_true",
+        help="a certificate for the operator named NODE_ID (gossipd certs issue --operator "
+        "NAME): it signs MQTT control commands (gossipd control) and cannot serve as a site's",
     )
     p.add_argument(
         "--days", type=int, default=SITE_DAYS, help="validity in days (default: %(default)s)"
@@ -77,7 +98,7 @@ def add_certs_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.set_defaults(func=_certs_issue)
 
-    p = certs_sub.add_parser("show", help="subject, node id, validity of a certificate")
+    p = certs_sub.add_parser("show", help="subject, role, node id, validity of a certificate")
     p.add_argument("file", metavar="FILE", type=Path, help="a PEM certificate")
     p.add_argument("--json", action="store_true", help="print one JSON object (default: table)")
     p.set_defaults(func=_certs_show)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from gossipd.node.cli.certs import add_certs_commands
+from gossipd.node.cli.control import add_control_command
 from gossipd.node.cli.mesh import add_mesh_commands
 from gossipd.node.cli.node import run_node
 from gossipd.node.cli.queries import add_query_commands
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, type=Path, help="its TOML config file (required)")
     p.set_defaults(func=_run_coordinator)
     add_certs_commands(sub)
+    add_control_command(sub)
     return parser
 
 

@@ -239,6 +239,14 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "unknown_command, topic_mismatch)",
         ("reason",),
     ),
+    counter(
+        "mqtt_control_refused",
+        "gossipd_mqtt_control_refused_total",
+        "MQTT control commands refused, not obeyed, by reason (no_ca, unsigned, bad_field, "
+        "other_ca, cert_expired, not_operator, bad_signature, wrong_mesh, wrong_node, stale, "
+        "replay)",
+        ("reason",),
+    ),
 )
 
 

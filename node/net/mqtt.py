@@ -5,7 +5,9 @@ While connected, the node keeps a retained presence message on
 itself when it leaves), turns other nodes' presences into candidates for
 :class:`~gossipd.node.net.peering.Peering` (dialled and proved by this node's own
 mTLS handshake, like any relayed address: a presence names no identity), and
-answers control commands (:mod:`gossipd.node.net.mqtt_messages`).
+answers control commands (:mod:`gossipd.node.net.mqtt_messages`), obeying only those an
+operator certificate of the mesh CA signed (:mod:`gossipd.node.shared.control_signing`)
+unless ``mqtt.control_requires_signature`` is false.
 
 An empty presence (a will or a leave) removes nothing: whether a peer is alive
 is decided by this node's own handshakes and pushes, as for every peer. Only an
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import random
 import ssl
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Protocol
@@ -40,7 +43,9 @@ from gossipd.node.net.mqtt_messages import (
     reply_payload,
 )
 from gossipd.node.shared import certs
+from gossipd.node.shared.cert_files import load_cert
 from gossipd.node.shared.config import MqttConfig, NodeConfig
+from gossipd.node.shared.control_signing import ControlRefused, ControlVerifier
 from gossipd.node.shared.rejections import RejectionLog
 
 log = logging.getLogger(__name__)
@@ -137,6 +142,7 @@ class MqttAgent:
         self.peers = peers
         self.controls = controls
         self.metrics = metrics
+        self.verifier = _control_verifier(config)
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.rng = random.Random(config.gossip.seed ^ 0x3A77)
         self.client: aiomqtt.Client | None = None
@@ -257,7 +263,20 @@ class MqttAgent:
             self.peers.heard_presence(presence.node_id, presence.address, presence.incarnation)
 
     async def _on_command(self, client: aiomqtt.Client, command: Command) -> None:
-        log.info("MQTT control: %s (request %r)", command.command, command.request_id)
+        signer = "unsigned (mqtt.control_requires_signature = false)"
+        if self.verifier is not None:
+            try:
+                signer = f"signed by operator {self.verifier.check(command.body, time.time())!r}"
+            except ControlRefused as refused:
+                self.metrics.mqtt_control_refused.labels(refused.reason).inc()
+                self.rejections.record(
+                    "MQTT control",
+                    f"control:{refused.reason}",
+                    f"{command.command} (request {command.request_id!r}): {refused}",
+                )
+                await self._reply(client, command, ok=False, detail=str(refused))
+                return
+        log.info("MQTT control: %s (request %r), %s", command.command, command.request_id, signer)
         try:
             detail = await self._run(command.command)
         except GossipdError as err:
@@ -295,6 +314,31 @@ class MqttAgent:
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+
+
+def _control_verifier(config: NodeConfig) -> ControlVerifier | None:
+    """The checks on control commands (None: obeyed unsigned), said once at start."""
+    assert config.mqtt is not None
+    if not config.mqtt.control_requires_signature:
+        log.warning(
+            "mqtt.control_requires_signature = false: control commands are obeyed unsigned, "
+            "so anyone who can publish on the broker's control topics can pause or stop this "
+            "node; issue operator certificates (gossipd certs issue NAME --operator) and "
+            "remove the setting"
+        )
+        return None
+    window_s = config.mqtt.control_window_s
+    if config.tls.insecure:
+        log.info(
+            "MQTT control commands will be refused: without TLS this node has no mesh CA to "
+            "check their signatures against (set mqtt.control_requires_signature = false to "
+            "obey unsigned ones)"
+        )
+        ca = None
+    else:
+        assert config.tls.ca is not None
+        ca = load_cert(config.tls.ca)
+    return ControlVerifier(ca, mesh_id=config.mesh_id, node_id=config.node_id, window_s=window_s)
 
 
 def _version() -> str:

@@ -5,7 +5,8 @@ Topics, under ``PREFIX/MESH_ID/``:
 * ``presence/NODE_ID`` (retained): ``{node_id, address, incarnation, fingerprint,
   mesh_id, version}``; an empty payload clears it (the last will, or a graceful leave);
 * ``control`` (every node) and ``control/NODE_ID`` (one node):
-  ``{"command": "pause"|"resume"|"checkpoint"|"leave", "request_id": "..."}``;
+  ``{"command": "pause"|"resume"|"checkpoint"|"leave", "request_id": "...", ...}`` and the
+  signature fields of :mod:`gossipd.node.shared.control_signing`, checked there;
 * ``reply/NODE_ID``: ``{request_id, node_id, command, ok, detail}``.
 
 Anyone who can publish to the broker can write any of these, so each message is
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gossipd.node.shared.control_signing import COMMANDS
+
 MAX_PAYLOAD_BYTES = 4096
-COMMANDS = ("pause", "resume", "checkpoint", "leave")
 MAX_REQUEST_ID = 128
 _ID = re.compile(r"[A-Za-z0-9._-]+")
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}")
@@ -100,6 +103,7 @@ class Presence:
 class Command:
     command: str
     request_id: str
+    body: Mapping[str, Any] = field(default_factory=dict)  # the whole message, signature too
 
 
 def _object(payload: bytes) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def parse_command(payload: bytes) -> Command:
     if command not in COMMANDS:
         known = ", ".join(COMMANDS)
         raise Junk("unknown_command", f"command {command!r:.60}; known: {known}", request_id)
-    return Command(command, request_id)
+    return Command(command, request_id, data)
 
 
 def reply_payload(request_id: str, node_id: str, command: str, ok: bool, detail: str) -> bytes:

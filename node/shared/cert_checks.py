@@ -1,6 +1,7 @@
-"""Reading certificates back: which site or coordinator one names (:func:`node_id_of`,
-:func:`coordinator_name_of`), what ``gossipd certs show`` prints (:func:`describe`), and
-whether a site's CA, certificate and key fit together and are valid now (:func:`check_pair`).
+"""Reading certificates back: which site, coordinator or operator one names
+(:func:`node_id_of`, :func:`coordinator_name_of`, :func:`operator_name_of`), what
+``gossipd certs show`` prints (:func:`describe`), and whether a site's CA, certificate and
+key fit together and are valid now (:func:`check_pair`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gossipd.node.shared.cert_files import (
     COORDINATOR_DNS_NAME,
     MESH_DNS_NAME,
     NODE_ID_RE,
+    OPERATOR_EKU,
     CertificateError,
     is_ca,
     load_cert,
@@ -38,6 +40,18 @@ def _common_names(cert: x509.Certificate) -> list[str]:
     return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
 
 
+def operator_name_of(cert: x509.Certificate) -> str | None:
+    """The operator a certificate names (its common name) when it carries the operator usage
+    and is no CA; None for any other certificate, a site's included."""
+    try:
+        uses = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return None
+    if OPERATOR_EKU not in uses or is_ca(cert):
+        return None
+    return next((n for n in _common_names(cert) if NODE_ID_RE.fullmatch(n)), None)
+
+
 def _coordinator_name_of_cert(cert: x509.Certificate) -> str | None:
     dns = _dns_names(cert)
     if COORDINATOR_DNS_NAME not in dns or MESH_DNS_NAME in dns or is_ca(cert):
@@ -47,8 +61,8 @@ def _coordinator_name_of_cert(cert: x509.Certificate) -> str | None:
 
 def _node_id_of_cert(cert: x509.Certificate) -> str | None:
     dns = _dns_names(cert)
-    if COORDINATOR_DNS_NAME in dns:
-        return None  # the coordinator's certificate never speaks for a site
+    if COORDINATOR_DNS_NAME in dns or operator_name_of(cert) is not None:
+        return None  # the coordinator's and operators' certificates never speak for a site
     names = [n for n in dns if n != MESH_DNS_NAME] or _common_names(cert)
     # Only a name the config would accept as a node_id counts: a CA's CN has spaces.
     return next((n for n in names if NODE_ID_RE.fullmatch(n)), None)
@@ -83,6 +97,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "issuer": cert.issuer.rfc4514_string(),
         "node_id": None if is_ca(cert) else _node_id_of_cert(cert),
         "coordinator": _coordinator_name_of_cert(cert),
+        "role": _role(cert),
         "dns_names": dns_names,
         "serial": f"{cert.serial_number:x}",
         "not_before": start.isoformat(),
@@ -91,6 +106,17 @@ def describe(path: str | Path) -> dict[str, Any]:
         "is_ca": is_ca(cert),
         "sha256": cert.fingerprint(hashes.SHA256()).hex(),
     }
+
+
+def _role(cert: x509.Certificate) -> str | None:
+    """ca, site, coordinator or operator: what the certificate may do in a mesh."""
+    if is_ca(cert):
+        return "ca"
+    if operator_name_of(cert) is not None:
+        return "operator"
+    if _coordinator_name_of_cert(cert) is not None:
+        return "coordinator"
+    return "site" if _node_id_of_cert(cert) is not None else None
 
 
 def _check_time(cert: x509.Certificate, path: Path, now: dt.datetime) -> None:

@@ -21,6 +21,10 @@ from gossipd.node.shared.config import NodeConfig
 
 MESH_DNS_NAME = "gossipd-node"
 COORDINATOR_DNS_NAME = "gossipd-coordinator"
+# The extended key usage of an operator certificate, the only one it carries (no serverAuth,
+# no clientAuth, no DNS name): it signs MQTT control commands and nothing else. An OID under
+# 2.25 is a UUID written as an integer (ITU-T X.667), unique without registering an arc.
+OPERATOR_EKU = x509.ObjectIdentifier("2.25.264150099849790660328065467093392138037")
 CA_CERT_FILE = "ca.pem"
 CA_KEY_FILE = "ca.key"
 CA_DAYS = 3650

@@ -1,6 +1,6 @@
-"""Making certificates: the mesh CA (:func:`init_ca`) and, signed by it, a site's or the
-coordinator's key and certificate (:func:`issue`). What each certificate names is set out
-in :mod:`.certs`.
+"""Making certificates: the mesh CA (:func:`init_ca`) and, signed by it, a site's, the
+coordinator's or an operator's key and certificate (:func:`issue`). What each certificate
+names is set out in :mod:`.certs`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from gossipd.node.shared.cert_files import (
     CLOCK_SKEW,
     COORDINATOR_DNS_NAME,
     MESH_DNS_NAME,
+    OPERATOR_EKU,
     SITE_DAYS,
     CertificateError,
     check_id,
@@ -41,12 +42,13 @@ def _validity(not_before: dt.datetime | None, days: float) -> tuple[dt.datetime,
     return start, start + dt.timedelta(days=days)
 
 
-def _key_usage(*, signs_certificates: bool) -> x509.KeyUsage:
-    """A CA signs certificates and CRLs; a site signs handshakes and enciphers keys."""
+def _key_usage(*, signs_certificates: bool, enciphers_keys: bool = True) -> x509.KeyUsage:
+    """A CA signs certificates and CRLs; a site signs handshakes and enciphers keys; an
+    operator only signs (its control commands)."""
     return x509.KeyUsage(
         digital_signature=not signs_certificates,
         content_commitment=False,
-        key_encipherment=not signs_certificates,
+        key_encipherment=not signs_certificates and enciphers_keys,
         data_encipherment=False,
         key_agreement=False,
         key_cert_sign=signs_certificates,
@@ -136,16 +138,13 @@ def _signed_leaf(
     validity: tuple[dt.datetime, dt.datetime],
     *,
     coordinator: bool,
+    operator: bool,
 ) -> x509.Certificate:
     """``key``'s certificate, signed by the CA: a site's names ``node_id`` and the mesh name,
-    the coordinator's only the coordinator name; both serve and dial TLS."""
-    names = (
-        [x509.DNSName(COORDINATOR_DNS_NAME)]
-        if coordinator
-        else [x509.DNSName(node_id), x509.DNSName(MESH_DNS_NAME)]
-    )
-    uses = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    return (
+    the coordinator's only the coordinator name; both serve and dial TLS. An operator's
+    names no DNS name and carries only the operator usage (:data:`OPERATOR_EKU`, marked
+    critical), so TLS refuses it as a server or client and it names no site."""
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
         .issuer_name(ca_cert.subject)
@@ -153,16 +152,27 @@ def _signed_leaf(
         .serial_number(x509.random_serial_number())
         .not_valid_before(validity[0])
         .not_valid_after(validity[1])
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(signs_certificates=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(uses), critical=False)
         .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
+            _key_usage(signs_certificates=False, enciphers_keys=not operator), critical=True
         )
-        .sign(ca_key, hashes.SHA256())
     )
+    if operator:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([OPERATOR_EKU]), critical=True)
+    else:
+        names = (
+            [x509.DNSName(COORDINATOR_DNS_NAME)]
+            if coordinator
+            else [x509.DNSName(node_id), x509.DNSName(MESH_DNS_NAME)]
+        )
+        uses = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(names), critical=False
+        ).add_extension(x509.ExtendedKeyUsage(uses), critical=False)
+    return builder.add_extension(
+        x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+        critical=False,
+    ).sign(ca_key, hashes.SHA256())
 
 
 def issue(
@@ -172,16 +182,22 @@ def issue(
     days: float = SITE_DAYS,
     not_before: dt.datetime | None = None,
     coordinator: bool = False,
+    operator: bool = False,
     renew: bool = False,
 ) -> tuple[Path, Path]:
     """Write ``<node_id>.pem`` and ``<node_id>.key``, signed by the CA in ``directory``:
-    a site's certificate, or with ``coordinator`` the mesh coordinator's (named ``node_id``).
+    a site's certificate, with ``coordinator`` the mesh coordinator's, with ``operator``
+    an operator's, who signs MQTT control commands (each named ``node_id``).
 
     The certificate is valid from ``not_before`` (default: now, less a few minutes of clock
     skew) for ``days``. Tests pass a ``not_before`` in the past with a short ``days`` for an
     expired certificate, or one in the future for a not-yet-valid one. ``renew`` replaces
     the pair ``node_id`` has (rotation); without it an existing pair is refused.
     """
+    if coordinator and operator:
+        raise CertificateError(
+            "a certificate is for the coordinator or for an operator, not both; issue two"
+        )
     ca_cert_path, ca_key_path, cert_path, key_path = _issuable_paths(
         node_id, Path(directory), renew=renew
     )
@@ -190,7 +206,9 @@ def issue(
         raise CertificateError(f"{ca_key_path} is not the key of {ca_cert_path}")
     validity = _validity(not_before, days)
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = _signed_leaf(node_id, key, ca_cert, ca_key, validity, coordinator=coordinator)
+    cert = _signed_leaf(
+        node_id, key, ca_cert, ca_key, validity, coordinator=coordinator, operator=operator
+    )
     if not renew:
         return write_pair(cert_path, key_path, cert, key)
     # Written whole beside the old pair, then renamed over it: a site reading the files

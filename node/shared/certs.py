@@ -21,6 +21,12 @@ A coordinator certificate (``issue(..., coordinator=True)``) names only
 the coordinator checking that name, so a site certificate cannot pose as the coordinator;
 it carries no node id, so the coordinator's certificate cannot pose as a site either.
 
+An operator certificate (``issue(..., operator=True)``) names the operator in its common
+name and carries one extended key usage, ``OPERATOR_EKU``, and no DNS name: it signs MQTT
+control commands (:mod:`.control_signing`) and cannot serve or dial TLS (no serverAuth or
+clientAuth usage) nor name a site. A site certificate lacks that usage, so it cannot sign
+a command a node obeys.
+
 Keys are EC P-256, written with mode 0600 from the moment the file exists. Nothing here
 shells out to openssl.
 
@@ -31,7 +37,13 @@ making certificates in :mod:`.cert_issuing`, reading and checking them in
 
 from __future__ import annotations
 
-from gossipd.node.shared.cert_checks import check_pair, coordinator_name_of, describe, node_id_of
+from gossipd.node.shared.cert_checks import (
+    check_pair,
+    coordinator_name_of,
+    describe,
+    node_id_of,
+    operator_name_of,
+)
 from gossipd.node.shared.cert_files import (
     CA_CERT_FILE,
     CA_DAYS,
@@ -40,6 +52,7 @@ from gossipd.node.shared.cert_files import (
     COORDINATOR_DNS_NAME,
     MESH_DNS_NAME,
     NODE_ID_RE,
+    OPERATOR_EKU,
     SITE_DAYS,
     CertificateError,
 )
@@ -53,6 +66,7 @@ __all__ = [
     "COORDINATOR_DNS_NAME",
     "MESH_DNS_NAME",
     "NODE_ID_RE",
+    "OPERATOR_EKU",
     "SITE_DAYS",
     "CertificateError",
     "check_pair",
@@ -61,4 +75,5 @@ __all__ = [
     "init_ca",
     "issue",
     "node_id_of",
+    "operator_name_of",
 ]

@@ -1,0 +1,313 @@
+"""Signed MQTT control commands: the bytes an operator signs, and a node's checks before it
+obeys one.
+
+Whoever can publish on the broker can write a control topic, so a node obeys a command only
+when an operator certificate of its own mesh CA signed it (``gossipd certs issue NAME
+--operator``), for this mesh and this node (or every node), within ``window_s`` of the
+node's clock, and not before: each nonce is obeyed once.
+
+The signed bytes (version 1) are seven lines, each ended by a line feed::
+
+    gossipd-control-v1
+    MESH_ID        the mesh's id
+    TARGET         a node id, or * for every node
+    COMMAND        pause, resume, checkpoint or leave
+    REQUEST_ID     1 to 128 of [A-Za-z0-9._:-]
+    ISSUED_AT      Unix time in whole seconds, decimal
+    NONCE          16 to 64 of [A-Za-z0-9_-], new for every command
+
+Every field has an alphabet without a line feed, so the bytes name one command only. The
+message is the JSON object of those fields (``mesh_id``, ``target``, ``command``,
+``request_id``, ``issued_at`` as a number, ``nonce``) plus ``cert``, the signer's
+certificate (PEM), and ``signature``: ECDSA P-256 with SHA-256 over the bytes, DER, base64
+(``openssl dgst -sha256 -sign operator.key`` makes it).
+
+No I/O and no clock: the caller gives the time.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import heapq
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from gossipd.node.errors import GossipdError
+from gossipd.node.shared.cert_checks import operator_name_of
+from gossipd.node.shared.cert_files import NODE_ID_RE
+
+VERSION_LINE = "gossipd-control-v1"
+ALL_NODES = "*"
+COMMANDS = ("pause", "resume", "checkpoint", "leave")
+MAX_REMEMBERED = 4096  # nonces kept against replay; beyond it the oldest go (see NonceWindow)
+MAX_CERT_CHARS = 3000
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_NONCE = re.compile(r"[A-Za-z0-9_-]{16,64}")
+ISSUE_OPERATOR = "gossipd certs issue NAME --operator --dir CA_DIR"
+# The label of gossipd_mqtt_control_refused_total.
+REASONS = (
+    "no_ca",
+    "unsigned",
+    "bad_field",
+    "other_ca",
+    "cert_expired",
+    "not_operator",
+    "bad_signature",
+    "wrong_mesh",
+    "wrong_node",
+    "stale",
+    "replay",
+)
+
+
+class ControlRefused(GossipdError):
+    """A control command a node does not obey; ``reason`` is one of :data:`REASONS`, the
+    message says why and how to send one that is obeyed."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(f"refused ({reason}): {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ControlClaim:
+    """What a signature covers: one command, for one mesh and target, at one time."""
+
+    mesh_id: str
+    target: str
+    command: str
+    request_id: str
+    issued_at: int
+    nonce: str
+
+    def __post_init__(self) -> None:
+        bad = _first_bad_field(self)
+        if bad is not None:
+            raise ControlRefused("bad_field", bad)
+
+    def canonical(self) -> bytes:
+        """The bytes the operator signs (module docstring)."""
+        lines = (
+            VERSION_LINE,
+            self.mesh_id,
+            self.target,
+            self.command,
+            self.request_id,
+            str(self.issued_at),
+            self.nonce,
+        )
+        return "".join(f"{line}\n" for line in lines).encode()
+
+
+def _first_bad_field(claim: ControlClaim) -> str | None:
+    if not isinstance(claim.mesh_id, str) or not NODE_ID_RE.fullmatch(claim.mesh_id):
+        return f"mesh_id {claim.mesh_id!r:.60} is not a mesh id"
+    if not isinstance(claim.target, str) or not (
+        claim.target == ALL_NODES or NODE_ID_RE.fullmatch(claim.target)
+    ):
+        return f"target {claim.target!r:.60} is neither a node id nor {ALL_NODES!r}"
+    if claim.command not in COMMANDS:
+        return f"command {claim.command!r:.60}; known: {', '.join(COMMANDS)}"
+    if not isinstance(claim.request_id, str) or not _REQUEST_ID.fullmatch(claim.request_id):
+        return f"request_id {claim.request_id!r:.60} is not 1 to 128 of [A-Za-z0-9._:-]"
+    if not isinstance(claim.issued_at, int) or isinstance(claim.issued_at, bool):
+        return f"issued_at {claim.issued_at!r:.60} is not whole Unix seconds"
+    if not isinstance(claim.nonce, str) or not _NONCE.fullmatch(claim.nonce):
+        return f"nonce {claim.nonce!r:.60} is not 16 to 64 of [A-Za-z0-9_-]"
+    return None
+
+
+def sign(
+    claim: ControlClaim, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> dict[str, Any]:
+    """The JSON object to publish: ``claim``'s fields, ``cert`` (PEM) and the signature."""
+    signature = key.sign(claim.canonical(), ec.ECDSA(hashes.SHA256()))
+    return {
+        **asdict(claim),
+        "cert": cert.public_bytes(serialization.Encoding.PEM).decode(),
+        "signature": base64.b64encode(signature).decode(),
+    }
+
+
+def _parse(data: Mapping[str, Any]) -> tuple[ControlClaim, x509.Certificate, bytes]:
+    claim = ControlClaim(  # each field's type and form is checked by ControlClaim
+        mesh_id=data.get("mesh_id"),
+        target=data.get("target"),
+        command=data.get("command"),
+        request_id=data.get("request_id"),
+        issued_at=data.get("issued_at"),
+        nonce=data.get("nonce"),
+    )
+    pem, signature = data.get("cert"), data.get("signature")
+    if not isinstance(pem, str) or len(pem) > MAX_CERT_CHARS:
+        raise ControlRefused("bad_field", f"cert must be a PEM certificate, got {pem!r:.60}")
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode())
+    except ValueError as err:
+        raise ControlRefused("bad_field", f"cert is not a PEM certificate: {err}") from None
+    if not isinstance(signature, str):
+        raise ControlRefused("bad_field", f"signature must be base64, got {signature!r:.60}")
+    try:
+        return claim, cert, base64.b64decode(signature, validate=True)
+    except binascii.Error as err:
+        raise ControlRefused("bad_field", f"signature is not base64: {err}") from None
+
+
+class NonceWindow:
+    """The nonces obeyed whose command is still within the window, at most ``capacity``.
+
+    A nonce is forgotten once its command is older than the window (it would be refused as
+    stale). When more than ``capacity`` are fresh, the oldest is forgotten and every command
+    issued at or before it is refused from then on: memory stays bounded and no replay gets
+    through; what it costs is refusing old commands never seen, under a flood only an
+    operator (who must sign each) can make."""
+
+    def __init__(self, window_s: float, capacity: int = MAX_REMEMBERED) -> None:
+        self.window_s = window_s
+        self.capacity = capacity
+        self._by_time: list[tuple[int, str]] = []
+        self._seen: set[str] = set()
+        self.floor = -math.inf  # issued_at at or below which a forgotten one may hide
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, nonce: str, issued_at: int, now_s: float) -> bool:
+        """Remember ``nonce``; False when it was seen, or may have been and was forgotten."""
+        while self._by_time and self._by_time[0][0] < now_s - self.window_s:
+            self._seen.discard(heapq.heappop(self._by_time)[1])
+        if nonce in self._seen or issued_at <= self.floor:
+            return False
+        if len(self._seen) >= self.capacity:
+            oldest, forgotten = heapq.heappop(self._by_time)
+            self._seen.discard(forgotten)
+            self.floor = max(self.floor, oldest)
+        heapq.heappush(self._by_time, (issued_at, nonce))
+        self._seen.add(nonce)
+        return True
+
+
+class ControlVerifier:
+    """A node's checks on a control command. ``ca`` is the mesh CA (the node's ``tls.ca``);
+    None in a plaintext mesh, where nothing can be verified and every command is refused."""
+
+    def __init__(
+        self,
+        ca: x509.Certificate | None,
+        *,
+        mesh_id: str,
+        node_id: str,
+        window_s: float,
+        max_remembered: int = MAX_REMEMBERED,
+    ) -> None:
+        self.ca = ca
+        self.mesh_id = mesh_id
+        self.node_id = node_id
+        self.window_s = window_s
+        self.nonces = NonceWindow(window_s, max_remembered)
+
+    def check(self, data: Mapping[str, Any], now_s: float) -> str:
+        """The operator who signed the command ``data``, once it may be obeyed (its nonce is
+        then remembered); ControlRefused saying why and the fix when it may not."""
+        if self.ca is None:
+            raise ControlRefused(
+                "no_ca",
+                "this node runs without TLS (tls.insecure), so it has no mesh CA to check a "
+                "signature against; give the mesh a CA ([tls]), or set "
+                "mqtt.control_requires_signature = false to obey unsigned commands from "
+                "anyone who can publish on the broker",
+            )
+        if "signature" not in data and "cert" not in data:
+            raise ControlRefused(
+                "unsigned",
+                "it carries no signature; send it with gossipd control --cert OPERATOR.pem "
+                f"--key OPERATOR.key (an operator certificate: {ISSUE_OPERATOR})",
+            )
+        claim, cert, signature = _parse(data)
+        operator = self._check_signer(cert, now_s)
+        key = cert.public_key()
+        try:
+            if not isinstance(key, ec.EllipticCurvePublicKey):
+                raise InvalidSignature
+            key.verify(signature, claim.canonical(), ec.ECDSA(hashes.SHA256()))
+        except InvalidSignature:
+            raise ControlRefused(
+                "bad_signature",
+                f"the signature does not verify with operator {operator!r}'s certificate over "
+                "the command's fields (altered on the way, or other bytes signed); sign the "
+                "form of docs/mqtt.md, or send it with gossipd control",
+            ) from None
+        self._check_claim(claim, operator, now_s)
+        return operator
+
+    def _check_signer(self, cert: x509.Certificate, now_s: float) -> str:
+        assert self.ca is not None
+        signer = cert.subject.rfc4514_string()
+        try:
+            cert.verify_directly_issued_by(self.ca)
+        except (ValueError, TypeError, InvalidSignature):
+            raise ControlRefused(
+                "other_ca",
+                f"its certificate {signer!r} (issuer {cert.issuer.rfc4514_string()!r}) is not "
+                f"signed by this mesh's CA {self.ca.subject.rfc4514_string()!r}; sign with an "
+                f"operator certificate of this mesh: {ISSUE_OPERATOR}",
+            ) from None
+        now = dt.datetime.fromtimestamp(now_s, dt.UTC)
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+        if not start <= now <= end:
+            raise ControlRefused(
+                "cert_expired",
+                f"the certificate {signer!r} is valid from {start.isoformat()} to "
+                f"{end.isoformat()}; issue a new one: {ISSUE_OPERATOR} --renew",
+            )
+        operator = operator_name_of(cert)
+        if operator is None:
+            raise ControlRefused(
+                "not_operator",
+                f"it is signed with {signer!r}, which is not an operator certificate (a "
+                f"site's or the coordinator's cannot sign control); {ISSUE_OPERATOR}",
+            )
+        return operator
+
+    def _check_claim(self, claim: ControlClaim, operator: str, now_s: float) -> None:
+        by = f"signed by operator {operator!r}"
+        if claim.mesh_id != self.mesh_id:
+            raise ControlRefused(
+                "wrong_mesh",
+                f"{by} for mesh {claim.mesh_id!r}, this node is in {self.mesh_id!r}; send it "
+                f"with --mesh-id {self.mesh_id}",
+            )
+        if claim.target not in (ALL_NODES, self.node_id):
+            raise ControlRefused(
+                "wrong_node",
+                f"{by} for node {claim.target!r}, this is {self.node_id!r}; send it with "
+                f"--node {self.node_id} (or without --node for every node)",
+            )
+        skew_s = now_s - claim.issued_at
+        if abs(skew_s) > self.window_s:
+            when = "ago" if skew_s > 0 else "in the future"
+            raise ControlRefused(
+                "stale",
+                f"{by}, issued {abs(skew_s):.0f} s {when}, outside this node's window of "
+                f"{self.window_s:g} s (mqtt.control_window_s); send it anew, and check that "
+                "the operator's and this node's clocks agree (NTP)",
+            )
+        if not self.nonces.admit(claim.nonce, claim.issued_at, now_s):
+            raise ControlRefused(
+                "replay",
+                f"{by}, nonce {claim.nonce!r} (request {claim.request_id!r}) was already "
+                "obeyed, or is older than every command this node still remembers: each "
+                "command is obeyed once; send it anew (gossipd control signs each with a new "
+                "nonce)",
+            )
