@@ -4,12 +4,18 @@ the weight sink and weight inflation (issue 12, item 3).
 Observed on a live mesh: a member that acknowledged every push and never pushed back
 took the honest sites' Σw from 2.47e6 to 8e-14 in 8 s and gossip stopped; 60 pushes
 of 1e6, each under the per-message cap, gave node-0 a weight of 6.2e7 and every push
-it made afterwards was refused. Here the sink must be suspected by every honest site
-after at most the stated number of pushes (``SinkWatch.pushes_to_suspect``, plus one
-in flight), the honest sites keep gossiping, and what they hold plus what the sink took
-is their founding weight, 3; every inflating push is refused (WeightOverCap) and no
-honest weight passes the cap. Rates are printed as ratios of the rate before the
-insider joined (run with ``-s`` for the table).
+it made afterwards was refused. A second round (issue 32): the sink took 2.997 of 3.0
+before the sink score stopped the pushes, and top-ups to just under the cap were merged
+until every honest push was refused for the cap (zero acknowledged pushes after).
+
+Here the sink takes at most ``limits.peer_credit`` of each honest site's weight (the
+honest sites keep at least two thirds of theirs), every honest site names it, and
+the honest sites keep gossiping; it can then bring each site at most what it took
+plus the credit plus one founding weight (more is refused, OverCredit); inflating
+pushes and top-ups under the cap are refused for the credit before the cap ever bites,
+and honest gossip goes on at at least half its rate. What the honest sites hold plus
+what the sink took, less what it brought, is their founding weight. Rates are printed
+as ratios of the rate before the insider joined (run with ``-s`` for the table).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from gossipd.node.protocols.sinks import SinkWatch
+from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
 from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
@@ -44,7 +50,6 @@ CONFIG = {
 PROGRESS = 600  # acknowledged pushes, all honest sites together, per measured window
 WINDOW_TIMEOUT_S = 60.0
 INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message cap)
-STATED_PUSHES = SinkWatch(6.0, 0.5).pushes_to_suspect(0.5) + 1  # defaults, plus one in flight
 TOLERANCE = 1e-9
 
 
@@ -95,8 +100,9 @@ def _metric(h: DaemonHandle, name: str) -> float:
 
 
 def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, founding: float) -> None:
-    """Every honest site pushes to the sink until it suspects it: each gave at most
-    STATED_PUSHES, and the honest Σw accounts for all but what the sink took."""
+    """Every honest site pushes to the sink until its credit is spent and names it: each
+    gave at most the credit per segment, and the honest Σw accounts for all but what the
+    sink took, at least two thirds of the founding weight."""
     started = time.monotonic()
     acked_at_join = acked(mesh)
     wait_until(
@@ -112,32 +118,66 @@ def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, found
         wait_until(lambda h=h: named in h.log(), f"{h.node_id} to log the sink", 30.0)
     during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
     after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
-    taken = dict(insider.pushes_taken)
+    taken = dict(insider.weight_taken)
     assert set(taken) <= set(IDS)
-    assert max(taken.values()) <= STATED_PUSHES, taken
+    segments = founding / len(IDS)
+    assert max(taken.values()) <= DEFAULT_CREDIT * segments + TOLERANCE, taken
+    honest = founding - sum(insider.weight_taken.values())
+    assert honest >= 2 / 3 * founding
     free, held = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
-    assert free > 0
     print(
         f"\nweight sink: before {before:.1f}/s, during {during / before:.2f}x, after "
-        f"{after / before:.2f}x; pushes taken per site {taken} (stated at most "
-        f"{STATED_PUSHES}); honest Σw in [{free:.4f}, {held:.4f}] of {founding:g}"
+        f"{after / before:.2f}x; weight taken per site {taken} (credit {DEFAULT_CREDIT:.4f} "
+        f"per segment); honest Σw in [{free:.4f}, {held:.4f}] of {founding:g}"
     )
+    assert after >= 0.5 * before
+
+
+def _spend(mesh: list[DaemonHandle], insider: WeightInsider, before: float) -> float:
+    """The sink spends: to each site, a push of more than it took plus the credit and a
+    founding weight is refused (OverCredit, nothing merged); one within it is merged, and
+    nothing more after it. Returns the weight it brought."""
+    brought = 0.0
+    for h in mesh:
+        allowed = insider.weight_taken[h.node_id] + DEFAULT_CREDIT + FOUNDING_WEIGHT
+        over = insider.push(h.address, weight=allowed * 1.01)
+        assert over.code == grpc.StatusCode.INVALID_ARGUMENT, over
+        assert "may bring" in over.details and "limits.peer_credit" in over.details, over.details
+        within = insider.push(h.address, weight=allowed * 0.999)
+        assert within.code == grpc.StatusCode.OK, within
+        brought += allowed * 0.999
+        # Spent: a second push as large is refused (an honest push to it since may have
+        # given it a little room again, never that much).
+        again = insider.push(h.address, weight=allowed)
+        assert "limits.peer_credit" in again.details, again.details
+    after = ack_rate(mesh, PROGRESS, "after the sink spent its credit", WINDOW_TIMEOUT_S)
+    print(f"sink spending: brought {brought:.4f} in all; after {after / before:.2f}x")
+    assert after >= 0.5 * before
+    return brought
 
 
 def _inflate(
-    mesh: list[DaemonHandle], insider: WeightInsider, before: float, founding: float
+    mesh: list[DaemonHandle],
+    insider: WeightInsider,
+    before: float,
+    founding: float,
+    brought: float,
 ) -> None:
-    """Pushes of INFLATE_WEIGHT while the mesh gossips: each refused on the weight it would
-    leave, no site over its cap, and the honest Σw still accounted for."""
+    """Pushes of INFLATE_WEIGHT, and top-ups to just under the cap, while the mesh gossips:
+    each refused for the credit, no site over its cap, honest gossip at at least half its
+    rate, and the honest Σw still accounted for."""
     outcomes: list[grpc.StatusCode] = []
     stop = threading.Event()
 
     def inflate() -> None:
         while not stop.is_set() and len(outcomes) < 600:
             for h in mesh:
-                outcome = insider.push(h.address, weight=INFLATE_WEIGHT)
-                outcomes.append(outcome.code)
-                assert "WeightOverCap" in outcome.details or "max_sum_weight" in outcome.details
+                # 1e6, then a top-up to just under the cap (8: twice the 4 members seen).
+                held = max(status_of(h)["sum_weights"])
+                for weight in (INFLATE_WEIGHT, 8.0 - held - 1e-3):
+                    outcome = insider.push(h.address, weight=weight)
+                    outcomes.append(outcome.code)
+                    assert "limits.peer_credit" in outcome.details, outcome.details
 
     attacker = threading.Thread(target=inflate)
     attacker.start()
@@ -153,16 +193,21 @@ def _inflate(
         cap = _metric(h, "gossipd_sum_weight_cap")
         assert cap == 8.0  # twice the 4 members it has seen, itself and the insider included
         assert max(status_of(h)["sum_weights"]) <= cap
-        assert status_of(h)["rejected"]["WeightOverCap"] >= 1
-    free2, held2 = _wait_accounted(mesh, lambda: founding - sum(insider.weight_taken.values()))
+        rejected = status_of(h)["rejected"]
+        assert rejected["OverCredit"] >= 1
+        assert rejected.get("WeightOverCap", 0) == 0  # the credit refused first: the cap never bit
+    assert after_inflation >= 0.5 * before
+    free2, held2 = _wait_accounted(
+        mesh, lambda: founding - sum(insider.weight_taken.values()) + brought
+    )
     print(
         f"weight inflation: before {before:.1f}/s, during {inflating / before:.2f}x, after "
-        f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} all "
-        f"refused; honest Σw in [{free2:.4f}, {held2:.4f}] of {founding:g}"
+        f"{after_inflation / before:.2f}x; {len(outcomes)} pushes of {INFLATE_WEIGHT:g} or "
+        f"under the cap all refused; honest Σw in [{free2:.4f}, {held2:.4f}] of {founding:g}"
     )
 
 
-def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amount(
+def test_one_insider_sinking_spending_and_inflating_weight_moves_at_most_its_credit(
     mesh: list[DaemonHandle], pki: Pki
 ) -> None:
     segments = len(status_of(mesh[0])["sum_weights"])
@@ -172,7 +217,9 @@ def test_one_insider_sinking_and_inflating_weight_takes_at_most_the_stated_amoun
     with WeightInsider(INSIDER, tls) as insider:
         for h in mesh:
             insider.introduce_to(h.address)
-        # -- the sink: every honest site pushes to it until it suspects it --------------
+        # -- the sink: every honest site pushes to it until its credit is spent ---------
         _sink(mesh, insider, before, founding)
-        # -- inflation: pushes of 1e6, each refused on the weight it would leave ---------
-        _inflate(mesh, insider, before, founding)
+        # -- then it spends what it took, and no more --------------------------------------
+        brought = _spend(mesh, insider, before)
+        # -- inflation: pushes of 1e6 and top-ups under the cap, refused for the credit ---
+        _inflate(mesh, insider, before, founding, brought)

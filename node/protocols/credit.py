@@ -123,9 +123,14 @@ class PeerCredit:
             nets = self.nets[peer] = [0.0] * self.segments
         nets[segment] += delta
 
+    def holds_all(self, peer: str) -> bool:
+        """Whether ``peer`` holds all the credit in every segment: nothing more goes to it."""
+        nets = self.nets.get(peer)
+        return nets is not None and min(nets) >= self.take
+
     def exhausted(self) -> frozenset[str]:
         """Peers this node can push nothing more to, in any segment, until they return some."""
-        return frozenset(p for p, nets in self.nets.items() if min(nets) >= self.take)
+        return frozenset(p for p in self.nets if self.holds_all(p))
 
     def state(self) -> dict[str, list[float]]:
         return {p: list(n) for p, n in self.nets.items()}

@@ -80,6 +80,10 @@ from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
 
+# A peer holding all its credit that gives nothing back while this node settles this many
+# pushes per peer to the others is named a sink (SumWeightLedger.suspected_sinks).
+SILENT_PUSHES_PER_PEER = 25
+
 
 class SumWeightLedger(Reservations, GossipProtocol):
     """Weights, reservations, de-duplication and the view; subclasses choose the pushes.
@@ -141,6 +145,8 @@ class SumWeightLedger(Reservations, GossipProtocol):
             peer_credit if self.returns_weight_per_peer else math.inf, num_segments
         )
         self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
+        # Peers holding all their credit: this node's pushes settled since, none returned.
+        self._silent: dict[str, int] = {}
         self.cap = WeightCap(max_weight, max(1, math.ceil(initial_weight)))
         self.balance = WeightBalance(num_segments, weight_balance)
 
@@ -186,8 +192,18 @@ class SumWeightLedger(Reservations, GossipProtocol):
             in_flight=len(self.in_flight),
             peers=self.peers,
             exchanged=dict(self.exchanged.by_peer),
-            extra={EXTRA_SINKS: self.sinks.sinks(), EXTRA_WEIGHT_CAP: self.weight_cap},
+            extra={EXTRA_SINKS: self.suspected_sinks(), EXTRA_WEIGHT_CAP: self.weight_cap},
         )
+
+    def suspected_sinks(self) -> frozenset[str]:
+        """Peers suspected of sinking weight: by the sink score (:mod:`.sinks`), or holding
+        all the credit this node gives them (:mod:`.credit`) and giving nothing back while
+        this node settled ``SILENT_PUSHES_PER_PEER`` pushes per peer to others. With the
+        credit on, a sink is stopped by the credit long before its score says so; this
+        only names it (an honest peer pushes to this node well within that many)."""
+        patience = SILENT_PUSHES_PER_PEER * max(len(self.peers), 1)
+        silent = {p for p, n in self._silent.items() if n >= patience and p in self.peers}
+        return self.sinks.sinks() | silent
 
     def state_dict(self) -> dict[str, Any]:
         """Weights as held (reservations count as held: their pushes' outcomes are unknown
@@ -344,6 +360,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 self.weights[action.segment] = action.weight_after
                 merged = True
         if merged:
+            self._silent.pop(sender, None)
             self.exchanged.add(sender, received=received, members=self.view.rank_of)
             self.sinks.received(sender, share / len(self.weights))
 

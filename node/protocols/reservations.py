@@ -49,6 +49,7 @@ class Reservations:
     balance: WeightBalance
     view: View
     _shares: dict[tuple[str, int], dict[int, float]]
+    _silent: dict[str, int]
 
     if TYPE_CHECKING:
 
@@ -196,4 +197,8 @@ class Reservations:
             self.exchanged.add(push.peer, sent=sent, members=self.view.rank_of)
             taken = sum(f for s, f in shares.items() if s in acked)
             self.sinks.sent(push.peer, taken / len(self.weights))
+            for peer in self._silent:
+                self._silent[peer] += 1
+            if self.credit.holds_all(push.peer):
+                self._silent.setdefault(push.peer, 0)  # at most one per peer with a net kept
         return folds

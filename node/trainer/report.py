@@ -140,7 +140,8 @@ class SinkLog:
         for peer in sorted(sinks - self.said):
             log.warning(
                 "peer %s took this node's weight and gave none back (sink score over "
-                "limits.sink_score_bound): no more pushes to it until it pushes weight back; "
+                "limits.sink_score_bound, or all the limits.peer_credit this node gives it): no "
+                "more pushes to it until it pushes weight back; "
                 "if it is a member you trust, check its logs: it acknowledges pushes but never "
                 "pushes",
                 peer,
