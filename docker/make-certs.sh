@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Certificates for the compose demo mesh: one mesh CA, one certificate per site and
-# one for the coordinator.
+# Certificates for the compose demo mesh: one mesh CA, one certificate per site, one
+# for the coordinator and one for the operator.
 #
-#   docker/make-certs.sh               # the CA (once), site-a, site-b, site-c, coordinator
+#   docker/make-certs.sh               # the CA (once), site-a..c, coordinator, operator
 #   docker/make-certs.sh site-d        # one more site from the same CA (compose.join.yaml)
 #
 # Writes, under docker/ (or $GOSSIPD_COMPOSE_DIR), all ignored by git and by the build:
@@ -11,9 +11,16 @@
 #   certs/coordinator/ca.pem, coordinator.pem, coordinator.key   the same for the
 #                                        coordinator: a coordinator certificate
 #                                        (gossipd certs issue --coordinator), never a site's
+#   certs/operator/operator.pem, operator.key   the operator's certificate (gossipd certs
+#                                        issue --operator): it signs control commands
+#                                        (gossipd control); mounted read-only into a one-off
+#                                        `compose run` only, never into a site or the
+#                                        coordinator (docs/containers.md)
 #   .env                                 GOSSIPD_UID=<your uid>: the image's user then owns
 #                                        what you own, so it can read SITE.key (mode 0600)
-# A site that already has certs/SITE/ is kept; delete that directory to issue anew.
+#                                        and operator.key
+# A site (or the coordinator, or the operator) that already has certs/NAME/ is kept;
+# delete that directory to issue anew.
 # Needs `gossipd` on PATH (README "Install").
 set -euo pipefail
 
@@ -21,7 +28,12 @@ out="${GOSSIPD_COMPOSE_DIR:-$(cd "$(dirname "$0")" && pwd)}"
 mesh_id="compose-demo"
 default_uid=10001   # the image's default user (docker/Dockerfile ARG GOSSIPD_UID)
 coordinator="coordinator"   # the coordinator service's name, and its certificate's
-if [ "$#" -gt 0 ]; then sites=("$@"); else sites=(site-a site-b site-c "$coordinator"); fi
+operator="operator"         # the operator's certificate: no service runs with it
+if [ "$#" -gt 0 ]; then
+  sites=("$@")
+else
+  sites=(site-a site-b site-c "$coordinator" "$operator")
+fi
 
 ca_dir="$out/certs/ca"
 if [ ! -e "$ca_dir/ca.pem" ]; then
@@ -34,18 +46,22 @@ for site in "${sites[@]}"; do
     echo "$site: kept $site_dir (delete it to issue a new certificate)"
     continue
   fi
-  if [ "$site" = "$coordinator" ]; then
-    gossipd certs issue "$site" --coordinator --dir "$ca_dir"
-  else
-    gossipd certs issue "$site" --dir "$ca_dir"
-  fi
+  case "$site" in
+    "$coordinator") gossipd certs issue "$site" --coordinator --dir "$ca_dir" ;;
+    "$operator") gossipd certs issue "$site" --operator --dir "$ca_dir" ;;
+    *) gossipd certs issue "$site" --dir "$ca_dir" ;;
+  esac
   mkdir -p "$site_dir"
   # The site gets the CA certificate, its own certificate and key; the CA dir keeps
-  # neither the site's key nor its certificate.
-  cp "$ca_dir/ca.pem" "$site_dir/"
+  # neither the site's key nor its certificate. The operator only signs commands (no
+  # TLS to a site), so it needs no CA certificate.
+  if [ "$site" != "$operator" ]; then
+    cp "$ca_dir/ca.pem" "$site_dir/"
+  fi
   mv "$ca_dir/$site.pem" "$ca_dir/$site.key" "$site_dir/"
   if [ "$(id -u)" -eq 0 ]; then
-    # root owns everything; the image's user cannot read a root-owned 0600 key.
+    # root owns everything; the image's user cannot read a root-owned 0600 key (the
+    # operator's included: `compose run` signs with it as that user).
     chown -R "$default_uid" "$site_dir"
   fi
 done

@@ -8,7 +8,9 @@ own loader and its command through gossipd's parser. The health checks that comp
 states itself run for real: the coordinator's Python program asks a real
 ``gossipd coordinator`` holding the script's certificate, and the broker's
 ``mosquitto_sub`` asks Debian's Mosquitto reading docker/mosquitto.conf, each with
-only its address made local.
+only its address made local. The operator's control command of docs/containers.md is
+parsed with gossipd's parser, signed by ``gossipd control``'s own code with the script's
+operator certificate and checked by each site's own verifier.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import getpass
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,16 +32,23 @@ from typing import Any
 
 import pytest
 
+from gossipd.node.cli.control import signed_payload
+from gossipd.node.cli.main import build_parser
 from gossipd.node.launch.localmesh import free_ports, stop_process
+from gossipd.node.shared.cert_files import load_cert
 from gossipd.node.shared.certs import check_pair
+from gossipd.node.shared.control_signing import ControlVerifier
 from tests.compose_files import (
+    BASE_SITES,
     BROKER,
     CERTS_TARGET,
     COMPOSE,
     COMPOSE_JOIN,
     COORDINATOR,
+    DOCKER,
     DOCKERFILES,
     MOSQUITTO_CONF,
+    REPO,
     TIMEOUT_S,
     _binds,
     _compose_config,
@@ -56,6 +67,8 @@ from tests.conftest import coordinator_process, wait_until
 from tests.mqttbrokers import MOSQUITTO
 
 WAIT_S = 30.0
+# The `docker compose run` options the docs' control command may use: name -> takes a value.
+RUN_OPTIONS = {"--rm": False, "-v": True, "--entrypoint": True}
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +250,69 @@ def test_mosquitto_runs_the_brokers_config_and_its_health_check_answers(
         assert done.stdout.startswith("mosquitto version"), done.stdout
     finally:
         stop_process(proc, 15.0)
+
+
+# ---------------------------------------------------------------------------
+# the operator's control command
+
+
+def _docs_control_command() -> tuple[dict[str, list[str]], str, list[str]]:
+    """docs/containers.md's ``docker compose run`` of ``gossipd control``, as the shell
+    splits it: (its run options, the service, the command after the service)."""
+    page = (REPO / "docs" / "containers.md").read_text()
+    blocks = [b.split("```")[0] for b in page.split("```bash\n")[1:]]
+    [block] = [b for b in blocks if " run " in b and " control " in b]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:5] == ["docker", "compose", "-f", str(COMPOSE.relative_to(REPO)), "run"], argv
+    rest = argv[5:]
+    options: dict[str, list[str]] = {}
+    while rest[0].startswith("-"):
+        option = rest.pop(0)
+        assert option in RUN_OPTIONS, f"{option}: a run option this test does not read"
+        options.setdefault(option, []).append(rest.pop(0) if RUN_OPTIONS[option] else "")
+    service, *command = rest
+    return options, service, command
+
+
+def test_the_docs_control_command_is_signed_so_that_every_site_obeys_it(
+    compose: dict[str, Any], certs: Path
+) -> None:
+    """Sites refuse unsigned commands, so the docs sign one in a one-off container of the
+    site image that alone mounts the operator's key (read-only): its broker, mesh and
+    topic prefix are the sites', and each site's own verifier accepts what it signs."""
+    options, service, command = _docs_control_command()
+    assert "--rm" in options, "a one-off container, removed when done"
+    sites = _sites(compose)
+    assert service in sites, f"{service}: the site image, on the compose network"
+    entrypoint = json.loads(_one(DOCKERFILES[0], "ENTRYPOINT"))
+    assert options.get("--entrypoint") == entrypoint[:1], f"gossipd, not {entrypoint}"
+    [volume] = options["-v"]
+    source, target, *mode = volume.split(":")
+    assert mode == ["ro"], f"{volume}: the operator's key read-only"
+    for bound in map(Path, _binds(sites[service])):
+        assert not (bound.is_relative_to(target) or bound in Path(target).parents), volume
+    # The docs run it from the repository root, as their -f docker/compose.yaml says.
+    mounted = Path(source.replace("$PWD", str(REPO)))
+    host_dir = certs / "certs" / mounted.relative_to(DOCKER / "certs")
+    assert command[0] == "control", command
+    args = build_parser().parse_args(command)
+    assert args.node is None, "every site"
+    for name, site in sites.items():
+        config = _site_config(site)
+        assert config.mqtt is not None and args.broker == config.mqtt.broker, name
+        assert (args.mesh_id, args.topic_prefix) == (config.mesh_id, config.mqtt.topic_prefix)
+    page = (REPO / "docs" / "containers.md").read_text()
+    assert f"did not answer within {args.timeout_s:g} s" in page
+    args.cert = host_dir / args.cert.relative_to(target)
+    args.key = host_dir / args.key.relative_to(target)
+    payload = json.loads(signed_payload(args, "docs-r1"))
+    for name in BASE_SITES:
+        config = _site_config(sites[name])
+        assert config.mqtt is not None and config.mqtt.control_requires_signature, name
+        verifier = ControlVerifier(
+            load_cert(_host_path(config.tls.ca, sites[name], certs)),
+            mesh_id=config.mesh_id,
+            node_id=config.node_id,
+            window_s=config.mqtt.control_window_s,
+        )
+        assert verifier.check(payload, time.time()) == args.cert.stem, name

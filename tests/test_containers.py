@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gossipd.node.cli.main import build_parser
-from gossipd.node.shared.certs import check_pair
+from gossipd.node.shared.certs import check_pair, describe
 from tests.compose_files import (
     BASE_SITES,
     BROKER,
@@ -52,6 +52,9 @@ from tests.compose_files import (
     _yaml,
     make_certs,
 )
+
+# docker/make-certs.sh's operator certificate: it signs control commands, no service mounts it.
+OPERATOR = "operator"
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +125,28 @@ def test_every_mount_and_build_context_exists_and_certs_are_exactly_what_the_scr
                 assert (certs / "certs" / relative).is_dir(), f"{name}: {source} -> {target}"
             else:
                 assert source.exists(), f"{name}: {source} (mounted at {target}) is missing"
-    made = {p.name for p in (certs / "certs").iterdir() if p.name != "ca"}
+    made = {p.name for p in (certs / "certs").iterdir() if p.name not in ("ca", OPERATOR)}
     assert mounted_certs == made, "compose mounts exactly the certificate directories made"
     assert COORDINATOR in made, "the script's default run issues the coordinator's"
     assert "ca" not in mounted_certs, "the CA key must never be mounted into a site"
+    assert OPERATOR not in mounted_certs, "the operator's key must never be mounted into a site"
     assert sorted(os.listdir(certs / "certs" / "ca")) == ["ca.key", "ca.pem"]
     for site in made:
         files = sorted(os.listdir(certs / "certs" / site))
         assert files == sorted(["ca.pem", f"{site}.pem", f"{site}.key"]), f"{site}: {files}"
+
+
+def test_the_script_issues_an_operator_certificate_of_the_mesh_ca_in_its_own_directory(
+    certs: Path,
+) -> None:
+    """Sites obey only control commands signed by an operator certificate of their CA, so
+    the default run issues one, in a directory of its own that no service mounts."""
+    directory = certs / "certs" / OPERATOR
+    assert sorted(os.listdir(directory)) == [f"{OPERATOR}.key", f"{OPERATOR}.pem"]
+    info = describe(directory / f"{OPERATOR}.pem")
+    assert info["role"] == "operator" and info["subject"] == f"CN={OPERATOR}", info
+    assert info["issuer"] == describe(certs / "certs" / "ca" / "ca.pem")["subject"], info
+    assert info["valid_now"] and info["node_id"] is None, "it names no site"
 
 
 def test_the_image_user_owns_each_site_key_and_its_default_uid_agrees_everywhere(
@@ -154,6 +171,8 @@ def test_the_image_user_owns_each_site_key_and_its_default_uid_agrees_everywhere
     keys = {n: _host_path(_site_config(s).tls.key, s, certs) for n, s in _sites(compose).items()}
     coordinator = compose[COORDINATOR]
     keys[COORDINATOR] = _host_path(_coordinator_config(coordinator).tls.key, coordinator, certs)
+    # `compose run` signs control commands with it as the image's user (docs/containers.md).
+    keys[OPERATOR] = certs / "certs" / OPERATOR / f"{OPERATOR}.key"
     for name, key in keys.items():
         assert key.stat().st_uid == expected, f"{name}: {key} unreadable in the container"
         assert key.stat().st_mode & 0o077 == 0, f"{name}: {key} is readable by others"
@@ -331,6 +350,7 @@ def test_build_copies_every_package_dir_and_dockerignore_lets_it_through(path: P
         "tests/test_containers.py",
         "docker/certs/ca/ca.key",
         "docker/certs/site-a/site-a.key",
+        "docker/certs/operator/operator.key",
         "docker/.env",
         "gossipd-state/checkpoint.pt",
         "node/__pycache__/cli.cpython-311.pyc",
