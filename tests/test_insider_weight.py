@@ -20,15 +20,19 @@ as ratios of the rate before the insider joined (run with ``-s`` for the table).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+import torch
 
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
+from gossipd.node.shared.config_sections import LimitsConfig
 from gossipd.node.shared.tls import Credentials
+from gossipd.node.trainer.payload_bound import RADIUS_FLOOR
 from tests.conftest import (
     DaemonHandle,
     check_alive,
@@ -51,6 +55,7 @@ PROGRESS = 600  # acknowledged pushes, all honest sites together, per measured w
 WINDOW_TIMEOUT_S = 60.0
 INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message cap)
 TOLERANCE = 1e-9
+CLIP_FACTOR = LimitsConfig().clip_factor
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +138,16 @@ def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, found
     assert after >= 0.5 * before
 
 
-def _spend(mesh: list[DaemonHandle], insider: WeightInsider, before: float) -> float:
+def _spend(
+    mesh: list[DaemonHandle], insider: WeightInsider, before: float, spent: dict[str, float]
+) -> float:
     """The sink spends: to each site, a push of more than it took plus the credit and a
     founding weight is refused (OverCredit, nothing merged); one within it is merged, and
     nothing more after it. Returns the weight it brought."""
     brought = 0.0
     for h in mesh:
-        allowed = insider.weight_taken[h.node_id] + DEFAULT_CREDIT + FOUNDING_WEIGHT
+        took = insider.weight_taken[h.node_id]
+        allowed = took + DEFAULT_CREDIT + FOUNDING_WEIGHT - spent[h.node_id]
         over = insider.push(h.address, weight=allowed * 1.01)
         assert over.code == grpc.StatusCode.INVALID_ARGUMENT, over
         assert "may bring" in over.details and "limits.peer_credit" in over.details, over.details
@@ -154,6 +162,40 @@ def _spend(mesh: list[DaemonHandle], insider: WeightInsider, before: float) -> f
     print(f"sink spending: brought {brought:.4f} in all; after {after / before:.2f}x")
     assert after >= 0.5 * before
     return brought
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.norm()) / math.sqrt(t.numel())
+
+
+def _pull_by(mesh: list[DaemonHandle], insider: WeightInsider) -> dict[str, float]:
+    """Values of our own plus 50 (inside the sanity bound of 100 times the scale), at a
+    weight the credit admits: each honest model moves by at most the push's share times
+    the clip radius (limits.clip_factor times the others' distance, at least 1% of the
+    scale, 1.0 here), not its share times 50 (the mean of every honest model went to
+    49.8 in 3 s before). Returns the weight brought to each site."""
+    weight = 0.1
+    models = [torch.cat(insider.pull(h.address)) for h in mesh]
+    # The others' distances are those between honest models (converged: learning rate 0);
+    # with a margin for the merges between these reads and the push.
+    apart = max(_rms(x - y) for x in models for y in models)
+    radius = CLIP_FACTOR * max(1.5 * apart, RADIUS_FLOOR * 1.0)  # scale: the floor, 1.0
+    moved = []
+    for h in mesh:
+        before = torch.cat(insider.pull(h.address))
+        outcome = insider.push(h.address, weight=weight, values=before + 50.0)
+        assert outcome.code == grpc.StatusCode.OK, outcome
+        after = torch.cat(insider.pull(h.address))
+        moved.append(_rms(after - before))
+        # Its share of the merged weight is under 1 (its exact value depends on what the
+        # site had in flight when it merged): at most the radius, against at least
+        # weight / (weight + cap) times 50 = 0.6 unclipped.
+        assert moved[-1] <= radius, (h.node_id, moved[-1], radius)
+    print(
+        f"in-bound +50 at weight {weight:g}: honest models moved {max(moved):.2e} RMS at most "
+        f"(bound: its share times {radius:.3g}; unclipped: its share times 50)"
+    )
+    return {h.node_id: weight for h in mesh}
 
 
 def _inflate(
@@ -219,7 +261,9 @@ def test_one_insider_sinking_spending_and_inflating_weight_moves_at_most_its_cre
             insider.introduce_to(h.address)
         # -- the sink: every honest site pushes to it until its credit is spent ---------
         _sink(mesh, insider, before, founding)
+        # -- values inside the sanity bound, far beyond the others' ----------------------
+        spent = _pull_by(mesh, insider)
         # -- then it spends what it took, and no more --------------------------------------
-        brought = _spend(mesh, insider, before)
+        brought = _spend(mesh, insider, before, spent) + sum(spent.values())
         # -- inflation: pushes of 1e6 and top-ups under the cap, refused for the credit ---
         _inflate(mesh, insider, before, founding, brought)

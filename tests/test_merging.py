@@ -90,7 +90,7 @@ def test_a_refused_payload_leaves_the_model_bit_for_bit() -> None:
 def test_the_norms_prove_a_blend_finite_only_inside_a_blend_and_the_dtypes_range(
     own_norm: float, norm: float, alpha: float, proven: bool
 ) -> None:
-    delta = Delta(torch.zeros(4), False, own_norm, norm)
+    delta = Delta(torch.zeros(4), False, own_norm, norm, 0.0)
     assert delta.blend_is_finite(alpha) is proven
 
 

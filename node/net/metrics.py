@@ -112,8 +112,8 @@ NODE_METRICS: tuple[MetricDef, ...] = (
     counter(
         "merges_clipped",
         "gossipd_merges_clipped_total",
-        "Merged segments the robust merge pulled toward this node's own first "
-        "(limits.merge_clip); honest traffic should keep it at 0",
+        "Merged segments pulled toward this node's own first (limits.clip_factor, "
+        "limits.merge_clip); honest traffic keeps it near 0",
     ),
     gauge(
         "inbound_push_streams",
@@ -126,6 +126,12 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "gossipd_inbound_pull_streams",
         "Pulls this node serves now (limits.max_inbound_pulls; one peer may hold "
         "limits.max_inbound_pulls_per_peer of them)",
+    ),
+    gauge(
+        "peers_in_open_backoff",
+        "gossipd_peers_in_open_backoff",
+        "Peers whose new push streams this node refuses now (TooManyOpens) for opening them "
+        "faster than limits.max_stream_opens_per_s; an honest site is never one",
     ),
     counter(
         "mass_inconsistencies",

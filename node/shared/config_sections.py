@@ -91,6 +91,28 @@ class LimitsConfig(_Section):
         description="inbound push streams one peer may hold at once (an honest one holds up "
         "to 4 per push, one push at a time), so one peer never takes the others' slots",
     )
+    max_stream_opens_per_s: float = Field(
+        20.0,
+        gt=0,
+        description="push streams one peer may open per second on average (an honest one opens "
+        "up to 4 per push and reuses them push after push); a peer over it and "
+        "stream_open_burst has its new streams refused for a back-off (TooManyOpens)",
+    )
+    stream_open_burst: int = Field(
+        200, ge=1, description="push streams one peer may open at once before its rate counts"
+    )
+    open_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="the first back-off of a peer over max_stream_opens_per_s; each refusal "
+        "waits for its end, or this long at most, before it is answered",
+    )
+    max_open_backoff_s: float = Field(
+        30.0,
+        gt=0,
+        description="the longest back-off: it doubles from open_backoff_s while the peer goes on "
+        "opening too fast, and starts again from open_backoff_s once it stayed within its budget",
+    )
     min_push_rate_bytes_s: float = Field(
         65536.0,
         gt=0,
@@ -114,6 +136,14 @@ class LimitsConfig(_Section):
         gt=0,
         description="opt-in robust merge: an incoming segment is pulled toward ours until its "
         "RMS distance is at most this many times max(RMS of ours, payload_scale_floor)",
+    )
+    clip_factor: float | None = Field(
+        10.0,
+        gt=0,
+        description="a payload segment farther from ours (RMS) than this many times the upper "
+        "median of the other senders' latest distances is pulled in to that radius, then "
+        "merged (ClippedGossip): one member's push moves a model by at most its weight share "
+        "times the radius; unset: off",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_inbound_pulls_per_peer: int = Field(

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import PROTOCOLS, protocol_settings, settings_class
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.settings import explain
 from gossipd.node.sim.output import Progress, plot_result, print_table
 from gossipd.node.sim.scenarios import SCENARIOS, load_scenario, parse_fault
@@ -103,6 +104,12 @@ FLAGS: tuple[Flag, ...] = (
         "scale pushes so a node's weight does not follow its speed (the daemon's "
         "gossip.weight_balance); off: the protocols' shares as published",
         {"action": argparse.BooleanOptionalAction, "default": False},
+    ),
+    Flag(
+        "--peer-credit",
+        "the most of a node's weight one peer may hold, net, per segment (the daemon's "
+        "limits.peer_credit, default 1/3); inf: the protocols' shares as published",
+        {"type": float, "default": DEFAULT_CREDIT},
     ),
     Flag(
         "--codec",
@@ -215,6 +222,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         round_steps=args.round_steps,
         max_in_flight=args.max_in_flight,
         weight_balance=args.weight_balance,
+        peer_credit=args.peer_credit,
         codec=args.codec,
         error_feedback=args.error_feedback,
         feedback_peers=args.feedback_peers,

@@ -21,6 +21,7 @@ sender and carries out whatever the core asks next.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,10 +52,17 @@ from gossipd.node.protocols.base import (
     WeightCapExceeded,
 )
 from gossipd.node.protocols.credit import CreditExceeded
+from gossipd.node.shared.rejections import Throttle
+from gossipd.node.trainer.clip_radius import RecentDistances
 from gossipd.node.trainer.messages import Ack, InboundPush, OutboundPush, Pulled
 from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
 from gossipd.node.trainer.report import MergeRecord, PullRecord
 from gossipd.node.trainer.segments import FlatModel
+
+log = logging.getLogger(__name__)
+
+# At most one line per sender and this many seconds says whose payloads were clipped.
+CLIP_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class Merger:
         self.core = core
         self.flat = flat
         self.bound = bound
+        self.recent = RecentDistances(bound.clip_factor is not None)
+        self._clip_log = Throttle(CLIP_LOG_INTERVAL_S)
 
     def merge_push(self, item: InboundPush) -> tuple[list[Ack], MergeRecord]:
         """Merge a whole push (or raise, having written nothing); returns its acks.
@@ -225,12 +235,47 @@ class Merger:
         for action in merges:
             if action.segment not in values:
                 raise InvalidFrame(f"{what}: the core merges segment {action.segment}, not sent")
-        blends = self._gauged_blends(merges, values, gauges or {}, what)
+        sender = arrival.sender if isinstance(arrival, PayloadArrived) else arrival.peer
+        radii = {a.segment: self.recent.typical(sender, a.segment) for a in merges}
+        distances: dict[int, float] = {}
+        blends = self._gauged_blends(merges, values, gauges or {}, what, radii, distances)
         exact = [a for a in merges if a.segment not in blends]
-        exact_blends, clipped = self._exact_blends(exact, values, what)
+        exact_blends, clipped = self._exact_blends(exact, values, what, radii, distances)
         blends.update(exact_blends)
+        for segment, distance in distances.items():  # only once the whole plan stands
+            self.recent.record(sender, segment, distance)
+        if clipped:
+            self._say_clipped(sender, clipped, distances, radii)
         ordered = {a.segment: blends[a.segment] for a in merges}  # in the core's order
         return MergePlan(actions, ordered, tuple(clipped))
+
+    def _say_clipped(
+        self,
+        sender: str,
+        clipped: Sequence[int],
+        distances: Mapping[int, float],
+        typical: Mapping[int, float | None],
+    ) -> None:
+        """One INFO line per sender and minute: whose payload was pulled in, how far out."""
+        quieted = self._clip_log.admit(sender)
+        if quieted is None:
+            return
+        s = clipped[0]
+        others = typical[s]
+        log.info(
+            "payload from %s: segment %d was %.3g (RMS) from this model, the other senders' "
+            "%s; pulled in to limits.clip_factor = %s times that, then merged at its full "
+            "weight (%d segment(s) clipped%s). If %s is honest it has drifted far from the "
+            "mesh (strong label skew, a much higher learning rate): raise limits.clip_factor",
+            sender,
+            s,
+            distances[s],
+            "none on record" if others is None else f"{others:.3g}",
+            self.bound.clip_factor,
+            len(clipped),
+            f", {quieted} more since the last line" if quieted else "",
+            sender,
+        )
 
     def _answer(
         self, arrival: PayloadArrived | PullArrived, what: str, *, merge_new: bool
@@ -256,12 +301,20 @@ class Merger:
         values: Mapping[int, torch.Tensor],
         gauges: Mapping[int, Gauge],
         what: str,
+        radii: Mapping[int, float | None],
+        distances: dict[int, float],
     ) -> dict[int, SegmentWrite]:
-        """The merges whose gauge the payload bound admits, blended as they came."""
+        """The merges whose gauge the payload bound admits, blended as they came; the
+        distance of each gauged one goes into ``distances``."""
         blends: dict[int, SegmentWrite] = {}
         for action in merges:
             gauge = gauges.get(action.segment)
-            if gauge is not None and self.bound.admits(gauge, action.alpha, what, action.segment):
+            if gauge is None:
+                continue
+            radius = radii[action.segment]
+            admitted = self.bound.admits(gauge, action.alpha, what, action.segment, radius)
+            distances[action.segment] = gauge.distance
+            if admitted:
                 blends[action.segment] = SegmentWrite(
                     values[action.segment], action.alpha, lerp=True
                 )
@@ -272,9 +325,12 @@ class Merger:
         exact: Sequence[Merge],
         values: Mapping[int, torch.Tensor],
         what: str,
+        radii: Mapping[int, float | None],
+        distances: dict[int, float],
     ) -> tuple[dict[int, SegmentWrite], list[int]]:
         """``exact`` blended from their differences, each bounded and checked finite (side
-        by side on the process's cores), and the segments the bound clipped."""
+        by side on the process's cores), and the segments the bound clipped; the distance
+        of each goes into ``distances``."""
         deltas = self.flat.work.run(
             [
                 functools.partial(
@@ -283,6 +339,7 @@ class Merger:
                     values[a.segment],
                     what,
                     a.segment,
+                    radii[a.segment],
                 )
                 for a in exact
             ],
@@ -291,6 +348,7 @@ class Merger:
         blends: dict[int, SegmentWrite] = {}
         clipped: list[int] = []
         for action, delta in zip(exact, deltas, strict=True):
+            distances[action.segment] = delta.distance
             if delta.clipped:
                 clipped.append(action.segment)
             if delta.blend_is_finite(action.alpha):

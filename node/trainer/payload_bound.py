@@ -51,14 +51,30 @@ class PayloadBound:
     max_distance: float = LimitsConfig.model_fields["max_payload_distance"].default
     scale_floor: float = LimitsConfig.model_fields["payload_scale_floor"].default
     clip: float | None = None
+    # The radius factor of :mod:`.clip_radius` (None: no radius from the other senders).
+    clip_factor: float | None = LimitsConfig.model_fields["clip_factor"].default
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> PayloadBound:
-        return cls(limits.max_payload_distance, limits.payload_scale_floor, limits.merge_clip)
+        return cls(
+            limits.max_payload_distance,
+            limits.payload_scale_floor,
+            limits.merge_clip,
+            limits.clip_factor,
+        )
 
-    def delta(self, own: torch.Tensor, values: torch.Tensor, what: str, segment: int) -> Delta:
+    def delta(
+        self,
+        own: torch.Tensor,
+        values: torch.Tensor,
+        what: str,
+        segment: int,
+        radius: float | None = None,
+    ) -> Delta:
         """What merging ``values`` would move ``own`` by at full weight (incoming − own,
         pulled in when clipping); raises :class:`PayloadOutOfBounds` beyond the bound.
+        ``radius``: the other senders' typical RMS distance (:mod:`.clip_radius`; None:
+        none), which sets a clip radius of its own.
 
         The difference is written over ``values`` when they are already ``own``'s dtype and
         device: a received payload is a buffer of its own that nothing reads after its
@@ -74,10 +90,11 @@ class PayloadBound:
             root_n = math.sqrt(max(own.numel(), 1))
             distance, scale = distance_norm / root_n, max(own_norm / root_n, self.scale_floor)
             self._refuse_beyond(distance, scale, what, segment)
-            if self.clip is None or distance <= self.clip * scale:
-                return Delta(diff, False, own_norm, distance_norm)
-            factor = self.clip * scale / distance
-            return Delta(diff.mul_(factor), True, own_norm, distance_norm * factor)
+            limit = self._clip_radius(scale, radius)
+            if limit is None or distance <= limit:
+                return Delta(diff, False, own_norm, distance_norm, distance)
+            factor = limit / distance
+            return Delta(diff.mul_(factor), True, own_norm, distance_norm * factor, distance)
 
     def gauge(
         self,
@@ -118,17 +135,32 @@ class PayloadBound:
             return None
         return Gauge(vv, vo, oo, values.numel(), torch.finfo(own.dtype).max)
 
-    def admits(self, gauge: Gauge, alpha: float, what: str, segment: int) -> bool:
+    def admits(
+        self, gauge: Gauge, alpha: float, what: str, segment: int, radius: float | None = None
+    ) -> bool:
         """Whether a gauged segment may be blended as it is (``x.lerp_(values, alpha)``);
         raises :class:`PayloadOutOfBounds` beyond the bound. False: the exact path must
         decide (a clip pulls it in, or its finiteness is not proven)."""
         root_n = math.sqrt(max(gauge.numel, 1))
-        distance = math.sqrt(gauge.distance_sq) / root_n
         scale = max(math.sqrt(gauge.own_sq) / root_n, self.scale_floor)
+        distance = gauge.distance
         self._refuse_beyond(distance, scale, what, segment)
-        if self.clip is not None and distance > self.clip * scale:
+        limit = self._clip_radius(scale, radius)
+        if limit is not None and distance > limit:
             return False
         return gauge.blend_is_finite(alpha)
+
+    def _clip_radius(self, scale: float, typical: float | None) -> float | None:
+        """The RMS distance a payload is pulled in to: the smaller of ``merge_clip`` times
+        our scale and ``clip_factor`` times the other senders' ``typical`` distance (at
+        least ``RADIUS_FLOOR`` of our scale: near consensus the distances shrink to
+        rounding, and how far apart they are there says nothing); None: neither applies."""
+        fixed = None if self.clip is None else self.clip * scale
+        relative = None
+        if typical is not None and self.clip_factor is not None:
+            relative = self.clip_factor * max(typical, RADIUS_FLOOR * scale)
+        limits = [r for r in (relative, fixed) if r is not None]
+        return min(limits) if limits else None
 
     def _refuse_beyond(self, distance: float, scale: float, what: str, segment: int) -> None:
         if not distance <= self.max_distance * scale:  # inf and nan refused as well
@@ -139,6 +171,10 @@ class PayloadBound:
                 "If honest sites hit this, their models diverged: raise the limit"
             )
 
+
+# The least typical distance a relative clip radius is computed from, as a share of the
+# segment's scale: 1% (a model 1% of its own RMS from the others' is in consensus).
+RADIUS_FLOOR = 0.01
 
 # 512K elements: the three dots of 256 MiB took 32.5 ms on the 2-core VM (best of 5,
 # interleaved), against 39.7 with 1M-element blocks and 35.2 with 256K; a finite-sum pass
@@ -165,6 +201,11 @@ class Gauge:
     def distance_sq(self) -> float:
         return max(self.values_sq - 2.0 * self.cross + self.own_sq, 0.0)
 
+    @property
+    def distance(self) -> float:
+        """The RMS distance of the payload from our segment."""
+        return math.sqrt(self.distance_sq) / math.sqrt(max(self.numel, 1))
+
     def blend_is_finite(self, alpha: float) -> bool:
         """Whether ``x.lerp_(values, alpha)`` stays finite. Every element of either vector is
         bounded by its norm, so only the difference inside lerp can overflow, and not while
@@ -183,6 +224,7 @@ class Delta:
     clipped: bool
     own_norm: float
     norm: float
+    distance: float  # RMS, before any clipping
 
     def blend_is_finite(self, alpha: float) -> bool:
         """Whether own + α·delta is finite in every element, proven from the norms alone.
