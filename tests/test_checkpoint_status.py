@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from gossipd.node.protocols.base import PeerMass, PushSettled, StepEnded, ViewChanged
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.replica import Replica
 
@@ -31,7 +32,8 @@ def replica(protocol: str = "sumweight", **options: float) -> Replica:
 
 
 def pushed_and_acknowledged(r: Replica) -> None:
-    """One push to b, half of every segment's weight, acknowledged: weights and exchanged move."""
+    """One push to b, half of every segment's weight cut to b's credit (a third),
+    acknowledged: weights and exchanged move."""
     r.core.handle(ViewChanged(frozenset({"a", "b"})))
     [push] = r.core.handle(StepEnded(1, 0.0))
     r.core.handle(PushSettled(push.peer, push.sequence, tuple(push.weights)))
@@ -44,9 +46,12 @@ def test_a_checkpoint_records_what_the_cores_status_says_and_a_file_gives_it_bac
     pushed_and_acknowledged(r)
     status = r.core.status()
     ckpt = checkpoint.capture(r, "a", optimizer=None)
-    assert ckpt.weights == list(status.weights) == [0.5] * len(status.weights)
+    given = DEFAULT_CREDIT
+    assert ckpt.weights == list(status.weights) == [1 - given] * len(status.weights)
     assert (
-        ckpt.exchanged == dict(status.exchanged) == {"b": PeerMass(sent=0.5 * len(status.weights))}
+        ckpt.exchanged
+        == dict(status.exchanged)
+        == {"b": PeerMass(sent=given * len(status.weights))}
     )  # summed over segments
     assert ckpt.core == r.core.state_dict()
 

@@ -50,6 +50,9 @@ def receiver(sender: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Iter
         limits={
             "stream_idle_timeout_s": IDLE_S,
             "max_inbound_pushes_per_peer": STREAMS_PER_PEER,
+            # The fake sender brings weight it never took, push after push: more than a
+            # peer's credit (limits.peer_credit) allows. These tests are about the stream.
+            "peer_credit": 1e9,
         },
     )
     sender.introduce_to(handle.address)

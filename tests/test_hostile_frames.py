@@ -253,7 +253,8 @@ def _segment_cases(wire: Wire, good: torch.Tensor) -> Cases:
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, sum_weight=math.inf)],
         ),
-        "merge that would lift the weight over the cap": (
+        # Over the cap as well: a lone peer meets its credit (limits.peer_credit) first.
+        "weight more than the sender may bring": (
             "PushSegments",
             lambda: [wire.open_frame(), *wire.segment(good, sum_weight=WEIGHT_CAP - 0.5)],
         ),
@@ -294,9 +295,9 @@ EXPECTED = {
     "negative sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight -1.0"),
     "huge sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight 1e+300"),
     "infinite sum-weight": (grpc.StatusCode.INVALID_ARGUMENT, "sum-weight inf"),
-    "merge that would lift the weight over the cap": (
+    "weight more than the sender may bring": (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "merging sum-weight 3.5 into segment 0 would raise it from 1 to 4.5, over the cap 4",
+        "sum-weight 3.5 of segment 0 from attacker is more than it may bring: 1.33333",
     ),
     "oversize chunk": (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
     "oversize frame": (

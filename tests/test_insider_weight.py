@@ -56,6 +56,9 @@ WINDOW_TIMEOUT_S = 60.0
 INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message cap)
 TOLERANCE = 1e-9
 CLIP_FACTOR = LimitsConfig().clip_factor
+# The most one peer can bring a site in a push: what it holds of the site's weight (at most
+# the credit) plus the credit plus a founding weight.
+MOST_EVER = 2 * DEFAULT_CREDIT + FOUNDING_WEIGHT
 
 
 @pytest.fixture(scope="module")
@@ -141,22 +144,23 @@ def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, found
 def _spend(
     mesh: list[DaemonHandle], insider: WeightInsider, before: float, spent: dict[str, float]
 ) -> float:
-    """The sink spends: to each site, a push of more than it took plus the credit and a
-    founding weight is refused (OverCredit, nothing merged); one within it is merged, and
-    nothing more after it. Returns the weight it brought."""
+    """The sink spends: to each site, a push of more than any peer may bring is refused
+    (OverCredit, nothing merged); one of what it took plus the credit and a founding weight
+    is merged, and then no such push again. Returns the weight it brought."""
     brought = 0.0
     for h in mesh:
         took = insider.weight_taken[h.node_id]
         allowed = took + DEFAULT_CREDIT + FOUNDING_WEIGHT - spent[h.node_id]
-        over = insider.push(h.address, weight=allowed * 1.01)
+        # More than any peer can ever bring in one push (honest pushes to it since these
+        # reads give it room, but never beyond MOST_EVER).
+        over = insider.push(h.address, weight=MOST_EVER * 1.01)
         assert over.code == grpc.StatusCode.INVALID_ARGUMENT, over
         assert "may bring" in over.details and "limits.peer_credit" in over.details, over.details
         within = insider.push(h.address, weight=allowed * 0.999)
         assert within.code == grpc.StatusCode.OK, within
         brought += allowed * 0.999
-        # Spent: a second push as large is refused (an honest push to it since may have
-        # given it a little room again, never that much).
-        again = insider.push(h.address, weight=allowed)
+        # Spent: what honest pushes to it since gave it back is less than MOST_EVER.
+        again = insider.push(h.address, weight=MOST_EVER * 1.01)
         assert "limits.peer_credit" in again.details, again.details
     after = ack_rate(mesh, PROGRESS, "after the sink spent its credit", WINDOW_TIMEOUT_S)
     print(f"sink spending: brought {brought:.4f} in all; after {after / before:.2f}x")
@@ -217,6 +221,8 @@ def _inflate(
                 # 1e6, then a top-up to just under the cap (8: twice the 4 members seen).
                 held = max(status_of(h)["sum_weights"])
                 for weight in (INFLATE_WEIGHT, 8.0 - held - 1e-3):
+                    if weight <= MOST_EVER * 1.01:
+                        continue  # a top-up its credit may admit: not inflation
                     outcome = insider.push(h.address, weight=weight)
                     outcomes.append(outcome.code)
                     assert "limits.peer_credit" in outcome.details, outcome.details

@@ -25,13 +25,16 @@ from gossipd.node.shared.control_signing import (
 )
 
 MESH = "m1"
-NOW = int(time.time())  # the certificates are valid now, for a year
+# When the certificates were issued (valid for a year from then): set by ``ca_dir``, since
+# the suite may collect this module minutes before the fixture runs.
+NOW = int(time.time())
 WINDOW_S = 120.0
 NONCE = "0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    global NOW
     directory = tmp_path_factory.mktemp("control") / "ca"
     certs.init_ca(directory, mesh_id=MESH)
     certs.issue("alice", directory, operator=True)
@@ -39,6 +42,7 @@ def ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     other = directory.parent / "other"
     certs.init_ca(other, mesh_id=MESH)
     certs.issue("mallory", other, operator=True)
+    NOW = int(time.time())
     return directory
 
 
@@ -68,9 +72,9 @@ def _verifier(ca_dir: Path, ca: x509.Certificate | None = None, **kw: Any) -> Co
     )
 
 
-def _refusal(verifier: ControlVerifier, data: dict[str, Any], now_s: float = NOW) -> str:
+def _refusal(verifier: ControlVerifier, data: dict[str, Any], now_s: float | None = None) -> str:
     with pytest.raises(ControlRefused) as refused:
-        verifier.check(data, now_s)
+        verifier.check(data, NOW if now_s is None else now_s)
     assert str(refused.value).startswith(f"refused ({refused.value.reason}): ")
     return refused.value.reason
 

@@ -45,6 +45,7 @@ def node_toml(
         *_table("membership", {"start_after_peers": spec.nodes - 1}),
         *_table("checkpoint", {"every_steps": spec.checkpoint_every_steps}),
         *_table("link", spec.link[index] if spec.link else {}),
+        *(_table("limits", spec.limits) if spec.limits else []),
         "",
         "[tls]",
         *_tls(spec, root, index),

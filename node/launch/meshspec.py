@@ -40,6 +40,7 @@ class MeshSpec:
     device: str = "cpu"  # job.device of every site (cuda: a GPU per rank)
     checkpoint_every_steps: int = 200
     link: list[dict[str, float]] = field(default_factory=list)  # node i's [link] table, if any
+    limits: dict[str, float] = field(default_factory=dict)  # every node's [limits] keys
     # MQTT discovery (`demo --discovery mqtt`): every node's [mqtt] broker, and no seeds.
     mqtt_broker: str | None = None
     # `--coordinator local`: a `gossipd coordinator` process beside the nodes (mutual TLS).
