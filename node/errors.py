@@ -86,6 +86,18 @@ class TooManyStreams(Busy):
     node's): refused at once so it cannot take the slots the other peers need."""
 
 
+class TooManyOpens(Busy):
+    """A peer that opens push streams faster than ``limits.max_stream_opens_per_s`` allows
+    (after a burst of ``limits.stream_open_burst``): its new streams are refused for a
+    back-off that doubles while it goes on, so a member reopening refused streams in a loop
+    costs itself a wait, not the mesh its CPU. ``hold_s``: how long the refusal waits
+    before it is answered (the rest of the back-off, at most ``limits.open_backoff_s``)."""
+
+    def __init__(self, message: str, hold_s: float) -> None:
+        super().__init__(message)
+        self.hold_s = hold_s
+
+
 class PushTooSlow(StreamIdle):
     """An inbound push below the minimum rate: it would hold its slot for hours, a byte at a
     time, however short each silence is."""

@@ -10,6 +10,10 @@ The attacks open push streams to daemons over its TLS channels: ``stall`` sends 
 valid PushOpen and then nothing, ``trickle`` sends a PushOpen, a segment header and
 then one payload byte every ``every_s``. Each stream is reopened as soon as the
 daemon ends it, so the attack holds every slot it is given for as long as it runs.
+A ``flood`` (:meth:`Insider.start_flood`) reopens stalling streams, ``PushSegments`` and
+``Exchange`` alike, the moment each ends, with no pause: as fast as the daemons answer.
+How the daemons ended each stream is counted by status code (``ended``), and how many
+refusals named the budget of opens (``opens_refused``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Insider(Member):
     def __init__(self, node_id: str, tls: Credentials, *, incarnation: int = 1) -> None:
         self.open_streams = 0  # attack streams the daemons have not ended yet
         self.ended: Counter[str] = Counter()  # how the daemons ended attack streams, by code
+        self.opens_refused = 0  # refusals that named limits.max_stream_opens_per_s
         self.pushes_refused = 0  # honest pushes to this insider, refused
         self._stop_attack = asyncio.Event()
         super().__init__(node_id, tls, incarnation=incarnation)
@@ -93,41 +98,66 @@ class Insider(Member):
                     yield pb.PushFrame(chunk=b"\0").SerializeToString()
         await self._stop_attack.wait()
 
-    async def _hold(self, address: str, trickle_every_s: float | None) -> None:
-        rpc = self._channel(address).stream_unary(
-            "/gossipd.v1.Gossip/PushSegments",
-            request_serializer=lambda b: b,
-            response_deserializer=pb.PushReply.FromString,
-        )
-        while not self._stop_attack.is_set():
-            self.open_streams += 1
-            call = rpc(self._frames(trickle_every_s), timeout=3600.0)
-            try:
+    async def _one_stream(self, address: str, exchange: bool, frames: AsyncIterator[bytes]) -> None:
+        """One attack stream until the daemon ends it (its status counted)."""
+        channel = self._channel(address)
+        call: Any
+        if exchange:  # the daemon's own push stream, fed as the daemon's client feeds it
+            call = channel.stream_stream(
+                "/gossipd.v1.Gossip/Exchange",
+                request_serializer=lambda b: b,
+                response_deserializer=pb.PushReply.FromString,
+            )(frames, timeout=3600.0)
+        else:
+            call = channel.stream_unary(
+                "/gossipd.v1.Gossip/PushSegments",
+                request_serializer=lambda b: b,
+                response_deserializer=pb.PushReply.FromString,
+            )(frames, timeout=3600.0)
+        self.open_streams += 1
+        try:
+            if exchange:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            else:
                 await call
-                self.ended["OK"] += 1
-            except grpc.aio.AioRpcError as err:
-                self.ended[err.code().name] += 1
-            finally:
-                self.open_streams -= 1
-                if self._stop_attack.is_set():
-                    call.cancel()
-            if not self._stop_attack.is_set():
-                await asyncio.sleep(REOPEN_PAUSE_S)
+            self.ended["OK"] += 1
+        except grpc.aio.AioRpcError as err:
+            self.ended[err.code().name] += 1
+            self.opens_refused += "limits.max_stream_opens_per_s" in (err.details() or "")
+        finally:
+            self.open_streams -= 1
+            if self._stop_attack.is_set():
+                call.cancel()
+
+    async def _hold(
+        self, address: str, trickle_every_s: float | None, exchange: bool, pause_s: float
+    ) -> None:
+        while not self._stop_attack.is_set():
+            await self._one_stream(address, exchange, self._frames(trickle_every_s))
+            if pause_s and not self._stop_attack.is_set():
+                await asyncio.sleep(pause_s)
+
+    def _start_holders(self, holders: list[tuple[str, float | None, bool, float]]) -> None:
+        async def start() -> None:
+            if not self.tasks:
+                self._stop_attack = asyncio.Event()
+            self.tasks += [asyncio.create_task(self._hold(*holder)) for holder in holders]
+
+        self.run(start())
 
     def start_attack(
         self, addresses: list[str], streams: int, trickle_every_s: float | None = None
     ) -> None:
         """``streams`` push streams to each address, held until :meth:`stop_attack`."""
+        self._start_holders(
+            [(a, trickle_every_s, False, REOPEN_PAUSE_S) for a in addresses] * streams
+        )
 
-        async def start() -> None:
-            self._stop_attack = asyncio.Event()
-            self.tasks = [
-                asyncio.create_task(self._hold(a, trickle_every_s))
-                for a in addresses
-                for _ in range(streams)
-            ]
-
-        self.run(start())
+    def start_flood(self, addresses: list[str], tasks: int) -> None:
+        """``tasks`` stalling streams to each address, half of them ``Exchange``, each
+        reopened the moment the daemon ends it, until :meth:`stop_attack`."""
+        self._start_holders([(a, None, i % 2 == 1, 0.0) for a in addresses for i in range(tasks)])
 
     def stop_attack(self) -> None:
         """End every attack stream (from this side) and wait until they are all gone."""

@@ -123,22 +123,36 @@ def test_pushes_wait_only_while_in_debt_and_the_trainer_steps() -> None:
     assert unlimited.wait_s() == 0.0, "cpu_share = 1 never holds a push"
 
 
-def _run_lumpy_pushes(b: CpuBudget, clocks: Clocks, push_cpu_s: float, run_s: float) -> list[float]:
+def _run_lumpy_pushes(
+    b: CpuBudget,
+    clocks: Clocks,
+    push_cpu_s: float,
+    run_s: float,
+    refusals_per_tick: int = 0,
+    refusal_cpu_s: float = 0.0,
+    reported: bool = True,
+    refusals_from_s: float = 0.0,
+) -> list[float]:
     """A trainer pinned to one core and a push that costs ``push_cpu_s`` (sent and the one
     received) spent over the ticks after it goes; pushes go whenever ``wait_s`` allows.
-    Returns when they went."""
+    From ``refusals_from_s`` on, ``refusals_per_tick`` requests are refused each tick, each
+    costing ``refusal_cpu_s`` on another core (``reported`` to the budget as refusals).
+    Returns when the pushes went."""
     tick = 0.0625  # a binary fraction: the scripted clock adds up exactly
     owed, went = 0.0, []
     b.training = True
     b.gossip_share()
-    for _ in range(int(run_s / tick)):
+    for i in range(int(run_s / tick)):
+        refusals = refusals_per_tick if i * tick >= refusals_from_s else 0
         if b.wait_s() == 0.0:
             b.released()
             went.append(clocks.wall)
             owed += push_cpu_s
         gossip = min(owed, tick / 2)
         owed -= gossip
-        clocks.advance(tick, tick)
+        clocks.advance(tick, tick + refusals * refusal_cpu_s)
+        for _ in range(refusals if reported else 0):
+            b.refused()
         b.add_training(tick - gossip)
     return went
 
@@ -155,6 +169,27 @@ def test_lumpy_pushes_keep_the_share_over_the_run_and_go_evenly() -> None:
     gaps = [later - earlier for earlier, later in itertools.pairwise(went[3:])]  # once paced
     assert max(gaps) - min(gaps) <= 0.125, "pushes should go evenly, a tick or two apart"
     assert sum(gaps) / len(gaps) == pytest.approx(0.06 / 0.03, rel=0.05)
+
+
+def test_refusals_are_not_gossip_so_pushes_go_at_the_pace_their_own_cost_sets() -> None:
+    """Observation: an insider reopening refused streams made each site refuse 900 a second;
+    charged to gossip, their CPU held every honest push 4.5 s instead of 0.3 s. The same
+    lumpy pushes with 0.5 ms refusals at 896 a second on top after the first 30 s: gossip
+    still takes its share, pushes go at the interval they cost alone, and the refusals'
+    CPU is what the budget counts as refusing."""
+    flood = {"refusals_per_tick": 56, "refusal_cpu_s": 0.0005, "refusals_from_s": 30.0}
+    runs = {}
+    for case in ("alone", "refusals", "refusals charged"):
+        clocks = Clocks()
+        b = budget(0.03, clocks)
+        options = {} if case == "alone" else {**flood, "reported": case == "refusals"}
+        runs[case] = (b, _run_lumpy_pushes(b, clocks, 0.06, 150.0, **options))
+    flooded, went = runs["refusals"]
+    assert len(went) == len(runs["alone"][1]), "as many pushes as without the refusals"
+    assert flooded.mean_share_while_training() == pytest.approx(0.03, rel=0.05)
+    refusing_s = 56 * 0.0005 * (150.0 - 30.0) / 0.0625
+    assert flooded.refusing_cpu_s == pytest.approx(refusing_s, rel=0.01)
+    assert len(runs["refusals charged"][1]) < len(went) / 3, "what the refusals cost to pushes"
 
 
 def test_cheap_pushes_under_the_share_never_wait() -> None:

@@ -5,7 +5,10 @@ Observed on a live mesh: 160 stalled push streams from the insider, or 140 strea
 trickling one byte every 8 s (never ended by ``limits.stream_idle_timeout_s``), took
 the honest sites' acknowledged pushes to 1% of their baseline for as long as the
 attack lasted; one push of finite 1e30 values at weight 1 left every honest model at
-mean 2.6e29 within seconds.
+mean 2.6e29 within seconds. An insider holding its 16 slots per site and reopening every
+refused stream at once (about 900 a second per site) held honest pushes for their CPU
+budget and took them to 0.05-0.08 of their rate; about 9,100 of 13,400 of those refusals
+on Exchange streams reached it as grpc's INTERNAL instead of the daemon's status.
 
 Each attack is measured by progress: the honest sites' acknowledged pushes must grow
 by ``PROGRESS`` before, during and after it (each wait bounded), and the rates of
@@ -23,8 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipd.node.errors import PayloadOutOfBounds, PushTooSlow, TooManyStreams
+from gossipd.node.errors import (
+    ConfigError,
+    PayloadOutOfBounds,
+    PushTooSlow,
+    TooManyOpens,
+    TooManyStreams,
+)
 from gossipd.node.net.admission import IdleBounded, PeerSlots
+from gossipd.node.net.openbudget import OpenBudget
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
@@ -34,6 +44,7 @@ from gossipd.node.trainer.report import StepReport
 from tests.conftest import (
     DaemonHandle,
     check_alive,
+    scrape_metrics,
     status_of,
     stop_all,
     stop_in_turn,
@@ -45,9 +56,15 @@ from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
 
 IDS = ["a", "b", "c"]
 INSIDER = "mallory"
+# Back-offs stop doubling at 2 s, so the insider is out of its back-off soon after each
+# attack and the next test meets it as a member in good standing. Gossip's CPU budget is
+# on, as on a real site (the refusals an attack costs were once charged to it and held
+# every honest push); at the default 0.03 a window of PROGRESS pushes takes half a minute.
+MAX_BACKOFF_S = 2.0
 CONFIG = {
-    "gossip": {"push_probability": 0.5, "progress_timeout_s": 2.0},
+    "gossip": {"push_probability": 0.5, "progress_timeout_s": 2.0, "cpu_share": 0.1},
     "membership": {"anti_entropy_interval_s": 0.5},
+    "limits": {"max_open_backoff_s": MAX_BACKOFF_S},
 }
 # Acknowledged pushes, all honest sites together, per window: about 1.5 s of the mesh's
 # rate on an idle machine, so at the observed 1% a window would need minutes.
@@ -56,6 +73,9 @@ WINDOW_TIMEOUT_S = 60.0
 STALLED = 160  # streams per honest site, as observed
 TRICKLING = 140
 TRICKLE_EVERY_S = 8.0
+SLOTS = 16  # limits.max_inbound_pushes_per_peer: what the insider may hold of each site
+FLOOD_TASKS = 8  # streams per site reopened the moment each ends, half of them Exchange
+FLOOD_PROGRESS = 400  # a shorter window: three of them are most of the test's time
 TOLERANCE = 1e-9
 ROWS: dict[str, str] = {}
 
@@ -101,6 +121,14 @@ def _live_mass(mesh: list[DaemonHandle]) -> tuple[float, float]:
     return free, held
 
 
+def _rejected(mesh: list[DaemonHandle], reason: str) -> list[int]:
+    return [status_of(h)["rejected"].get(reason, 0) for h in mesh]
+
+
+def _in_backoff(h: DaemonHandle) -> float:
+    return scrape_metrics(h.node_json()["metrics_port"])["gossipd_peers_in_open_backoff"]
+
+
 def _row(name: str, before: float, during: float, after: float, mesh: list[DaemonHandle]) -> None:
     ROWS[name] = (
         f"{name}: before {before:.1f}/s, during {during / before:.2f}x, after "
@@ -137,6 +165,52 @@ def test_one_insider_holding_push_streams_never_stops_the_honest_sites_gossip(
     after = ack_rate(mesh, PROGRESS, "after the attack", WINDOW_TIMEOUT_S)
     _row(name, before, during, after, mesh)
     check_alive(mesh)
+
+
+def test_an_insider_reopening_refused_streams_at_once_is_refused_for_a_back_off_not_the_mesh(
+    mesh: list[DaemonHandle], insider: Insider
+) -> None:
+    """Observation: holding its 16 slots per site and reopening every refused stream at
+    once, the insider made each site refuse 900 streams a second; honest pushes fell to
+    0.05-0.08 of their rate and most refusals reached it as INTERNAL. Now its opens are
+    budgeted (TooManyOpens, each answered after a wait): honest pushes keep at least half
+    their rate during the attack and after it, and every refusal it hears is the daemon's
+    own status."""
+    check_alive(mesh)
+    addresses = [h.address for h in mesh]
+    before = ack_rate(mesh, FLOOD_PROGRESS, "before the flood", WINDOW_TIMEOUT_S)
+    refused_before, ended_before = _rejected(mesh, "TooManyOpens"), insider.ended.copy()
+    heard_before = insider.opens_refused
+    insider.start_attack(addresses, SLOTS)
+    insider.start_flood(addresses, FLOOD_TASKS)
+    try:
+        wait_until(
+            lambda: all(
+                n > b for n, b in zip(_rejected(mesh, "TooManyOpens"), refused_before, strict=True)
+            ),
+            "every honest site to refuse the insider's opens for its budget",
+            60.0,
+            lambda: check_alive(mesh),
+        )
+        during = ack_rate(mesh, FLOOD_PROGRESS, "during the flood", WINDOW_TIMEOUT_S)
+    finally:
+        insider.stop_attack()
+    after = ack_rate(mesh, FLOOD_PROGRESS, "after the flood", WINDOW_TIMEOUT_S)
+    _row("reopen flood", before, during, after, mesh)
+    ended = insider.ended - ended_before
+    refused = [n - b for n, b in zip(_rejected(mesh, "TooManyOpens"), refused_before, strict=True)]
+    print(f"reopen flood: {dict(ended)} ended, TooManyOpens per site {refused}")
+    wait_until(  # the next tests meet it as a member in good standing
+        lambda: all(_in_backoff(h) == 0 for h in mesh),
+        "the insider's back-off to end on every site",
+        4 * MAX_BACKOFF_S + 10.0,
+    )
+    assert ended["INTERNAL"] == ended["UNKNOWN"] == 0, ended
+    assert ended["RESOURCE_EXHAUSTED"] >= insider.opens_refused - heard_before > 0, ended
+    # Windows side by side on shared cores vary by a quarter with no attack at all (after
+    # the trickle: 0.75 to 2.1 of before); the attack used to take them to 0.05.
+    assert during >= 0.5 * before, (before, during)
+    assert after >= 0.5 * before, (before, after)
 
 
 def test_values_far_from_the_receivers_model_are_refused_and_spread_nowhere(
@@ -222,6 +296,47 @@ def test_the_robust_merge_pulls_a_far_segment_in_and_keeps_its_weight() -> None:
     report = _deliver(replica, 2, 0.25, merged + 0.1)
     assert [m.clipped_segments for m in report.merged] == [()]
     assert replica.summary.weights == (1.5,)
+
+
+def test_opens_over_the_budget_start_a_back_off_that_doubles_while_it_goes_on_and_resets() -> None:
+    """A burst of 5, then 1 open a second: each overdraw refuses the peer's opens for a
+    back-off that doubles (1, 2, then 4 s, the cap) while it stays over its budget, each
+    refusal held at most 1 s; once its bucket is full again the next back-off is 1 s.
+    Another peer keeps its own budget throughout."""
+    now = [0.0]
+    budget = OpenBudget(1.0, 5, 1.0, 4.0, clock=lambda: now[0])
+
+    def opens(count: int, peer: str = "mallory") -> list[float | None]:
+        """Each open's refusal hold, None where it was admitted."""
+        holds: list[float | None] = []
+        for _ in range(count):
+            try:
+                budget.admit(peer)
+                holds.append(None)
+            except TooManyOpens as err:
+                holds.append(err.hold_s)
+        return holds
+
+    def backoff_ends(at: float) -> None:
+        now[0] = at - 1e-3
+        assert budget.in_backoff() == 1, f"still in its back-off just before {at} s"
+        now[0] = at
+        assert budget.in_backoff() == 0, f"out of it at {at} s"
+
+    assert opens(6) == [None] * 5 + [1.0], "the burst spent, a back-off of 1 s"
+    assert opens(1, "a") == [None]
+    now[0] = 0.5
+    assert opens(1) == [0.5], "refused until the back-off ends"
+    backoff_ends(1.0)
+    assert opens(2) == [None, 1.0], "one token earned, then over again: 2 s"
+    backoff_ends(3.0)
+    assert opens(3) == [None, None, 1.0], "two tokens earned, then over again: 4 s"
+    backoff_ends(7.0)
+    now[0] = 8.0  # quiet: its bucket is full again
+    assert opens(6) == [None] * 5 + [1.0]
+    backoff_ends(9.0)
+    with pytest.raises(ConfigError, match=r"max_open_backoff_s = 0.5 is below"):
+        OpenBudget(1.0, 5, 1.0, 0.5)
 
 
 def test_one_peer_holds_at_most_its_own_streams_and_others_still_get_theirs() -> None:

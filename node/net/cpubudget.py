@@ -34,16 +34,31 @@ multi-rank site's collectives, the replica's per-step bookkeeping, which costs t
 same with gossip off); everything else the process spends is gossip: the network
 side's threads and those merges and snapshots. While the trainer does not step
 (start-up, paused, training done) nothing is held: there is nothing to starve.
+
+Refusals are not gossip. A member reopening refused streams in a loop made the sites
+refuse 900 streams a second each; charged to gossip, that CPU held every honest push for
+4.5 s instead of 0.3 s, so the attacker chose how fast the mesh gossiped, and holding
+pushes does not make anyone refuse less. What a refusal costs cannot be told apart from
+gossip by measuring: most of it is grpc's (a call's set-up and tear-down on the event
+loop, TLS and HTTP/2 on its own threads), spread over up to a second when the answer is
+held (measured: about 0.5 ms a refusal on two cores, 0.09 ms of it in the servicer). So
+while the node refuses (:meth:`CpuBudget.refused`, and ``REFUSAL_SPAN_S`` after),
+gossip is charged what its pushes cost before the refusals began (the moving mean of
+gossip CPU per push, learned while nothing was refused) for each push it makes, and the
+rest of the process's CPU counts as refusing: gossip keeps its pace and its share
+whatever the refusals cost on top.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 WINDOW_S = 2.0  # the share exported as a gauge is measured over about this much of the past
 SAMPLE_S = 0.1  # a new sample is taken at most this often
@@ -51,6 +66,7 @@ HOLD_POLL_S = 0.02  # a held push looks again at least this often
 CREDIT_S = 2.0  # most credit saved: this many seconds of the share
 DEBT_S = 10.0  # most debt kept: this many seconds of the share
 PUSH_COST_WEIGHT = 0.25  # weight of the latest push in the moving mean of what one costs
+REFUSAL_SPAN_S = 2.0  # a refusal's CPU is spent within this long of it (a held answer: 1 s)
 
 
 def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
@@ -66,6 +82,17 @@ def available_cpus(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> float:
         return max(0.01, min(cpus, int(quota) / int(period)))
     except (ValueError, ZeroDivisionError):
         return cpus
+
+
+class _Point(NamedTuple):
+    """The counters at one moment: wall clock, then totals since the start of process CPU,
+    training CPU, pushes released and CPU counted as refusing."""
+
+    wall: float
+    cpu: float
+    training: float
+    pushes: int
+    refusing: float
 
 
 class CpuBudget:
@@ -88,8 +115,11 @@ class CpuBudget:
         self.training_cpu_s = 0.0  # added to by the trainer thread only
         self.training = False  # the trainer is stepping (set and cleared by the trainer)
         self.held_pushes = 0  # pushes that waited for the budget (for summary.json)
-        # (wall, process CPU, training CPU), oldest first, about WINDOW_S of them
-        self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
+        self.pushes = 0  # pushes released
+        self.refusing_cpu_s = 0.0  # CPU spent refusing, as of the last sample: not gossip's
+        self._last_refusal = -math.inf  # when the node last refused a request
+        # oldest first, about WINDOW_S of them
+        self._samples: collections.deque[_Point] = collections.deque()
         self._last_share = 0.0
         self.share_while_training = 0.0  # the last share measured while the trainer stepped
         self._gossip_s_training = 0.0  # gossip CPU between samples taken while it stepped
@@ -97,36 +127,69 @@ class CpuBudget:
         # CPU-seconds gossip may still spend (below 0: a debt), as of the last sample
         self._credit = 0.0
         self._push_cpu_s = 0.0  # gossip CPU between one push and the next (a moving mean)
-        self._last_release: tuple[float, float, float] | None = None  # (wall, CPU, training CPU)
+        self._push_cost_learned = False  # it was measured while nothing was refused
+        self._last_release: _Point | None = None
         self._lock = threading.Lock()  # the loop (metrics, pushes) and the trainer (summary) ask
 
     def add_training(self, cpu_s: float) -> None:
         """CPU the trainer thread just spent on training (not on gossip)."""
         self.training_cpu_s += cpu_s
 
+    def refused(self) -> None:
+        """The node refused a request: for ``REFUSAL_SPAN_S`` gossip is charged per push."""
+        self._last_refusal = self._clock()
+
+    def _quiet_since(self, wall: float) -> bool:
+        """No refusal spent CPU after ``wall``."""
+        return self._last_refusal + REFUSAL_SPAN_S <= wall
+
     def gossip_share(self) -> float:
         """Gossip's CPU over the last window, as a share of the node's cores' time."""
         with self._lock:
             return self._sample(self._clock())
 
+    @staticmethod
+    def _gossip_s(first: _Point, last: _Point) -> float:
+        """Gossip's CPU between two points: neither training nor refusing."""
+        return (
+            (last.cpu - first.cpu)
+            - (last.training - first.training)
+            - (last.refusing - first.refusing)
+        )
+
+    def _point(self, now: float) -> _Point:
+        """The counters at ``now``. Since the last sample, while the node refused, gossip
+        is charged its pushes at what one cost before and the rest counts as refusing
+        (until a push's cost was learned, all of it is gossip's, as it was before)."""
+        cpu, training, pushes = self._process_cpu(), self.training_cpu_s, self.pushes
+        refusing = self.refusing_cpu_s
+        if self._samples and self._push_cost_learned:
+            last = self._samples[-1]
+            if not self._quiet_since(last.wall):
+                spent = (cpu - last.cpu) - (training - last.training)
+                charged = min(spent, (pushes - last.pushes) * self._push_cpu_s)
+                refusing += max(0.0, spent - charged)
+        return _Point(now, cpu, training, pushes, refusing)
+
     def _sample(self, now: float) -> float:
         samples = self._samples
-        if not samples or now - samples[-1][0] >= SAMPLE_S:
-            sample = (now, self._process_cpu(), self.training_cpu_s)
+        if not samples or now - samples[-1].wall >= SAMPLE_S:
+            sample = self._point(now)
+            self.refusing_cpu_s = sample.refusing
             if samples and self.training:
                 prev = samples[-1]
-                gossip_s = (sample[1] - prev[1]) - (sample[2] - prev[2])
+                gossip_s = self._gossip_s(prev, sample)
                 self._gossip_s_training += gossip_s
-                self._wall_s_training += now - prev[0]
+                self._wall_s_training += now - prev.wall
                 rate = self.share * self.cpus
-                earned = self._credit + rate * (now - prev[0]) - gossip_s
+                earned = self._credit + rate * (now - prev.wall) - gossip_s
                 self._credit = min(rate * CREDIT_S, max(-rate * DEBT_S, earned))
             samples.append(sample)
-            while len(samples) > 2 and now - samples[1][0] >= WINDOW_S:
+            while len(samples) > 2 and now - samples[1].wall >= WINDOW_S:
                 samples.popleft()
             first, last = samples[0], samples[-1]
-            wall = last[0] - first[0]
-            gossip = (last[1] - first[1]) - (last[2] - first[2])
+            wall = last.wall - first.wall
+            gossip = self._gossip_s(first, last)
             self._last_share = min(1.0, max(0.0, gossip / (wall * self.cpus))) if wall > 0 else 0.0
             if self.training:
                 self.share_while_training = self._last_share
@@ -155,20 +218,22 @@ class CpuBudget:
             rate = self.share * self.cpus
             wait = 0.0
             if self._credit < 0.0:
-                wait = -self._credit / rate - (now - self._samples[-1][0])
+                wait = -self._credit / rate - (now - self._samples[-1].wall)
             if self._last_release is not None:
-                wait = max(wait, self._last_release[0] + self._push_cpu_s / rate - now)
+                wait = max(wait, self._last_release.wall + self._push_cpu_s / rate - now)
             return max(0.0, wait)
 
     def released(self) -> None:
         """A push went now (held or not): what gossip spent since the one before, while
-        the trainer stepped, updates what a push costs."""
+        the trainer stepped and nothing was refused, updates what a push costs."""
         with self._lock:
-            now = (self._clock(), self._process_cpu(), self.training_cpu_s)
+            self.pushes += 1
+            now = self._point(self._clock())
             last = self._last_release
-            if last is not None and self.training:
-                spent = max(0.0, (now[1] - last[1]) - (now[2] - last[2]))
+            if last is not None and self.training and self._quiet_since(last.wall):
+                spent = max(0.0, (now.cpu - last.cpu) - (now.training - last.training))
                 self._push_cpu_s += PUSH_COST_WEIGHT * (spent - self._push_cpu_s)
+                self._push_cost_learned = True
             self._last_release = now
 
     def held(self) -> None:

@@ -17,12 +17,15 @@ not change. Between pushes a stream holds no push slot and no byte; open streams
 are capped like pushes, per peer (``limits.max_inbound_pushes_per_peer``) and in
 all (``limits.max_inbound_pushes``), and one idle for
 ``limits.stream_idle_timeout_s`` between pushes is ended (OK): its sender opens
-another when it pushes again.
+another when it pushes again. Each stream opened counts against its peer's budget of
+opens (:mod:`~gossipd.node.net.openbudget`); one refused before its first frame is
+answered after that frame (:meth:`GossipServicer.refuse_early`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -87,14 +90,32 @@ class ExchangeServicer:
             limits.max_inbound_pushes, "Exchange streams", "limits.max_inbound_pushes"
         )
 
+    def _open(
+        self, context: grpc.aio.ServicerContext, peer: str
+    ) -> tuple[str | None, contextlib.ExitStack]:
+        """A new stream's peer (None in plaintext) and the slots it takes, or the refusal:
+        over the peer's budget of opens, or over either cap of streams. In plaintext the
+        connection stands for the peer (the global cap still holds)."""
+        who = self.servicer.open_stream(context)
+        slots = contextlib.ExitStack()
+        try:
+            slots.enter_context(self.peer_streams.take(who or peer))
+            slots.enter_context(self.streams.take())
+        except BaseException:
+            slots.close()
+            raise
+        return who, slots
+
     async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         servicer = self.servicer
-        peer = context.peer()
+        peer, frames = context.peer(), aiter(request_iterator)
         try:
-            who = servicer.node.tls.peer_id(context)
-            # In plaintext the connection stands for the peer (the global cap still holds).
-            with self.peer_streams.take(who or peer), self.streams.take():
-                frames = aiter(request_iterator)
+            try:
+                who, slots = self._open(context, peer)
+            except GossipdError as err:
+                await servicer.refuse_early(context, peer, frames, err)
+                return
+            with slots:
                 while True:
                     try:
                         async with asyncio.timeout(servicer.idle_s):
@@ -110,7 +131,7 @@ class ExchangeServicer:
                         context, reply, "the sender took no reply", "its stream was ended"
                     )
         except GossipdError as err:
-            servicer.node.on_rejected(peer, err)
+            servicer.refused(peer, err)
             await context.abort(status_code(err), str(err))
         except grpc.aio.AbortError:
             raise

@@ -48,23 +48,39 @@ class PushReceiver:
         self.pending.check_fits(plan, differences=node.config.gossip.error_feedback)
         self.push_deadline_s = push_deadline_s(node.config, plan)
 
-    async def receive(
-        self, who: str | None, request_frames: AsyncIterator[Any], deadline_s: float | None
-    ) -> pb.PushReply:
-        """Receive one push within the caps; what it reserved is released however it ends.
+    def admit(self, who: str | None) -> contextlib.ExitStack:
+        """The slots a push takes before its first frame is read (:class:`TooManyStreams` or
+        :class:`Busy` if there is none), to hand to :meth:`receive`.
 
-        ``who``: the node id of the peer's certificate (None in plaintext);
-        ``request_frames``: this push's frames, open first; ``deadline_s``: how long
-        the sender still waits for the reply (None: no deadline). Completed segments
-        stay charged to ``limits.max_pending_bytes`` until the merge has answered,
-        since until then their buffers are alive.
+        A peer's own cap first: over it, a stream never touches the shared one. In
+        plaintext nobody is known before the open frame names its sender (``who`` None).
         """
-        with contextlib.ExitStack() as slots:
-            # A peer's own cap first: over it, a stream never touches the shared one.
-            # In plaintext nobody is known before the open frame names its sender.
+        slots = contextlib.ExitStack()
+        try:
             if who is not None:
                 slots.enter_context(self.peer_pushes.take(who))
             slots.enter_context(self.pushes.take())
+        except BaseException:
+            slots.close()
+            raise
+        return slots
+
+    async def receive(
+        self,
+        who: str | None,
+        slots: contextlib.ExitStack,
+        request_frames: AsyncIterator[Any],
+        deadline_s: float | None,
+    ) -> pb.PushReply:
+        """Receive one push within the caps; what it reserved is released however it ends.
+
+        ``who``: the node id of the peer's certificate (None in plaintext); ``slots``:
+        what :meth:`admit` took for it; ``request_frames``: this push's frames, open
+        first; ``deadline_s``: how long the sender still waits for the reply (None: no
+        deadline). Completed segments stay charged to ``limits.max_pending_bytes``
+        until the merge has answered, since until then their buffers are alive.
+        """
+        with slots:
             held = slots.enter_context(self.pending.hold())
             frames = IdleBounded(
                 request_frames,

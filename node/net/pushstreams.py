@@ -3,10 +3,16 @@
 A call per push costs grpc a call set-up and tear-down on both sides, about as
 much CPU as the rest of a small push; so a :class:`~gossipd.node.net.transport.PeerClient`
 keeps its streams to a peer here between pushes. Frames reach grpc through its
-own request consumer, fed from a one-frame queue, rather than ``write()``: a write
-that fails because the receiver ended the call records a local INTERNAL status
-over the receiver's, and the receiver's status is what says whether a push was
-refused (settle it) or its outcome is unknown (retry it).
+own request consumer, fed from a one-frame queue, while the reply is awaited.
+
+The receiver's status is what says whether a push was refused (settle it) or its
+outcome is unknown (retry it), and grpc.aio records a local INTERNAL over it when
+the receiver ends the call while a write is in flight (grpc/grpc#36066), through
+``write()`` and the request consumer alike. So the receiver answers a refusal only
+once it has read the frame a stream starts with (a small push whole, in one message),
+and a refusal reaches this side with the receiver's status; one that races the later
+frames of a large push can still read as INTERNAL, an unknown outcome retried with
+the same sequence.
 """
 
 from __future__ import annotations

@@ -12,7 +12,17 @@ pushes, how long a stream may stay silent, how slowly a push may arrive and how
 long it may take, and the same for pulls we serve (per peer, and how slowly one may
 be read). A silent, trickling or overlong push, or a pull whose reader stopped
 reading or reads too slowly, is ended with DEADLINE_EXCEEDED (:class:`StreamIdle`,
-:class:`PushTooSlow`, :class:`PushTooLong`, :class:`PullTooSlow`, counted).
+:class:`PushTooSlow`, :class:`PushTooLong`, :class:`PullTooSlow`, counted). Push streams
+one peer opens are budgeted too (:mod:`~gossipd.node.net.openbudget`): a peer reopening
+refused streams in a loop is refused for a back-off (:class:`TooManyOpens`), each
+refusal answered after a wait, and what refusing costs is not charged to gossip's CPU
+budget (:meth:`CpuBudget.refused`).
+
+A stream refused before its first frame is read is answered once that frame has come
+(:meth:`GossipServicer.refuse_early`): the sender writes it as it opens the stream, and
+grpc.aio reports a status that arrives while a write is in flight as its own INTERNAL
+instead (grpc/grpc#36066), which a sender takes for an unknown outcome and retries
+rather than a refusal it settles.
 
 The parts: :mod:`~gossipd.node.net.intake` (parsing and the mesh check),
 :mod:`~gossipd.node.net.statuscodes` (error to status), :mod:`~gossipd.node.net.pushreceiver`
@@ -21,6 +31,8 @@ The parts: :mod:`~gossipd.node.net.intake` (parsing and the mesh check),
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,8 +40,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from google.protobuf.message import Message
 
-from gossipd.node.errors import GossipdError, MeshMismatch
+from gossipd.node.errors import Busy, GossipdError, MeshMismatch, TooManyOpens
+from gossipd.node.net.admission import Slots
 from gossipd.node.net.intake import check_mesh, parse_push_frame, parser, require
+from gossipd.node.net.openbudget import OpenBudget
 from gossipd.node.net.pullserver import PullServer, write_within
 from gossipd.node.net.pushreceiver import PushReceiver
 from gossipd.node.net.statuscodes import STATUS_CODES, status_code
@@ -41,6 +55,7 @@ from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
     from gossipd.node.net.bulkserver import BulkServer
+    from gossipd.node.net.cpubudget import CpuBudget
     from gossipd.node.net.metrics import NodeMetrics
     from gossipd.node.shared.config import NodeConfig
 
@@ -56,6 +71,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 SERVICE = "gossipd.v1.Gossip"
+# How long a stream refused before its first frame waits for that frame: a sender writes it
+# as it opens the stream, so it comes within a round trip, or never (then no write of the
+# sender's is in flight to race the status).
+FIRST_FRAME_WAIT_S = 1.0
+# Refusals that wait at once (for a first frame, or out a back-off's hold): each holds a
+# call and a coroutine, about 20 KiB measured, so about 20 MiB in all; past it, answered
+# at once.
+MAX_WAITING_REFUSALS = 1024
 
 
 class Handlers(Protocol):
@@ -68,6 +91,7 @@ class Handlers(Protocol):
     config: NodeConfig
     metrics: NodeMetrics
     bulk: BulkServer | None
+    budget: CpuBudget
 
     def new_assembler(self) -> SegmentAssembler: ...
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...
@@ -89,14 +113,62 @@ class GossipServicer:
     def __init__(self, node: Handlers) -> None:
         """Raises ConfigError if ``limits.max_pending_bytes`` could never hold a segment, or
         ``limits.max_push_s`` could not fit a push of one at the minimum rate."""
+        limits = node.config.limits
         self.node = node
-        self.idle_s = node.config.limits.stream_idle_timeout_s
+        self.idle_s = limits.stream_idle_timeout_s
         plan = node.new_assembler().plan
         self.push_receiver = PushReceiver(node, plan)
         self.pull_server = PullServer(node, plan)
+        self.opens = OpenBudget.from_limits(limits)
+        self.waiting = Slots(MAX_WAITING_REFUSALS, "refusals waiting", "MAX_WAITING_REFUSALS")
         pushes, pulls = self.push_receiver.pushes, self.pull_server.pulls
         node.metrics.inbound_push_streams.set_function(lambda: pushes.in_use)
         node.metrics.inbound_pull_streams.set_function(lambda: pulls.in_use)
+        node.metrics.peers_in_open_backoff.set_function(self.opens.in_backoff)
+
+    def refused(self, peer: str, err: GossipdError) -> None:
+        """Count, log and report a refusal; what it cost the CPU is refusal work, not gossip."""
+        self.node.budget.refused()
+        self.node.on_rejected(peer, err)
+
+    def open_stream(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The node id of a new push stream's peer (None in plaintext), within its budget of
+        opens (:class:`TooManyOpens` if not). In plaintext anyone may claim any sender, so
+        there is no peer to budget; the node's caps still hold."""
+        who = self.node.tls.peer_id(context)
+        if who is not None:
+            self.opens.admit(who)
+        return who
+
+    async def refuse_early(
+        self,
+        context: grpc.aio.ServicerContext,
+        peer: str,
+        frames: AsyncIterator[Any],
+        err: GossipdError,
+    ) -> None:
+        """Refuse a stream none of whose frames was read yet, once its first frame came.
+
+        It waits at most ``FIRST_FRAME_WAIT_S`` for it; a :class:`TooManyOpens` refusal also
+        waits out its ``hold_s``, so a peer in a back-off that waits for its answers before
+        reopening opens slowly. At most ``MAX_WAITING_REFUSALS`` wait at once; the others
+        are answered at once.
+        """
+        self.refused(peer, err)
+        hold_s = err.hold_s if isinstance(err, TooManyOpens) else 0.0
+        try:
+            waiting = self.waiting.take()
+        except Busy:
+            waiting = None  # too many wait already: answered at once
+        if waiting is not None:
+            with waiting:
+                loop = asyncio.get_running_loop()
+                until = loop.time() + hold_s
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(FIRST_FRAME_WAIT_S):
+                        await anext(frames, None)
+                await asyncio.sleep(max(0.0, until - loop.time()))
+        await context.abort(status_code(err), str(err))
 
     async def _guard(
         self, context: grpc.aio.ServicerContext, peer: str, call: Callable[[], Awaitable[Any]]
@@ -104,7 +176,7 @@ class GossipServicer:
         try:
             return await call()
         except GossipdError as err:
-            self.node.on_rejected(peer, err)
+            self.refused(peer, err)
             await context.abort(status_code(err), str(err))
         except grpc.aio.AbortError:
             raise
@@ -130,18 +202,25 @@ class GossipServicer:
 
     async def PushSegments(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """One push per call (a peer's Exchange stream carries many: :mod:`exchange`)."""
+        peer, frames = context.peer(), aiter(request_iterator)
+        try:
+            who = self.open_stream(context)
+            slots = self.push_receiver.admit(who)
+        except GossipdError as err:
+            return await self.refuse_early(context, peer, frames, err)
 
         async def call() -> pb.PushReply:
-            who = self.node.tls.peer_id(context)
-            return await self.receive_push(who, aiter(request_iterator), context.time_remaining())
+            return await self.push_receiver.receive(who, slots, frames, context.time_remaining())
 
-        return await self._guard(context, context.peer(), call)
+        return await self._guard(context, peer, call)
 
     async def receive_push(
         self, who: str | None, request_frames: AsyncIterator[Any], deadline_s: float | None
     ) -> pb.PushReply:
-        """One push (:meth:`PushReceiver.receive`), for ``PushSegments`` and ``Exchange``."""
-        return await self.push_receiver.receive(who, request_frames, deadline_s)
+        """One push on an ``Exchange`` stream, whose first frame was read
+        (:meth:`PushReceiver.receive`)."""
+        slots = self.push_receiver.admit(who)
+        return await self.push_receiver.receive(who, slots, request_frames, deadline_s)
 
     async def write_within(
         self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str
@@ -169,7 +248,7 @@ class GossipServicer:
             check_fingerprint(self.node.fingerprint, req.fingerprint, f"{req.requester!r}")
             await self.pull_server.serve(context, req)
         except GossipdError as err:
-            self.node.on_rejected(peer, err)
+            self.refused(peer, err)
             context.set_code(status_code(err))
             context.set_details(str(err))
         except Exception as err:

@@ -31,6 +31,7 @@ STATUS_CODES: dict[type[GossipdError], grpc.StatusCode] = {
     errors.Leaving: grpc.StatusCode.FAILED_PRECONDITION,
     errors.StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.TooManyStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.TooManyOpens: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PushTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PushTooLong: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.PullTooSlow: grpc.StatusCode.DEADLINE_EXCEEDED,
