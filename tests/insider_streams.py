@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import torch
 
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer import codec as wirecodec
@@ -170,33 +169,3 @@ class Insider(Member):
             self.tasks = []
 
         self.run(stop())
-
-    # -- what it reads ---------------------------------------------------------------------
-
-    def pull(self, address: str) -> list[torch.Tensor]:
-        """A daemon's model as this member pulls it, segment by segment, decoded unchecked."""
-        request = pb.PullRequest(
-            mesh_id=MESH, requester=self.node_id, fingerprint=self.fingerprint, codec=pb.CODEC_RAW
-        )
-
-        async def call() -> list[torch.Tensor]:
-            rpc = self._channel(address).unary_stream(
-                "/gossipd.v1.Gossip/PullModel",
-                request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=pb.PullFrame.FromString,
-            )
-            segments: dict[int, torch.Tensor] = {}
-            header: pb.SegmentHeader | None = None
-            buffer = bytearray()
-            async for frame in rpc(request, timeout=30.0):
-                if frame.WhichOneof("kind") == "header":
-                    header, buffer = frame.header, bytearray()
-                else:
-                    buffer += frame.chunk
-                if header is not None and len(buffer) == header.payload_bytes:
-                    raw = torch.frombuffer(buffer, dtype=torch.uint8)
-                    segments[header.segment] = raw.view(wirecodec.WIRE_TO_DTYPE[header.dtype])
-                    header = None
-            return [segments[k] for k in sorted(segments)]
-
-        return self.run(call())

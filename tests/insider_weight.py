@@ -15,7 +15,6 @@ from typing import Any
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.insider import Member
-from tests.insider_streams import Insider
 
 
 class WeightInsider(Member):
@@ -25,8 +24,6 @@ class WeightInsider(Member):
         self.pushes_taken: Counter[str] = Counter()  # pushes acknowledged, by sender
         self.weight_taken: Counter[str] = Counter()  # Σ sum-weight they carried, by sender
         super().__init__(node_id, tls, incarnation=incarnation)
-
-    pull = Insider.pull  # a daemon's model, as this member pulls it
 
     async def on_push(self, request_iterator: Any, context: Any) -> pb.PushReply:
         sender, acks = "", []
