@@ -21,7 +21,7 @@ from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR, PayloadBound
 from gossipd.node.trainer.replica import Replica
 
-FACTOR = 10.0  # limits.clip_factor's default
+FACTOR = 10.0  # limits.clip_factor, as the security model suggests
 
 
 def test_the_typical_distance_is_the_upper_median_of_the_other_senders() -> None:

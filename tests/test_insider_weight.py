@@ -30,7 +30,6 @@ import pytest
 import torch
 
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
-from gossipd.node.shared.config_sections import LimitsConfig
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR
 from tests.conftest import (
@@ -47,15 +46,16 @@ from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
 
 IDS = ["a", "b", "c"]
 INSIDER = "sink"
+CLIP_FACTOR = 10.0  # limits.clip_factor: opt-in, on here (a mesh with a member it doubts)
 CONFIG = {
     "gossip": {"push_probability": 0.5},
     "membership": {"anti_entropy_interval_s": 0.5},
+    "limits": {"clip_factor": CLIP_FACTOR},
 }
 PROGRESS = 600  # acknowledged pushes, all honest sites together, per measured window
 WINDOW_TIMEOUT_S = 60.0
 INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message cap)
 TOLERANCE = 1e-9
-CLIP_FACTOR = LimitsConfig().clip_factor
 # The most one peer can bring a site in a push: what it holds of the site's weight (at most
 # the credit) plus the credit plus a founding weight.
 MOST_EVER = 2 * DEFAULT_CREDIT + FOUNDING_WEIGHT

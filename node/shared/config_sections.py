@@ -138,12 +138,12 @@ class LimitsConfig(_Section):
         "RMS distance is at most this many times max(RMS of ours, payload_scale_floor)",
     )
     clip_factor: float | None = Field(
-        10.0,
+        None,
         gt=0,
-        description="a payload segment farther from ours (RMS) than this many times the upper "
-        "median of the other senders' latest distances is pulled in to that radius, then "
-        "merged (ClippedGossip): one member's push moves a model by at most its weight share "
-        "times the radius; unset: off",
+        description="opt-in (unset: off): a payload segment farther from ours (RMS) than this "
+        "many times the upper median of the other senders' latest distances is pulled in to "
+        "that radius, then merged (ClippedGossip): one member's push moves a model by at most "
+        "its weight share times the radius; 10 is a start where members are not trusted",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_inbound_pulls_per_peer: int = Field(
