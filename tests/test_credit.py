@@ -58,7 +58,7 @@ def test_a_sink_takes_at_most_the_credit_of_each_segment_however_long_it_is_push
             core.handle(PushSettled(push.peer, push.sequence, tuple(push.weights)))
     assert taken == pytest.approx([DEFAULT_CREDIT] * SEGMENTS, abs=1e-12)
     assert core.weights == pytest.approx([1 - DEFAULT_CREDIT] * SEGMENTS, abs=1e-12)
-    assert core.credit.exhausted() == {"sink"}
+    assert core.credit.holds_all("sink")
 
 
 def test_a_peer_brings_at_most_what_it_took_plus_the_credit_and_a_founding_weight() -> None:

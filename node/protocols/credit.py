@@ -128,10 +128,6 @@ class PeerCredit:
         nets = self.nets.get(peer)
         return nets is not None and min(nets) >= self.take
 
-    def exhausted(self) -> frozenset[str]:
-        """Peers this node can push nothing more to, in any segment, until they return some."""
-        return frozenset(p for p in self.nets if self.holds_all(p))
-
     def state(self) -> dict[str, list[float]]:
         return {p: list(n) for p, n in self.nets.items()}
 
