@@ -137,7 +137,7 @@ def test_dedup_memory_per_sender_is_bounded_by_the_window_times_segments():
         for segment in range(2):
             receive(node, "b", 0, sequence, segment, 0.0)
     window = node.windows[("b", 0, 1)]
-    assert len(window.seen) == len(window.order) == 2 * DEDUP_WINDOW
+    assert window.remembered == 2 * DEDUP_WINDOW
     assert receive(node, "b", 0, 3 * DEDUP_WINDOW - 1, 1, 0.5) == Duplicate(1)
 
 

@@ -26,7 +26,7 @@ unmerged.
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,15 +72,59 @@ class Numberings:
         self.bases.clear()
 
 
-@dataclass
 class Window:
-    """Recently merged (sequence, segment) pairs of one sender numbering, bounded in size."""
+    """Recently merged (sequence, segment) pairs of one sender numbering, bounded in size.
 
-    base: int = 1
-    seen: set[tuple[int, int]] = field(default_factory=set)
-    order: deque[tuple[int, int]] = field(default_factory=deque)
-    forgotten_up_to: int = -1
-    highest: int | None = None
+    A receiver keeps one per sender numbering it merged from, so each is small: a
+    simulated node of a 1,000-node crossover mesh merged from about 80 senders in 20
+    rounds, and a set and a deque per window held 90 KB of its 156 KB. The newest
+    sequence's segments are a bitmask kept inline; older sequences go to a dict (made
+    when a second sequence arrives), oldest first, and are forgotten a whole sequence
+    at a time once more than ``capacity`` pairs are remembered.
+    """
+
+    __slots__ = (
+        "_mask",
+        "_newest",
+        "_older",
+        "_pairs",
+        "base",
+        "forgotten_up_to",
+        "highest",
+        "incarnation",
+        "previous",
+    )
+
+    def __init__(
+        self,
+        base: int = 1,
+        incarnation: int = 0,
+        forgotten_up_to: int = -1,
+        highest: int | None = None,
+    ) -> None:
+        self.base = base
+        self.incarnation = incarnation
+        self.forgotten_up_to = forgotten_up_to
+        self.highest = highest
+        self._newest: int | None = None  # the sequence admitted into last
+        self._mask = 0  # its segments, one bit each
+        self._older: dict[int, int] | None = None  # earlier sequences' masks, oldest first
+        self._pairs = 0
+        self.previous: Window | None = None  # the sender's next older numbering, if kept
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Window):
+            return NotImplemented
+        return (self.incarnation, self.base, self.state()) == (
+            other.incarnation,
+            other.base,
+            other.state(),
+        )
+
+    @property
+    def remembered(self) -> int:
+        """(sequence, segment) pairs remembered now."""
+        return self._pairs
 
     def check(self, sequence: int) -> None:
         """Refuse a sequence too far ahead (it must not move the window) or forgotten."""
@@ -100,78 +144,149 @@ class Window:
                 f"{self.forgotten_up_to} forgotten); refused, not acknowledged"
             )
 
+    def _mask_of(self, sequence: int) -> int:
+        if sequence == self._newest:
+            return self._mask
+        return self._older.get(sequence, 0) if self._older else 0
+
     def is_new(self, sequence: int, segment: int) -> bool:
-        return sequence > self.forgotten_up_to and (sequence, segment) not in self.seen
+        return sequence > self.forgotten_up_to and not self._mask_of(sequence) >> segment & 1
 
     def admit(self, sequence: int, segment: int, capacity: int) -> bool:
         """True the first time a pair is offered; False for a repeat or anything too old."""
-        ident = (sequence, segment)
         if not self.is_new(sequence, segment):
             return False
         self.highest = sequence if self.highest is None else max(self.highest, sequence)
-        self.seen.add(ident)
-        self.order.append(ident)
-        while len(self.order) > capacity:
-            old = self.order.popleft()
-            self.seen.discard(old)
-            self.forgotten_up_to = max(self.forgotten_up_to, old[0])
+        bit = 1 << segment
+        if sequence == self._newest:
+            self._mask |= bit
+        elif self._older is not None and sequence in self._older:
+            self._older[sequence] |= bit
+        else:
+            if self._newest is not None:
+                if self._older is None:
+                    self._older = {}
+                self._older[self._newest] = self._mask
+            self._newest, self._mask = sequence, bit
+        self._pairs += 1
+        while self._pairs > capacity:
+            self._forget_oldest()
         return True
 
+    def _forget_oldest(self) -> None:
+        if self._older:
+            sequence = next(iter(self._older))
+            mask = self._older.pop(sequence)
+        else:
+            assert self._newest is not None
+            sequence, mask = self._newest, self._mask
+            self._newest, self._mask = None, 0
+        self._pairs -= mask.bit_count()
+        self.forgotten_up_to = max(self.forgotten_up_to, sequence)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """The remembered pairs, oldest sequence first."""
+        masks = list((self._older or {}).items())
+        if self._newest is not None:
+            masks.append((self._newest, self._mask))
+        return [(q, s) for q, mask in masks for s in range(mask.bit_length()) if mask >> s & 1]
+
     def state(self) -> dict[str, Any]:
-        return {"order": list(self.order), "forgotten": self.forgotten_up_to, "high": self.highest}
+        return {"order": self.pairs(), "forgotten": self.forgotten_up_to, "high": self.highest}
 
     @classmethod
-    def restore(cls, state: Mapping[str, Any]) -> Window:
-        order = deque(tuple(pair) for pair in state["order"])
-        return cls(int(state.get("base", 1)), set(order), order, state["forgotten"], state["high"])
+    def restore(cls, state: Mapping[str, Any], incarnation: int = 0) -> Window:
+        window = cls(int(state.get("base", 1)), incarnation, state["forgotten"])
+        for sequence, segment in state["order"]:
+            window.admit(int(sequence), int(segment), capacity=1 << 62)
+        window.highest = state["high"]
+        return window
 
 
-@dataclass
 class Windows:
-    """A receiver's side: one :class:`Window` per sender numbering it merged from."""
+    """A receiver's side: one :class:`Window` per sender numbering it merged from.
 
-    by_numbering: dict[Numbering, Window] = field(default_factory=dict)
+    One dict entry per sender, its newest numbering's window, which links to the older
+    ones kept (a sender has more than one only after this node restarted or left its
+    view): a dict keyed by (sender, incarnation, base) and a scan of it to open a window
+    made opening one O(senders), 5% of a simulated run."""
+
+    def __init__(self) -> None:
+        self._newest: dict[str, Window] = {}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Windows):
+            return NotImplemented
+        return self.state() == other.state()
+
+    def _chain(self, sender: str) -> Iterator[Window]:
+        window = self._newest.get(sender)
+        while window is not None:
+            yield window
+            window = window.previous
+
+    def _relink(self, sender: str, windows: list[Window]) -> None:
+        """``sender``'s windows become ``windows``, newest first."""
+        for window, older in itertools.zip_longest(windows, windows[1:]):
+            window.previous = older
+        if windows:
+            self._newest[sender] = windows[0]
+        else:
+            self._newest.pop(sender, None)
 
     def __len__(self) -> int:
-        return len(self.by_numbering)
+        return sum(1 for sender in self._newest for _ in self._chain(sender))
 
     def __iter__(self) -> Iterator[Numbering]:
-        return iter(self.by_numbering)
+        return ((s, w.incarnation, w.base) for s in list(self._newest) for w in self._chain(s))
 
     def __getitem__(self, numbering: Numbering) -> Window:
-        return self.by_numbering[numbering]
+        sender, incarnation, base = numbering
+        window = self._get(sender, incarnation, base)
+        if window is None:
+            raise KeyError(numbering)
+        return window
+
+    def _get(self, sender: str, incarnation: int, base: int) -> Window | None:
+        for window in self._chain(sender):
+            if window.incarnation == incarnation and window.base == base:
+                return window
+        return None
 
     def find(self, sender: str, incarnation: int, base: int) -> Window:
         """The numbering's window, or an empty one (not kept) if none is open yet."""
-        return self.by_numbering.get((sender, incarnation, base)) or Window(base)
+        return self._get(sender, incarnation, base) or Window(base, incarnation)
 
     def open(self, sender: str, incarnation: int, base: int) -> Window:
         """The numbering's window, opened if need be; a sender incarnation keeps at most
         ``NUMBERINGS_KEPT`` windows, its oldest numberings closed first."""
-        window = self.by_numbering.get((sender, incarnation, base))
+        window = self._get(sender, incarnation, base)
         if window is None:
-            mine = sorted(b for s, i, b in self.by_numbering if (s, i) == (sender, incarnation))
-            for old in mine[: max(0, len(mine) + 1 - NUMBERINGS_KEPT)]:
-                del self.by_numbering[(sender, incarnation, old)]
-            window = self.by_numbering[(sender, incarnation, base)] = Window(base)
+            kept = list(self._chain(sender))
+            mine = sorted((w for w in kept if w.incarnation == incarnation), key=lambda w: w.base)
+            closed = {id(w) for w in mine[: max(0, len(mine) + 1 - NUMBERINGS_KEPT)]}
+            window = Window(base, incarnation)
+            self._relink(sender, [window, *(w for w in kept if id(w) not in closed)])
         return window
 
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Close the windows of a sender's older incarnations (it restarted)."""
-        for key in [k for k in self.by_numbering if k[0] == sender and k[1] < keep_incarnation]:
-            del self.by_numbering[key]
+        kept = [w for w in self._chain(sender) if w.incarnation >= keep_incarnation]
+        self._relink(sender, kept)
 
     def state(self) -> list[dict[str, Any]]:
         return [
-            {"sender": s, "incarnation": i, "base": b, **w.state()}
-            for (s, i, b), w in self.by_numbering.items()
+            {"sender": s, "incarnation": i, "base": b, **self[(s, i, b)].state()}
+            for s, i, b in self
         ]
 
     @classmethod
     def restore(cls, states: Iterable[Mapping[str, Any]]) -> Windows:
-        return cls(
-            {
-                (w["sender"], w["incarnation"], int(w.get("base", 1))): Window.restore(w)
-                for w in states
-            }
-        )
+        windows = cls()
+        by_sender: dict[str, list[Window]] = {}
+        for w in states:
+            window = Window.restore(w, int(w["incarnation"]))
+            by_sender.setdefault(w["sender"], []).append(window)
+        for sender, kept in by_sender.items():
+            windows._relink(sender, kept)
+        return windows
