@@ -133,7 +133,7 @@ class PerSyn(SumWeightLedger):
         outer_momentum: float = 0.0,
         **ledger: Any,
     ) -> None:
-        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
+        """``ledger``: ``rng`` or ``seed`` and the optional ``SumWeightLedger`` settings."""
         if average_every_steps < 1:
             raise ValueError(f"average_every_steps must be at least 1, got {average_every_steps}")
         if epoch_steps < 0:

@@ -59,7 +59,7 @@ class PushSumExpGraph(SumWeightLedger):
         round_steps: int,
         **ledger: Any,
     ) -> None:
-        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
+        """``ledger``: ``rng`` or ``seed`` and the optional ``SumWeightLedger`` settings."""
         if round_steps < 1:
             raise ValueError(f"round_steps must be at least 1, got {round_steps}")
         super().__init__(node_id, num_segments, **ledger)

@@ -37,7 +37,6 @@ class Reservations:
     # What the ledger provides (see SumWeightLedger.__init__).
     node_id: str
     max_in_flight: int
-    rng: random.Random
     weights: list[float]
     reserved: list[float]
     in_flight: dict[tuple[str, int], Push]
@@ -55,6 +54,9 @@ class Reservations:
 
         @property
         def peers(self) -> frozenset[str]: ...
+
+        @property
+        def rng(self) -> random.Random: ...
 
     def available(self, segment: int) -> float:
         return self.weights[segment] - self.reserved[segment]

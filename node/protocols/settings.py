@@ -13,7 +13,6 @@ This module needs pydantic only, so the config can use it without loading a core
 from __future__ import annotations
 
 import difflib
-import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +60,7 @@ class CoreSettings:
         return {
             "node_id": self.node_id,
             "num_segments": self.num_segments,
-            "rng": random.Random(self.seed),
+            "seed": self.seed,
             "initial_weight": self.initial_weight,
             "max_in_flight": self.max_in_flight,
             "max_weight": self.max_weight,

@@ -49,7 +49,7 @@ class SumWeightGossip(SumWeightLedger):
         push_probability: float,
         **ledger: Any,
     ) -> None:
-        """``ledger``: ``rng`` and the optional ``SumWeightLedger`` settings."""
+        """``ledger``: ``rng`` or ``seed`` and the optional ``SumWeightLedger`` settings."""
         if not 0.0 <= push_probability <= 1.0:
             raise ValueError(f"push_probability must be in [0, 1], got {push_probability}")
         super().__init__(node_id, num_segments, **ledger)

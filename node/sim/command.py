@@ -1,7 +1,7 @@
 """`gossipd sim`: its flags, the run they describe, and the JSON line (the progress line,
 the table and the plot are :mod:`.output`).
 
-Heavy imports (numpy, SimPy, torch, matplotlib) wait until the command runs, so
+Heavy imports (numpy, torch, matplotlib) wait until the command runs, so
 building the ``gossipd`` parser stays cheap for every other subcommand.
 """
 

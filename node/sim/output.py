@@ -5,6 +5,7 @@ Heavy imports (tqdm, matplotlib) wait until they are used, as in :mod:`.command`
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,14 +39,18 @@ class Progress:
         if not self.enabled:
             return
         error = sim.result.errors[-1]
+        wall = time.perf_counter() - self.started
+        rate = sim.events / wall if wall > 0 else 0.0
+        memory = f"{resident_bytes() / 1e9:.2f} GB"
         if self._bar is not None:
             self._bar.n = k
-            self._bar.set_postfix(error=f"{error:.2e}", t=f"{sim.now:.1f}s")
+            self._bar.set_postfix(
+                error=f"{error:.2e}", t=f"{sim.now:.1f}s", events=f"{rate:,.0f}/s", mem=memory
+            )
             return
-        wall = time.perf_counter() - self.started
         self.stream.write(
             f"\rround {k}/{self.total}  virtual {sim.now:9.2f} s  error {error:.3e}  "
-            f"wall {wall:6.1f} s"
+            f"{rate:,.0f} events/s  {memory}  wall {wall:6.1f} s"
         )
         self.stream.flush()
 
@@ -55,6 +60,15 @@ class Progress:
         elif self.enabled:
             self.stream.write("\r" + " " * 78 + "\r")
             self.stream.flush()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there to say)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def print_table(result: SimResult, spec: SimSpec, file: IO[str]) -> None:
@@ -84,7 +98,13 @@ def print_table(result: SimResult, spec: SimSpec, file: IO[str]) -> None:
         f"{result.messages} payloads ({result.retries} retries, {result.refused} refused), "
         f"{result.bytes / 1e6:.3f} MB, {result.bytes_per_node_per_round:.0f} B per node per "
         f"round; {result.steps} steps; virtual {result.virtual_time_s:.2f} s in "
-        f"{result.wall_s:.2f} s wall",
+        f"{result.wall_s:.2f} s wall ({result.events / max(result.wall_s, 1e-9):,.0f} events/s)",
+        file=file,
+    )
+    print(
+        f"peak memory {result.peak_memory_bytes / 1e6:,.0f} MB, "
+        f"{result.memory_per_node_bytes / 1e3:,.1f} KB per node over the "
+        f"{result.start_memory_bytes / 1e6:,.0f} MB resident before the nodes were built",
         file=file,
     )
     if result.mass_lost or result.mass_duplicated:

@@ -76,6 +76,15 @@ class SimSpec:
         return self.predict and possible
 
 
+def peak_memory_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def core_options(spec: SimSpec) -> dict[str, Any]:
     """The protocol's own settings: ``spec.options`` over the sim's round and burst length."""
     takes = settings_class(spec.protocol).model_fields
@@ -187,6 +196,11 @@ class SimResult:
     consensus_error_end: float = math.nan
     virtual_time_s: float = 0.0
     wall_s: float = 0.0
+    events: int = 0  # happenings on the virtual clock: steps, deliveries, acks, timers
+    # The process's peak resident memory (the simulator, the cores and the interpreter), and
+    # what was resident before the nodes were built: the difference is what the run cost.
+    peak_memory_bytes: int = 0
+    start_memory_bytes: int = 0
     messages: int = 0  # payload transmissions, retries included
     acks: int = 0
     retries: int = 0
@@ -261,6 +275,9 @@ class SimResult:
         self.consensus_error_end = self.errors[-1]
         self.virtual_time_s = self.times_s[-1]
         self.wall_s = wall_s
+        self.events = sim.events
+        self.peak_memory_bytes = peak_memory_bytes()
+        self.start_memory_bytes = sim.start_memory_bytes
         self.messages, self.acks, self.retries = sim.messages, sim.acks, sim.retries
         self.refused, self.bytes = sim.refused, sim.bytes_sent
         self.steps = sum(n.steps for n in sim.nodes)
@@ -276,9 +293,15 @@ class SimResult:
         if sim.spec.check_invariants:
             self._note_invariants(sim)
 
+    @property
+    def memory_per_node_bytes(self) -> float:
+        """Peak memory over what was resident before the nodes were built, per node."""
+        return max(0, self.peak_memory_bytes - self.start_memory_bytes) / max(1, self.nodes)
+
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (NaN becomes null, so the line parses anywhere)."""
         data = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        data["memory_per_node_bytes"] = self.memory_per_node_bytes
         for key, value in data.items():
             if isinstance(value, float):
                 data[key] = _finite(value)
