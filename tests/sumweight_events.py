@@ -43,7 +43,7 @@ def make(node_id="a", num_segments=2, *, p=1.0, seed=0, peers=("b",), **kwargs) 
 def snapshot(node: SumWeightGossip) -> dict:
     """Everything a core holds, its rng's state and de-duplication windows included, as a
     deep copy that compares equal exactly when nothing changed."""
-    state = {k: v for k, v in vars(node).items() if k != "_rng"}
+    state = {k: v for k, v in vars(node).items() if k not in ("_rng", "_planned")}
     state["rng"] = node.rng.getstate()
     return copy.deepcopy(state)
 

@@ -70,20 +70,18 @@ class PeerCredit:
     take: float
     segments: int
     nets: list[dict[str, float]] = field(default_factory=list)
+    on: bool = field(init=False)  # whether there is a book: read at every push and payload
 
     def __post_init__(self) -> None:
         if not self.take > 0:  # inf: no book (a directed protocol, or the credit off)
             raise ValueError(f"peer credit must be > 0, got {self.take}")
         if not self.nets:
             self.nets = [{} for _ in range(self.segments)]
+        self.on = math.isfinite(self.take)
 
     @property
     def bring(self) -> float:
         return self.take + FOUNDING_WEIGHT
-
-    @property
-    def on(self) -> bool:
-        return math.isfinite(self.take)
 
     def net(self, peer: str, segment: int) -> float:
         return self.nets[segment].get(peer, 0.0)

@@ -26,6 +26,7 @@ unmerged.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -203,6 +204,11 @@ class Window:
         return window
 
 
+@functools.lru_cache(maxsize=64)
+def _empty(base: int) -> Window:
+    return Window(base)
+
+
 class Windows:
     """A receiver's side: one :class:`Window` per sender numbering it merged from.
 
@@ -254,8 +260,9 @@ class Windows:
         return None
 
     def find(self, sender: str, incarnation: int, base: int) -> Window:
-        """The numbering's window, or an empty one (not kept) if none is open yet."""
-        return self._get(sender, incarnation, base) or Window(base, incarnation)
+        """The numbering's window, or an empty one (shared, not to be written) if none is
+        open yet: most payloads of a large mesh come from a sender not seen before."""
+        return self._get(sender, incarnation, base) or _empty(base)
 
     def open(self, sender: str, incarnation: int, base: int) -> Window:
         """The numbering's window, opened if need be; a sender incarnation keeps at most
