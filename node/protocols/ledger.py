@@ -293,8 +293,12 @@ class SumWeightLedger(Reservations, GossipProtocol):
 
     # -- membership -------------------------------------------------------------------
     def set_members(self, members: frozenset[str]) -> None:
-        for gone in frozenset(self.view.members) - members:
-            self.numberings.renumber(gone)  # it may come back from a checkpoint
+        # A receiver gone from the view may come back from a checkpoint: number anew. Only
+        # the receivers this node numbered are looked at, not the whole view, which at
+        # 100,000 simulated nodes made a change of view cost every node 100,000 steps.
+        was_member = self.view.rank_of
+        for gone in [p for p in self.numberings.last if p in was_member and p not in members]:
+            self.numberings.renumber(gone)
         self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
         self.cap.saw_view(len(self.view.members))
 
