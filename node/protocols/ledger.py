@@ -59,6 +59,7 @@ from gossipd.node.protocols.base import (
     PayloadArrived,
     PayloadMerged,
     PeerRestarted,
+    PeerSet,
     PullArrived,
     PullFailed,
     PullMerged,
@@ -308,8 +309,8 @@ class SumWeightLedger(Reservations, GossipProtocol):
         return self.cap.value
 
     @property
-    def peers(self) -> frozenset[str]:
-        return frozenset(self.view.members) - {self.node_id}
+    def peers(self) -> PeerSet:
+        return PeerSet(self.view, self.node_id)
 
     def on_peer_up(self, peer: str) -> None:
         self.set_members(frozenset(self.view.members) | {peer})

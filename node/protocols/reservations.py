@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from gossipd.node.protocols.base import FoldBack, Push, View
@@ -53,7 +54,7 @@ class Reservations:
     if TYPE_CHECKING:
 
         @property
-        def peers(self) -> frozenset[str]: ...
+        def peers(self) -> AbstractSet[str]: ...
 
         @property
         def rng(self) -> random.Random: ...
