@@ -109,14 +109,16 @@ def test_mixing_tracker_reproduces_every_merge_exactly() -> None:
 
 def test_delivery_takes_latency_plus_bytes_over_bandwidth() -> None:
     """Round 1 is measured half a step after the round-1 pushes leave: a push that needs
-    0.3 s latency + 0.3 s transfer has not landed yet; one that needs 0.1 + 0.3 s has."""
+    0.3 s latency + 0.3 s transfer has not landed yet; one that needs 0.1 + 0.3 s has.
+    Any merge moves some node (the mean error need not fall: a receiver can move away
+    from the mean), nothing landed moves none."""
     bandwidth = 64 * 8 / 0.3  # the whole 64-float model moves in 0.3 s
     for latency, lands in ((0.3, False), (0.1, True)):
         scenario = replace(
             HOMOGENEOUS, latency_s=((latency,),), bandwidth_bytes_per_s=((bandwidth,),)
         )
-        errors = run_sim(SimSpec(protocol="sumweight", rounds=1, scenario=scenario)).errors
-        assert (errors[1] < errors[0]) is lands
+        errors = run_sim(SimSpec(protocol="sumweight", rounds=1, scenario=scenario)).rms_errors
+        assert (errors[1] != errors[0]) is lands
 
 
 @pytest.mark.parametrize("protocol", ALL)

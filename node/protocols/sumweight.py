@@ -24,6 +24,9 @@ from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
 from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 
+# Draws from the whole view before a node lists the peers it may push to (random_candidate).
+CANDIDATE_DRAWS = 8
+
 
 class SumWeightSettings(ProtocolSettings):
     """``[gossip.sumweight]``"""
@@ -68,12 +71,27 @@ class SumWeightGossip(SumWeightLedger):
         a slow or hung receiver holds one slot while the others keep gossiping,
         and a node with every slot taken skips its turn instead of queueing.
         """
-        if len(self.in_flight) >= self.max_in_flight:
-            return []
-        candidates = sorted(p for p in self.peers if self.can_push(p))
-        if not candidates:
+        if len(self.in_flight) >= self.max_in_flight or not self.peers:
             return []
         if self.rng.random() >= self.push_probability:
             return []
-        push = self.push_share(self.rng.choice(candidates), 0.5)
+        peer = self.random_candidate()
+        push = self.push_share(peer, 0.5) if peer is not None else None
         return [push] if push else []
+
+    def random_candidate(self) -> str | None:
+        """A peer drawn uniformly from those :meth:`can_push` allows, or None if none is.
+
+        Drawn from the whole view and kept if allowed, up to ``CANDIDATE_DRAWS`` times,
+        then from the list of the allowed: uniform either way (each allowed peer is as
+        likely at every draw), and O(1) while most peers are allowed, as they are in a
+        large mesh. Listing every allowed peer at every step made a step O(members): a
+        5,000-node simulated mesh ran past 5 minutes for 2 rounds.
+        """
+        members = self.view.members
+        for _ in range(CANDIDATE_DRAWS):
+            peer = members[self.rng.randrange(len(members))]
+            if self.can_push(peer):
+                return peer
+        candidates = [p for p in self.peers if self.can_push(p)]  # in view order: sorted
+        return self.rng.choice(candidates) if candidates else None
