@@ -71,7 +71,12 @@ def test_step_reports_acknowledged_pushes_and_mass_is_conserved(daemons: Any) ->
     node, _ = _user_node(peer)
     with node:
         reports = _step_until(node, lambda r: len(r.pushed) > 0, "an acknowledged push")
-        assert all(r.ok for r in reports), [r for r in reports if not r.ok]
+        # Our view has the peer live before the peer has verified us (its own Handshake of
+        # us may lag on a loaded box): a push it refuses meanwhile is answered "not a
+        # verified peer", nothing merged, and retried; anything else is a failure.
+        failed = [f for r in reports for f in r.failed]
+        assert all("is not a verified peer" in (f.error or "") for f in failed), failed
+        assert not any(r.rejected for r in reports), reports
         pushed = next(r for r in reports if r.pushed).pushed[0]
         assert pushed.peer == "peer" and pushed.acked_segments == (0,)
         # Settle: stop pushing, wait until nothing is in flight, then count the weight.
