@@ -3,9 +3,9 @@
 A million simulated nodes must fit the machine, so what one node costs is a budget
 (docs/simulator.md, "At scale"). It is measured, not assumed: ``gossipd sim`` runs
 20,000 nodes in a subprocess and reports its peak resident memory over what was
-resident before the nodes were built. Three rounds keep the run under half a minute
-here; each round adds about 1.6 KB a node (the peers it met: their de-duplication
-windows, credit and exchanged weight), so the budget is for three rounds, not twenty.
+resident before the nodes were built. Two rounds keep the run under half a minute
+here; each round adds about 1.7 KB a node (the peers it met: their de-duplication
+windows, credit and exchanged weight), so the budget is for two rounds, not twenty.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import subprocess
 import sys
 
 NODES = 20_000
-ROUNDS = 3
-# Measured 19.8 KB a node at 20,000 nodes and 3 rounds, 15.0 KB after 1 (a loaded
+ROUNDS = 2
+# Measured 17.2 KB a node at 20,000 nodes and 2 rounds, 15.0 KB after 1 (a loaded
 # 2-core box, 2026-11-28); before the compact books and the tuple clock, 18.4 KB after
 # 1 round and 187 KB after 20. A quarter over what was measured, for another allocator.
-BUDGET_BYTES_PER_NODE = 25_000
+BUDGET_BYTES_PER_NODE = 22_000
 
 
 def test_a_node_costs_less_than_its_budget_and_the_mass_stays_exact_at_20000_nodes() -> None:
@@ -43,5 +43,5 @@ def test_a_node_costs_less_than_its_budget_and_the_mass_stays_exact_at_20000_nod
     assert data["invariant_mass_error"] <= 1e-12
     assert data["invariant_value_error"] <= 1e-12
     errors = data["errors"]
-    assert errors[-1] < 0.7 * errors[0]  # mixing as on small meshes (0.57 after 3 rounds)
+    assert errors[-1] < 0.8 * errors[0]  # mixing as on small meshes
     assert data["events"] >= 2 * data["messages"] + data["steps"]  # landing, answer, step
