@@ -277,6 +277,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.windows = Windows.restore(state.get("windows", ()))
         self.exchanged = ExchangedBook.restore(state.get("exchanged", {}))
         self._shares.clear()
+        self._planned = None  # planned against the state this replaces
         self.sinks.restore(state.get("sink_scores", {}))
         self.credit.restore(state.get("credit_nets", {}))
         self.cap.saw_view(int(state.get("largest_view", 1)))
