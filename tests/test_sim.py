@@ -7,10 +7,7 @@ taken from the registry, so a protocol added later is tested without edits.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +31,7 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.sim import SCENARIOS, SimSpec, Simulation, run_sim
 from gossipd.node.sim.scenarios import HOMOGENEOUS, FaultEntry, ScenarioError
+from tests.sim_cli import json_line, sim_cli
 
 ALL = sorted(PROTOCOLS)
 WEIGHTED = [p for p in ALL if keeps_weights(p)]  # the mass and mixing-matrix checks apply
@@ -143,15 +141,8 @@ def test_same_seed_same_run_and_another_seed_another(protocol: str) -> None:
 def test_cli_prints_a_table_and_one_parsable_json_line(tmp_path: Path) -> None:
     png = tmp_path / "sim.png"
     argv = ["--protocol", ALL[0], "--nodes", "16", "--rounds", "10", "--json", "--plot", str(png)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipd.node.cli", "sim", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = sim_cli(*argv)
+    data = json_line(proc)
     for key in (
         "consensus_error_start",
         "consensus_error_end",
@@ -177,22 +168,7 @@ def test_cli_prints_a_table_and_one_parsable_json_line(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_a_bad_scenario_with_a_one_line_error() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gossipd.node.cli",
-            "sim",
-            "--scenario",
-            "mars",
-            "--nodes",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = sim_cli("--scenario", "mars", "--nodes", "4", timeout_s=60)
     assert proc.returncode == 2
     assert "unknown scenario 'mars'" in proc.stderr and "homogeneous" in proc.stderr
 

@@ -10,9 +10,7 @@ windows, credit and exchanged weight), so the budget is for two rounds, not twen
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from tests.sim_cli import json_line, sim_cli
 
 NODES = 20_000
 ROUNDS = 2
@@ -25,15 +23,8 @@ BUDGET_BYTES_PER_NODE = 22_000
 def test_a_node_costs_less_than_its_budget_and_the_mass_stays_exact_at_20000_nodes() -> None:
     argv = ["--protocol", "crossover", "--nodes", str(NODES), "--rounds", str(ROUNDS)]
     argv += ["--segments", "4", "--check-invariants", "--json"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "gossipd.node.cli", "sim", *argv],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = sim_cli(*argv, timeout_s=600)
+    data = json_line(proc)
     assert "peak memory" in proc.stderr and "KB per node" in proc.stderr
     assert data["nodes"] == NODES and data["rounds"] == ROUNDS
     assert data["messages"] >= NODES * 4 * ROUNDS * 0.99  # every node pushed every segment

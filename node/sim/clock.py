@@ -20,16 +20,18 @@ from typing import Any
 class Clock:
     """Virtual seconds from 0; :meth:`at` schedules, :meth:`run` runs until nothing is left."""
 
-    __slots__ = ("_heap", "_order", "now")
+    __slots__ = ("_heap", "_order", "now", "scheduled")
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.scheduled = 0  # happenings scheduled so far (what a run reports as events)
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._order = itertools.count()
 
     def at(self, at_s: float, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` at ``at_s`` (now, if that has passed)."""
         when = self.now + max(at_s - self.now, 0.0)
+        self.scheduled += 1
         heapq.heappush(self._heap, (when, next(self._order), fn, args))
 
     def __len__(self) -> int:

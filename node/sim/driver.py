@@ -63,7 +63,7 @@ from gossipd.node.protocols.base import (
 from gossipd.node.protocols.scheduler import Scheduler
 from gossipd.node.sim.accounting import MassBook
 from gossipd.node.sim.clock import Clock
-from gossipd.node.sim.output import resident_bytes
+from gossipd.node.sim.memory import resident_bytes
 from gossipd.node.sim.payloads import Payload, make_payload
 from gossipd.node.sim.pulls import PullSide
 from gossipd.node.sim.pushes import PushSide
@@ -137,7 +137,6 @@ class Simulation(PushSide, PullSide):
         self.member_idx = np.arange(spec.nodes)
         self.stopped = False
         self.messages = self.acks = self.retries = self.refused = 0
-        self.events = 0
         self.bytes_sent = 0
         self.book = MassBook(self.payload)
         if spec.check_invariants:
@@ -152,7 +151,6 @@ class Simulation(PushSide, PullSide):
         return self.clock.now
 
     def _at(self, at_s: float, fn: Callable[..., None], *args: Any) -> None:
-        self.events += 1
         self.clock.at(at_s, fn, args)
 
     def _link(self, a: SimNode, b: SimNode) -> tuple[float, float]:

@@ -5,11 +5,12 @@ Heavy imports (tqdm, matplotlib) wait until they are used, as in :mod:`.command`
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+from gossipd.node.sim import memory
 
 if TYPE_CHECKING:
     from gossipd.node.sim.driver import Simulation
@@ -40,17 +41,17 @@ class Progress:
             return
         error = sim.result.errors[-1]
         wall = time.perf_counter() - self.started
-        rate = sim.events / wall if wall > 0 else 0.0
-        memory = f"{resident_bytes() / 1e9:.2f} GB"
+        rate = sim.clock.scheduled / wall if wall > 0 else 0.0
+        resident = f"{memory.resident_bytes() / 1e9:.2f} GB"
         if self._bar is not None:
             self._bar.n = k
             self._bar.set_postfix(
-                error=f"{error:.2e}", t=f"{sim.now:.1f}s", events=f"{rate:,.0f}/s", mem=memory
+                error=f"{error:.2e}", t=f"{sim.now:.1f}s", events=f"{rate:,.0f}/s", mem=resident
             )
             return
         self.stream.write(
             f"\rround {k}/{self.total}  virtual {sim.now:9.2f} s  error {error:.3e}  "
-            f"{rate:,.0f} events/s  {memory}  wall {wall:6.1f} s"
+            f"{rate:,.0f} events/s  {resident}  wall {wall:6.1f} s"
         )
         self.stream.flush()
 
@@ -60,15 +61,6 @@ class Progress:
         elif self.enabled:
             self.stream.write("\r" + " " * 78 + "\r")
             self.stream.flush()
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (0 where /proc is not there to say)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def print_table(result: SimResult, spec: SimSpec, file: IO[str]) -> None:

@@ -17,6 +17,7 @@ from gossipd.node.protocols import CoreSettings, settings_class
 from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
 from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.topology import ceil_log2
+from gossipd.node.sim import memory
 from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
 from gossipd.node.sim.spectral import MAX_TRACKED_N
 
@@ -74,27 +75,6 @@ class SimSpec:
         if self.predict is None:
             return possible and self.nodes <= AUTO_TRACKED_N
         return self.predict and possible
-
-
-def peak_memory_bytes() -> int:
-    """This process's peak resident memory so far.
-
-    Linux's VmHWM, the high-water mark of this program's own memory: ``ru_maxrss`` also
-    keeps the peak of the process before it exec'd this one, and a simulation started
-    from a test runner grown to 800 MB reported the runner's size as its own. Elsewhere
-    ``ru_maxrss`` (macOS reports bytes, the others kilobytes)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def core_options(spec: SimSpec) -> dict[str, Any]:
@@ -287,8 +267,8 @@ class SimResult:
         self.consensus_error_end = self.errors[-1]
         self.virtual_time_s = self.times_s[-1]
         self.wall_s = wall_s
-        self.events = sim.events
-        self.peak_memory_bytes = peak_memory_bytes()
+        self.events = sim.clock.scheduled
+        self.peak_memory_bytes = memory.peak_bytes()
         self.start_memory_bytes = sim.start_memory_bytes
         self.messages, self.acks, self.retries = sim.messages, sim.acks, sim.retries
         self.refused, self.bytes = sim.refused, sim.bytes_sent
