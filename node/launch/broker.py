@@ -13,12 +13,31 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 from gossipd.node.errors import GossipdError
 from gossipd.node.launch.localmesh import free_ports
 
 START_TIMEOUT_S = 30.0
+
+
+class _Snapshots(dict):  # type: ignore[type-arg]
+    """amqtt's table of subscriptions, iterated over a copy.
+
+    amqtt 0.12 awaits inside its loops over this table (sending a connecting client the
+    retained messages of every subscribed topic; fanning a publish out to subscribers), so
+    a client subscribing to a new topic meanwhile ended the loop with "dictionary changed
+    size during iteration": the connecting client was dropped without a CONNACK and the
+    caller timed out. Each loop over a copy sees the table as it was when the loop began.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(dict.keys(self)))
+
+    def items(self) -> list[tuple[Any, Any]]:  # type: ignore[override]
+        return list(dict.items(self))
 
 
 class EmbeddedBroker:
@@ -62,6 +81,8 @@ class EmbeddedBroker:
                     },
                 }
             )
+            if type(getattr(broker, "_subscriptions", None)) is dict:
+                broker._subscriptions = _Snapshots()
             try:
                 await broker.start()
             except BaseException as err:
