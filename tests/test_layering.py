@@ -28,6 +28,7 @@ import pytest
 import gossipd.node.protocols
 import gossipd.node.sim
 from gossipd.node import errors
+from gossipd.node.launch.localmesh import free_ports
 
 HEAVY = ("grpc", "google.protobuf", "torch")
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,6 +184,19 @@ def test_the_certs_command_loads_no_grpc_protobuf_or_torch(tmp_path: Path) -> No
     loaded = _loaded_after(code)
     assert (ca / "site-a.pem").exists()
     assert loaded == [], f"gossipd certs loads {loaded}"
+
+
+def test_the_commands_that_only_ask_a_node_load_no_torch() -> None:
+    """A container's health check runs `gossipd health` every few seconds: it took 3.6 s of
+    CPU, 2 of them importing torch through the transport. Asked of a port where nothing
+    listens, each answers with its error, having loaded gRPC but not torch."""
+    port = free_ports(1)[0]
+    asks = [["health"], ["status"], ["status", "--mesh"]]
+    code = "from gossipd.node.cli.main import main\n" + "".join(
+        f"assert main({[*ask, '--address', f'127.0.0.1:{port}', '--timeout-s', '2']!r}) != 0\n"
+        for ask in asks
+    )
+    assert _loaded_after(code) == ["grpc", "google.protobuf"]
 
 
 def test_the_probe_sees_grpc_protobuf_and_torch_when_a_module_does_load_them() -> None:

@@ -20,8 +20,8 @@ from gossipd.node.errors import ConfigError
 from gossipd.node.net import exchange
 from gossipd.node.net.admission import server_options
 from gossipd.node.net.bulk import BulkServer
+from gossipd.node.net.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.net.servicer import SERVICE, GossipServicer, Handlers, add_to_server
-from gossipd.node.net.transport import CHANNEL_OPTIONS
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.segments import SegmentPlan

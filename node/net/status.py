@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.net.transport import CHANNEL_OPTIONS
+from gossipd.node.net.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc

@@ -28,6 +28,7 @@ import grpc
 
 from gossipd.node.net.bulkconn import BulkConn
 from gossipd.node.net.bulkdialer import BulkDialer, PeerLane
+from gossipd.node.net.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.net.identity import Identity
 from gossipd.node.net.outcomes import OutcomeUnknown, PartialPush, remote_error, stream_failure
 from gossipd.node.net.pullreader import PullReader
@@ -55,19 +56,6 @@ __all__ = [
     "remote_error",
 ]
 
-_MAX_MESSAGE_BYTES = 16 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.http2.bdp_probe", 1),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # A peer that was down at first contact must be reachable soon after it starts:
-    # grpc's default reconnect backoff (1 s, growing to 120 s) fails RPCs fast meanwhile.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
 # A push part of at least this many model bytes goes on the bulk lane where the peer has
 # one: below it, grpc's frames cost less than a lane round trip does.
 BULK_MIN_BYTES = 1 << 20

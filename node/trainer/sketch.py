@@ -18,7 +18,6 @@ import torch
 
 # The most buckets a Status request may ask for: a sketch is sent as float32 in one reply.
 MAX_SKETCH_SIZE = 65_536
-DEFAULT_SKETCH_SIZE = 4_096
 # Values hashed per draw of random buckets and signs: bounds the scratch memory (16 MiB of
 # int64 at most) whatever the model's size.
 _CHUNK = 1 << 20
