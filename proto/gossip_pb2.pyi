@@ -211,14 +211,30 @@ class PullFrame(_message.Message):
     def __init__(self, header: _Optional[_Union[SegmentHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("mesh_id", "node_id", "incarnation")
+    __slots__ = ("mesh_id", "node_id", "incarnation", "merged")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     node_id: str
     incarnation: int
-    def __init__(self, mesh_id: _Optional[str] = ..., node_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    merged: _containers.RepeatedCompositeFieldContainer[Receipts]
+    def __init__(self, mesh_id: _Optional[str] = ..., node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., merged: _Optional[_Iterable[_Union[Receipts, _Mapping]]] = ...) -> None: ...
+
+class Receipts(_message.Message):
+    __slots__ = ("sender_incarnation", "base", "forgotten_up_to", "sequences", "segments")
+    SENDER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_UP_TO_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    sender_incarnation: int
+    base: int
+    forgotten_up_to: int
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sender_incarnation: _Optional[int] = ..., base: _Optional[int] = ..., forgotten_up_to: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

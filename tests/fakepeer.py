@@ -119,11 +119,20 @@ class FakePeer:
         mesh_id: str = MESH,
         serve_peers: bool = False,
         hang_pushes: bool = False,
+        take_leaves: bool = False,
+        take_pushes: bool = False,
     ) -> None:
         self.node_id = node_id
         # Take every push stream in and never answer it: a peer that hangs after reading.
         self.hang_pushes = hang_pushes
         self.pushes_hanging = 0
+        self.push_opens: list[pb.PushOpen] = []  # of the hung pushes sent on Exchange
+        # Answer Leave (and keep each request), as a peer a leaving daemon says goodbye to.
+        self.take_leaves = take_leaves
+        self.leaves: list[pb.LeaveRequest] = []
+        # Acknowledge every push on Exchange as merged (a sink that keeps nothing), as the
+        # peer a leaving daemon hands its weight to.
+        self.take_pushes = take_pushes
         # Also answer Peers (with only itself), so a daemon's anti-entropy rounds against
         # this fake succeed instead of counting failures that would get it suspected.
         self.serve_peers = serve_peers
@@ -163,8 +172,9 @@ class FakePeer:
             return pb.PeersReply(peers=[self.info()])
 
         async def hang(request_iterator: Any, context: Any) -> bytes:
-            async for _ in request_iterator:
-                pass
+            async for frame in request_iterator:
+                if isinstance(frame, pb.PushFrame) and frame.WhichOneof("kind") == "open":
+                    self.push_opens.append(frame.open)
             self.pushes_hanging += 1
             await asyncio.Event().wait()  # until the server stops and cancels this
             return b""
@@ -180,6 +190,23 @@ class FakePeer:
             handlers["Peers"] = grpc.unary_unary_rpc_method_handler(
                 peers, pb.PeersRequest.FromString, pb.PeersReply.SerializeToString
             )
+
+        async def leave(request: pb.LeaveRequest, context: Any) -> pb.LeaveReply:
+            self.leaves.append(request)
+            return pb.LeaveReply()
+
+        if self.take_leaves:
+            handlers["Leave"] = grpc.unary_unary_rpc_method_handler(
+                leave, pb.LeaveRequest.FromString, pb.LeaveReply.SerializeToString
+            )
+
+        async def take(frames: AsyncIterator[pb.PushFrame], context: Any) -> pb.PushReply:
+            merged = pb.SEGMENT_RESULT_MERGED
+            segments = [f.header.segment async for f in frames if f.WhichOneof("kind") == "header"]
+            return pb.PushReply(acks=[pb.SegmentAck(segment=s, result=merged) for s in segments])
+
+        if self.take_pushes:
+            handlers["Exchange"] = exchange_handler(take)
         if self.hang_pushes:
             handlers["PushSegments"] = grpc.stream_unary_rpc_method_handler(hang)
             handlers["Exchange"] = exchange_handler(hang)
@@ -240,10 +267,14 @@ class FakePeer:
             timeout_s=timeout_s,
         )
 
-    def close(self) -> None:
+    def stop_serving(self) -> None:
+        """Stop the server, as a peer that left: every dial to it fails from now on."""
         if self._server is not None:
             self.run(self._server.stop(0))
             self._server = None
+
+    def close(self) -> None:
+        self.stop_serving()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
         self._loop.close()

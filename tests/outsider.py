@@ -151,10 +151,19 @@ def peers_as(
 
 
 def leave_as(
-    address: str, node_id: str, incarnation: int, *, mesh_id: str = MESH, timeout_s: float = 20.0
+    address: str,
+    node_id: str,
+    incarnation: int,
+    *,
+    mesh_id: str = MESH,
+    timeout_s: float = 20.0,
+    merged: Iterable[pb.Receipts] = (),
 ) -> grpc.StatusCode:
-    """One Leave claiming that ``node_id`` (at ``incarnation``) is leaving."""
-    request = pb.LeaveRequest(mesh_id=mesh_id, node_id=node_id, incarnation=incarnation)
+    """One Leave claiming that ``node_id`` (at ``incarnation``) is leaving, and that it
+    merged ``merged`` of the receiver's pushes."""
+    request = pb.LeaveRequest(
+        mesh_id=mesh_id, node_id=node_id, incarnation=incarnation, merged=merged
+    )
 
     async def call() -> grpc.StatusCode:
         async with grpc.aio.insecure_channel(address) as channel:

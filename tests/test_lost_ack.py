@@ -17,6 +17,9 @@ once the push is sent and the step is taken.
     acknowledged): the ledger's documented mass bound. The push's weight now exists
     twice, so Σ w is exactly N + the pushed weight and Σ w·x exceeds its initial
     value by exactly pushed weight · the snapshot that was sent, no more.
+(c) The receiver left gracefully and said, with its Leave, what it merged of the
+    sender's pushes (its receipts, node/net/lastwords.py): the sender settles from
+    them and both sums are exact again, for a merged push and for one it never merged.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import random
 import numpy as np
 import pytest
 
+from gossipd.node.net.lastwords import LastWord
 from gossipd.node.protocols.base import (
     Duplicate,
     FoldBack,
@@ -35,6 +39,7 @@ from gossipd.node.protocols.base import (
     PayloadMerged,
     Push,
     PushSettled,
+    Receipts,
     StepEnded,
 )
 from gossipd.node.protocols.sumweight import SumWeightGossip
@@ -183,3 +188,51 @@ def test_merged_ack_lost_sender_gives_up_creates_exactly_the_pushed_weight(seed:
     nxt = a.step(3)
     assert nxt.key == ("b", push.sequence + 1)
     assert [type(p) for p in b.receive(a, nxt)] == [Merge] * SEGMENTS
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merged_ack_lost_receiver_left_and_its_receipts_settle_the_push_exactly(
+    seed: int,
+) -> None:
+    sites = _mesh(seed)
+    a, b = sites["a"], sites["b"]
+    n = len(sites)
+
+    push = a.step(1)
+    a.train(random.Random(seed + 100))
+    wx0 = [_conserved_wx(sites, s) for s in range(SEGMENTS)]
+    b.receive(a, push)  # merged; the acknowledgement is lost, and b leaves
+    word = LastWord(incarnation=1, receipts=tuple(b.core.receipts("a")))
+    assert word.merged(INCARNATION, push.sequence_base, push.sequence, range(SEGMENTS)) == [0, 1]
+    assert a.settle(push, (0, 1)) == []  # committed: nothing folds back
+    _settled(sites)
+    for s in range(SEGMENTS):
+        assert _sum_w(sites, s) == n
+        np.testing.assert_allclose(_sum_wx(sites, s), wx0[s], rtol=1e-12, atol=1e-12)
+
+    # The next push never reached b: its receipts say so, and it folds back whole.
+    nxt = a.step(3)
+    assert word.merged(INCARNATION, nxt.sequence_base, nxt.sequence, range(SEGMENTS)) == []
+    assert sorted(f.segment for f in a.settle(nxt, ())) == list(range(SEGMENTS))
+    for s in range(SEGMENTS):
+        assert _sum_w(sites, s) == n
+
+
+def test_receipts_say_nothing_of_what_the_receiver_no_longer_remembers() -> None:
+    """A sequence the window forgot, or a numbering whose window a later one replaced,
+    is not known either way: such a push settles as before (the documented bound)."""
+    core = SumWeightGossip("b", SEGMENTS, push_probability=0.0, rng=random.Random(0))
+    core.on_peer_up("a")
+    for sequence in (1, 2):
+        arrival = PayloadArrived("a", INCARNATION, sequence, 0, {0: 0.25}, 1)
+        core.handle(arrival)
+        core.handle(PayloadMerged(arrival))
+    [window] = core.receipts("a")
+    assert window.pairs == {(1, 0), (2, 0)} and window.forgotten_up_to == -1
+    word = LastWord(1, (window,))
+    assert word.merged(INCARNATION, 1, 2, [0, 1]) == [0]
+    assert word.merged(INCARNATION + 1, 1, 2, [0]) == []  # another incarnation's numbering
+    forgot = LastWord(1, (Receipts(INCARNATION, 1, 2, frozenset({(3, 0)})),))
+    assert forgot.merged(INCARNATION, 1, 2, [0]) is None
+    replaced = LastWord(1, (Receipts(INCARNATION, 5, -1, frozenset({(5, 0)})),))
+    assert replaced.merged(INCARNATION, 1, 2, [0]) is None

@@ -29,6 +29,7 @@ from gossipd.node.net.channels import PeerChannels
 from gossipd.node.net.cpubudget import SAMPLE_S, CpuBudget
 from gossipd.node.net.health import PeerHealth, Retries
 from gossipd.node.net.inbound import Inbound
+from gossipd.node.net.lastwords import from_messages
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.outbound import Outbound
 from gossipd.node.net.peering import Peering, PeeringSettings
@@ -393,8 +394,16 @@ class Network:
         return self.inbound.on_pull(request, whole, sealed)
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
+        merged = from_messages(request.merged, len(self.replica.flat.plan))
+        if merged is None:
+            log.info(
+                "the Leave of %s says it merged more of this node's pushes than a node keeps, "
+                "or names segments this model lacks: ignored, so pushes to it still "
+                "unanswered when it is gone fold back as before",
+                request.node_id,
+            )
         await self.peering.on_peer_left(
-            request.node_id, request.incarnation, peer or request.node_id
+            request.node_id, request.incarnation, peer or request.node_id, merged
         )
 
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply:

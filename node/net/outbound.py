@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable, StaleReference
 from gossipd.node.net.channels import RPC_TIMEOUT_S
 from gossipd.node.net.cpubudget import HOLD_POLL_S, CpuBudget
+from gossipd.node.net.lastwords import LastWords
 from gossipd.node.net.transport import OutcomeUnknown, PartialPush
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.shared.tls import NotAllowed
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from gossipd.node.net.membership import PeerState
     from gossipd.node.net.metrics import NodeMetrics
     from gossipd.node.net.tasks import LoopTasks
+    from gossipd.node.protocols.base import Receipts
     from gossipd.node.shared.config import GossipConfig
     from gossipd.node.trainer.replica import Replica
 
@@ -68,6 +70,7 @@ class _Tries:
     sent: set[int] = field(default_factory=set)  # segments some attempt carried
     uncertain: bool = False  # some earlier attempt may yet be merged
     last_error: str = "no attempt made"
+    incarnation: int | None = None  # the receiver's the last attempt was addressed to
 
 
 class Outbound:
@@ -102,6 +105,7 @@ class Outbound:
         self._inconsistency_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
         self._stale_log = Throttle(INCONSISTENCY_LOG_EVERY_S)
         self._pushes: dict[str, set[asyncio.Future[Any]]] = {}  # peer -> its pushes' tasks
+        self.last_words = LastWords()  # what peers that left said they merged of ours
 
     def start(self, out: OutboundPush) -> None:
         """Deliver ``out`` in a task of its own, kept under its peer until it settles."""
@@ -205,6 +209,9 @@ class Outbound:
         while True:
             state = self.membership.peers.get(peer)
             if state is None:
+                settled = self._by_last_word(out, tries)
+                if settled is not None:
+                    return settled
                 return Delivery(
                     tries.acked,
                     f"{peer} was declared dead before acknowledging push "
@@ -236,6 +243,7 @@ class Outbound:
         remaining = sorted(set(out.push.weights) - {a.segment for a in tries.acked})
         never_sent = set(remaining) - tries.sent
         tries.sent |= never_sent
+        tries.incarnation = state.incarnation
         try:
             acks = await self.channels.client(state.address, peer).push(
                 out, gossip.push_timeout_s, gossip.progress_timeout_s, remaining, state.incarnation
@@ -268,6 +276,34 @@ class Outbound:
                 return self._refused(tries, nbytes, err, kind)
             tries.last_error = str(err)
         return None
+
+    def _by_last_word(self, out: OutboundPush, tries: _Tries) -> Delivery | None:
+        """Settle a push whose receiver left before answering from what it said, in its
+        Leave, it merged (:mod:`.lastwords`); None when it said nothing that settles it."""
+        push = out.push
+        if not tries.uncertain or tries.incarnation is None:
+            return None  # every attempt's outcome is known already
+        word = self.last_words.of(push.peer, tries.incarnation)
+        if word is None:
+            return None
+        assert self.channels.identity is not None
+        pending = sorted(set(push.weights) - {a.segment for a in tries.acked})
+        merged = word.merged(
+            self.channels.identity.incarnation, push.sequence_base, push.sequence, pending
+        )
+        if merged is None:
+            return None
+        log.info(
+            "push #%d to %s settled from what %s said it merged when it left: segments %s "
+            "merged (committed), %s not (folded back)",
+            push.sequence,
+            push.peer,
+            push.peer,
+            merged,
+            sorted(set(pending) - set(merged)),
+        )
+        acks = [Ack(segment, duplicate=True, receiver_weight=0.0) for segment in merged]
+        return Delivery(tries.acked + acks, f"{push.peer} left before answering", exact=True)
 
     def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:
         """``acks`` less DUPLICATE answers for segments no earlier attempt carried."""
@@ -335,13 +371,38 @@ class Outbound:
             await self._until_no_push_outstanding(self.shutdown_timeout_s / 4)
             if not any(self.replica.summary.weights) or not await self._hand_off(heirs):
                 break
-        clients = [self.channels.client(s.address, s.node_id) for s in self.membership.live()]
+        # Suspected peers too: a peer whose pushes to this node failed of late is the one
+        # most likely to hold a push it does not know was merged (tried in parallel, so
+        # an unreachable one costs no more than the live ones' deadline).
+        peers = self.membership.live() + self.membership.suspected()
+        receipts = await self._receipts(tuple(s.node_id for s in peers))
+        clients = [self.channels.client(s.address, s.node_id) for s in peers]
         results = await asyncio.gather(
-            *(c.leave(RPC_TIMEOUT_S) for c in clients), return_exceptions=True
+            *(
+                c.leave(RPC_TIMEOUT_S, receipts.get(s.node_id, ()))
+                for c, s in zip(clients, peers, strict=True)
+            ),
+            return_exceptions=True,
         )
         for client, result in zip(clients, results, strict=True):
             if isinstance(result, BaseException):
                 log.debug("Leave to %s failed: %s", client.address, result)
+
+    async def _receipts(self, peers: tuple[str, ...]) -> dict[str, list[Receipts]]:
+        """What this node merged of each peer's pushes, to send it with the Leave (none if
+        the trainer's thread does not answer in time: the peers then settle as before)."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(self.replica.request_receipts(peers)), RPC_TIMEOUT_S
+            )
+        except TimeoutError:
+            log.warning(
+                "leaving without telling peers which of their pushes this node merged (the "
+                "trainer's thread did not answer within %.0f s): a push whose answer was lost "
+                "folds back at its sender, which counts its weight twice",
+                RPC_TIMEOUT_S,
+            )
+            return {}
 
     async def _settle_or_cancel(self) -> set[str]:
         """Let pushes in flight settle; cancel those to peers gone or too slow, which fold

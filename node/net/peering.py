@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
 from gossipd.node.net.channels import RPC_TIMEOUT_S
+from gossipd.node.net.lastwords import LastWord, LastWords
 from gossipd.node.net.membership import NodeInfo, PeerState
 from gossipd.node.shared.tls import IdentityMismatch, NotAllowed
 from gossipd.node.trainer.messages import RestartNotice
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from gossipd.node.net.metrics import NodeMetrics
     from gossipd.node.net.refusals import Refusals
     from gossipd.node.net.tasks import LoopTasks
+    from gossipd.node.protocols.base import Receipts
     from gossipd.node.shared.config import NodeConfig
     from gossipd.node.shared.config_sections import MembershipConfig
     from gossipd.node.trainer.replica import Replica
@@ -59,7 +61,10 @@ def to_wire(info: NodeInfo) -> pb.NodeInfo:
 
 
 class PushSettler(Protocol):
-    """What peering needs of this node's pushes: settle those to a peer that leaves."""
+    """What peering needs of this node's pushes: settle those to a peer that leaves, and
+    keep its word of what it merged for those still unanswered once it is gone."""
+
+    last_words: LastWords
 
     async def settle_pushes_to(self, peer: str, timeout_s: float) -> None: ...
 
@@ -245,12 +250,16 @@ class Peering:
                 self.kick()
 
     # -- departures -------------------------------------------------------------------
-    async def on_peer_left(self, node_id: str, incarnation: int, peer: str) -> None:
+    async def on_peer_left(
+        self, node_id: str, incarnation: int, peer: str, merged: list[Receipts] | None
+    ) -> None:
         """Check a Leave, settling pushes to the leaver while it can still answer.
 
         The leaver waits for this reply while it still serves, so the check (and
         the last retries of pushes to it) run now, bounded well inside its
         Leave deadline; a check still running then goes on in the background.
+        ``merged``: what the leaver says it merged of our pushes (None: it said nothing
+        usable); believed once the check confirms it is leaving.
         """
         state = self.membership.peers.get(node_id)
         if state is None or node_id in self._leave_checks:
@@ -258,10 +267,12 @@ class Peering:
         if incarnation and incarnation != state.incarnation:
             return  # a goodbye from an incarnation we no longer know
         self._leave_checks.add(node_id)
-        check = self.tasks.spawn(self._check_leave(state, peer))
+        check = self.tasks.spawn(self._check_leave(state, peer, merged))
         await asyncio.wait({check}, timeout=RPC_TIMEOUT_S * 0.8)
 
-    async def _check_leave(self, state: PeerState, peer: str) -> None:
+    async def _check_leave(
+        self, state: PeerState, peer: str, merged: list[Receipts] | None
+    ) -> None:
         """Believe a Leave only if the node, asked at its address, is gone or leaving."""
         try:
             try:
@@ -283,8 +294,11 @@ class Peering:
                 return
             if self.membership.is_current(state.node_id, state.incarnation):
                 # Retry what is unacknowledged to it once more, now: a leaving node
-                # answers DUPLICATE for what it merged, which settles exactly; once it
-                # is gone, only folding back (and maybe counting twice) is left.
+                # answers DUPLICATE for what it merged, which settles exactly. What is
+                # still unanswered once it is gone settles from its word of what it merged.
+                if merged is not None:
+                    word = LastWord(state.incarnation, tuple(merged))
+                    self.pushes.last_words.heard(state.node_id, word)
                 await self.pushes.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
                 log.info("peer %s left the mesh", state.node_id)
                 self.health.apply(self.membership.departed_now(state.node_id))

@@ -22,7 +22,7 @@ and :mod:`~gossipd.node.net.outcomes` (what a failed call tells us).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -30,12 +30,14 @@ from gossipd.node.net.bulkconn import BulkConn
 from gossipd.node.net.bulkdialer import BulkDialer, PeerLane
 from gossipd.node.net.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.net.identity import Identity
+from gossipd.node.net.lastwords import to_messages
 from gossipd.node.net.outcomes import OutcomeUnknown, PartialPush, remote_error, stream_failure
 from gossipd.node.net.pullreader import PullReader
 from gossipd.node.net.pushsender import PushSender
 from gossipd.node.net.pushstreams import StreamPool
 from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.wire import DEFAULT_CHUNK_BYTES, Limits, pull_frame
+from gossipd.node.protocols.base import Receipts
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.feedback import FeedbackSender
@@ -263,11 +265,13 @@ class PeerClient:
             gauge=gauge,
         )
 
-    async def leave(self, timeout_s: float) -> None:
+    async def leave(self, timeout_s: float, merged: Iterable[Receipts] = ()) -> None:
+        """Say goodbye, with what this node merged of the peer's own pushes."""
         request = pb.LeaveRequest(
             mesh_id=self.identity.mesh_id,
             node_id=self.identity.node_id,
             incarnation=self.identity.incarnation,
+            merged=to_messages(merged),
         )
         try:
             await self.stub.Leave(request, timeout=timeout_s)

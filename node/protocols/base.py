@@ -357,6 +357,27 @@ class PeerMass:
     incarnation: int = 0
 
 
+@dataclass(frozen=True)
+class Receipts:
+    """What a node merged from one numbering of one sender: its (sequence, segment) pairs,
+    and the sequences up to ``forgotten_up_to`` it no longer remembers.
+
+    A leaving node merges nothing new, so what it merged is final: it sends each peer
+    that peer's own receipts, and a push whose answer was lost on the way settles from
+    them exactly instead of folding back weight the leaver merged and handed on."""
+
+    incarnation: int  # the sender's
+    base: int
+    forgotten_up_to: int
+    pairs: frozenset[tuple[int, int]]
+
+    def merged(self, sequence: int, segment: int) -> bool | None:
+        """Whether the pair was merged; None for a sequence too old to tell."""
+        if sequence <= self.forgotten_up_to:
+            return None
+        return (sequence, segment) in self.pairs
+
+
 class GossipProtocol(ABC):
     """One node's protocol state. Subclasses live one per file, each naming its paper.
 
@@ -390,6 +411,11 @@ class GossipProtocol(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def receipts(self, sender: str) -> list[Receipts]:
+        """What this node merged of ``sender``'s pushes, one entry per numbering kept
+        (none for a core that keeps no de-duplication windows)."""
+        return []
 
 
 # -- ranks and shared seeds --------------------------------------------------------------

@@ -65,6 +65,7 @@ from gossipd.node.protocols.base import (
     PullMerged,
     Push,
     PushSettled,
+    Receipts,
     Refused,
     StepEnded,
     TimerFired,
@@ -222,6 +223,12 @@ class SumWeightLedger(Reservations, GossipProtocol):
         patience = SILENT_PUSHES_PER_PEER * max(len(self.peers), 1)
         silent = {p for p, n in self._silent.items() if n >= patience and p in self.peers}
         return self.sinks.sinks() | silent
+
+    def receipts(self, sender: str) -> list[Receipts]:
+        return [
+            Receipts(w.incarnation, w.base, w.forgotten_up_to, frozenset(w.pairs()))
+            for w in self.windows.of(sender)
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Weights as held (reservations count as held: their pushes' outcomes are unknown

@@ -276,6 +276,10 @@ class Windows:
             self._relink(sender, [window, *(w for w in kept if id(w) not in closed)])
         return window
 
+    def of(self, sender: str) -> list[Window]:
+        """``sender``'s windows, newest numbering first."""
+        return list(self._chain(sender))
+
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Close the windows of a sender's older incarnations (it restarted)."""
         kept = [w for w in self._chain(sender) if w.incarnation >= keep_incarnation]

@@ -26,7 +26,14 @@ from typing import Protocol
 import torch
 
 from gossipd.node.errors import Busy, GossipdError
-from gossipd.node.protocols.base import AskPeer, PeerGranted, Pull, Push, ReportTransfer
+from gossipd.node.protocols.base import (
+    AskPeer,
+    PeerGranted,
+    Pull,
+    Push,
+    Receipts,
+    ReportTransfer,
+)
 from gossipd.node.trainer.payload_bound import Gauge
 
 
@@ -157,6 +164,15 @@ class HandOffRequest:
 
 
 @dataclass(frozen=True)
+class ReceiptsRequest:
+    """The leaving loop asks what this node merged of each peer's pushes, to send each
+    peer its own with the Leave (final by then: a leaving node merges nothing new)."""
+
+    peers: tuple[str, ...]
+    reply: concurrent.futures.Future[dict[str, list[Receipts]]]
+
+
+@dataclass(frozen=True)
 class Barrier:
     """Resolved once every event queued before it has been applied, with the number of
     this node's pushes still outstanding then (a leave hands off only once it is 0)."""
@@ -179,6 +195,7 @@ LoopMessage = (
     | RestartNotice
     | Rejected
     | HandOffRequest
+    | ReceiptsRequest
     | Barrier
     | Granted
 )

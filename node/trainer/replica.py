@@ -29,6 +29,7 @@ from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     GossipProtocol,
     PeerGranted,
+    Receipts,
     StepEnded,
     TrainingEnded,
     shared_seed,
@@ -49,6 +50,7 @@ from gossipd.node.trainer.messages import (
     OutboundPush,
     PullOutcome,
     PushOutcome,
+    ReceiptsRequest,
     Rejected,
     RestartNotice,
     ViewNotice,
@@ -206,6 +208,14 @@ class Replica(Arrivals):
         """The push handing all weight to ``peer``, made on the trainer's thread."""
         reply: concurrent.futures.Future[OutboundPush | None] = concurrent.futures.Future()
         self.events.put(HandOffRequest(peer, reply))
+        return reply
+
+    def request_receipts(
+        self, peers: tuple[str, ...]
+    ) -> concurrent.futures.Future[dict[str, list[Receipts]]]:
+        """What this node merged of each peer's pushes, read on the trainer's thread."""
+        reply: concurrent.futures.Future[dict[str, list[Receipts]]] = concurrent.futures.Future()
+        self.events.put(ReceiptsRequest(peers, reply))
         return reply
 
     def barrier(self) -> concurrent.futures.Future[int]:
