@@ -22,6 +22,9 @@ import grpc
 import pytest
 import torch
 
+from gossipd.node.net.lastwords import SEQUENCES_SAID, LastWord, from_messages, to_messages
+from gossipd.node.protocols.base import Receipts
+from gossipd.node.protocols.sequences import NUMBERINGS_KEPT
 from gossipd.node.site.api import GossipNode
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.segments import FlatModel
@@ -142,3 +145,24 @@ def test_a_leaving_daemon_tells_each_peer_exactly_which_of_its_pushes_it_merged(
         pairs = sorted(zip(receipts.sequences, receipts.segments, strict=True))
         assert pairs == [(1, 0), (2, 1), (3, 0)]
         assert receipts.forgotten_up_to == -1
+
+
+def test_a_leave_names_the_newest_sequences_and_a_word_past_its_bounds_is_ignored() -> None:
+    """A Leave says each numbering's newest SEQUENCES_SAID sequences (the ones a sender can
+    still hold unsettled), older ones as forgotten; a word naming more, or a segment the
+    model lacks, is ignored whole."""
+    pairs = frozenset((q, q % 2) for q in range(1, 201))
+    [message] = to_messages([Receipts(7, 1, -1, pairs)])
+    assert message.forgotten_up_to == 200 - SEQUENCES_SAID
+    assert list(message.sequences) == list(range(201 - SEQUENCES_SAID, 201))
+    [back] = from_messages([message], segments=2) or []
+    word = LastWord(1, (back,))
+    assert word.merged(7, 1, 200, [0, 1]) == [0]  # 200 carried segment 0 alone
+    assert word.merged(7, 1, 100, [0]) is None  # said forgotten: settles as before
+    assert from_messages([message], segments=1) is None  # segment 1 is not in this model
+    flood = pb.Receipts(sender_incarnation=7, base=1, forgotten_up_to=-1)
+    flood.sequences.extend(range(1, 2 + NUMBERINGS_KEPT * SEQUENCES_SAID * 2))
+    flood.segments.extend([0] * len(flood.sequences))
+    assert from_messages([flood], segments=2) is None
+    uneven = pb.Receipts(sender_incarnation=7, base=1, sequences=[1, 2], segments=[0])
+    assert from_messages([uneven], segments=2) is None

@@ -21,21 +21,29 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gossipd.node.protocols.base import Receipts
-from gossipd.node.protocols.sequences import DEDUP_WINDOW, NUMBERINGS_KEPT
+from gossipd.node.protocols.sequences import NUMBERINGS_KEPT
 from gossipd.proto import gossip_pb2 as pb
 
 KEPT_PEERS = 64  # departed peers whose word is kept; older ones are forgotten first
+# The newest sequences of each numbering a Leave names. A sender has at most a few pushes
+# to one receiver unsettled, the newest ones; a whole window (4,096 sequences of every
+# segment) of a 100-segment model would make a Leave of megabytes per peer.
+SEQUENCES_SAID = 64
 
 
 def to_messages(receipts: Iterable[Receipts]) -> list[pb.Receipts]:
+    """The receipts as a Leave carries them: each numbering's newest ``SEQUENCES_SAID``
+    sequences, the older ones said forgotten (a push among them settles as before)."""
     messages = []
     for r in receipts:
-        pairs = sorted(r.pairs)
+        newest = max((q for q, _ in r.pairs), default=r.forgotten_up_to)
+        forgotten = max(r.forgotten_up_to, newest - SEQUENCES_SAID)
+        pairs = sorted(p for p in r.pairs if p[0] > forgotten)
         messages.append(
             pb.Receipts(
                 sender_incarnation=r.incarnation,
                 base=r.base,
-                forgotten_up_to=r.forgotten_up_to,
+                forgotten_up_to=forgotten,
                 sequences=[q for q, _ in pairs],
                 segments=[s for _, s in pairs],
             )
@@ -44,10 +52,10 @@ def to_messages(receipts: Iterable[Receipts]) -> list[pb.Receipts]:
 
 
 def from_messages(messages: Sequence[pb.Receipts], segments: int) -> list[Receipts] | None:
-    """The receipts, or None when they are malformed or more than a node keeps (at most
-    ``NUMBERINGS_KEPT`` windows per sender incarnation of ``DEDUP_WINDOW`` pairs per
-    segment): such a word is ignored, and its pushes settle as before."""
-    most = NUMBERINGS_KEPT * DEDUP_WINDOW * segments
+    """The receipts, or None when they are malformed or more than a Leave says (at most
+    ``NUMBERINGS_KEPT`` numberings per sender incarnation kept, ``SEQUENCES_SAID`` of each
+    said, of every segment): such a word is ignored, and its pushes settle as before."""
+    most = NUMBERINGS_KEPT * SEQUENCES_SAID * segments
     if sum(len(m.sequences) for m in messages) > most:
         return None
     receipts = []
