@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from gossipd.bench.transport_report import row
-from gossipd.node.launch.localmesh import spawn_node, stop_process
+from gossipd.node.launch.processes import spawn_node, stop_process
 from gossipd.node.net.network import Network
 from gossipd.node.net.status import query_status
 from gossipd.node.net.transport import PeerClient

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
-from tests.forked import fork_node
 
 SETTLE_S = 120.0
 

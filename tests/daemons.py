@@ -1,6 +1,6 @@
 """Real daemons for tests: one ``gossipd node`` (or ``gossipd coordinator``) in a process of
-its own (forked by :mod:`tests.forked`) on a loopback port, its config written with the
-test defaults, always reaped.
+its own (forked by :mod:`gossipd.node.launch.forked`) on a loopback port, its config
+written with the test defaults, always reaped.
 
 The :func:`~tests.conftest.daemons` fixture starts these; :mod:`tests.meshes` starts several
 at once and reads and disturbs them.
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import stop_process
 from gossipd.node.launch.processes import NodeProcess
 from gossipd.node.net.status import query_status
 from gossipd.node.shared.tls import Credentials
-from tests.forked import fork_node
 
 START_TIMEOUT_S = 120.0
 TEST_STEPS_PER_S = 100.0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, consensus_distance
 from tests.conftest import wait_until
-from tests.forked import fork_node
 
 CHECKPOINT_EVERY = 100
 TIMEOUT_S = 180.0

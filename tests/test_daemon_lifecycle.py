@@ -228,7 +228,7 @@ def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> N
 
 
 def test_training_failure_shuts_the_daemon_down_with_exit_code_1(tmp_path: Path) -> None:
-    from gossipd.node.launch.localmesh import free_ports, spawn_node, stop_process
+    from gossipd.node.launch.processes import free_ports, spawn_node, stop_process
     from tests.conftest import write_config
 
     data_dir = tmp_path / "fragile"

@@ -33,12 +33,12 @@ import pytest
 import yaml
 
 from gossipd.coordinator.client import CoordinatorClient, CoordinatorUnavailable
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec, free_ports, stop_process
 from gossipd.node.shared import certs
 from gossipd.node.shared.tls import Credentials
 from tests.conftest import coordinator_process, scrape_metrics, wait_until
 from tests.fakepeer import dead_address, handshake_tls, node_info
-from tests.forked import fork_node
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.launcher import run_mesh
 from gossipd.node.launch.meshspec import MeshSpec
-from tests.forked import fork_node
 
 MNIST1D_SITES = 3
 MNIST1D_LONE_BEST = 0.40  # the best evaluation of 3 label-skewed sites alone, rounded up

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.trainer import checkpoint
 from tests.conftest import left_running
-from tests.forked import fork_node
 
 
 class FlakyProxy:

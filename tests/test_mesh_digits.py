@@ -3,7 +3,7 @@
 Counted in steps, not seconds (1,000 each): a loaded machine trains as far, only
 slower; at 15 s per protocol the six runs took 4.6 minutes of the suite. They run the
 launcher `gossipd mesh up` runs, in this process, with daemons forked from the test fork
-server (tests/forked.py), which spares each daemon about 4 s of CPU on imports; the
+server (node/launch/forked.py), which spares each daemon about 4 s of CPU on imports; the
 executable itself runs in tests/test_launcher.py and tests/test_demo.py.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.launcher import run_mesh
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
-from tests.forked import fork_node
 
 NODES = 3
 STEPS = 1000

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gossipd.node.errors import ConfigError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.protocols import CoreSettings, build
 from gossipd.node.protocols.base import OuterStep, StepEnded, ViewChanged
@@ -23,7 +24,6 @@ from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SimSpec
 from gossipd.node.sim.driver import Simulation
 from gossipd.node.trainer.outer import OuterNesterov
-from tests.forked import fork_node
 
 
 def _averages(n: int, dim: int = 7) -> list[torch.Tensor]:

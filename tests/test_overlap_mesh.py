@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.net.status import render_status
 from tests.conftest import wait_until
-from tests.forked import fork_node
 
 NODES = 3
 STEPS_WHILE_DOWN = 300  # steps every node must take while the coordinator is dead

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.sim import SimSpec, run_sim
-from tests.forked import fork_node
 
 NODES = 5
 ROUNDS = 8

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import torch
 
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import free_ports, stop_process
 from gossipd.node.shared.config import load_config
 from gossipd.node.site.preflight import check_checkpoint_owner, check_site
 from tests.daemons import start_daemon, wait_until, write_config
-from tests.forked import fork_node
 
 CHECKPOINT_FILES = ("checkpoint.pt", "checkpoint.json")
 

@@ -17,9 +17,10 @@ from typing import Any, TextIO
 
 from gossipd.node.baselines import BASELINES
 from gossipd.node.errors import GossipdError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import STARTUP_TIMEOUT_S, LocalMesh
 from gossipd.node.launch.meshspec import MeshSpec
-from gossipd.node.launch.processes import Spawner, spawn_node
+from gossipd.node.launch.processes import Spawner
 
 POLL_S = 0.2
 
@@ -35,7 +36,7 @@ def _log_tail(mesh: LocalMesh, index: int) -> str:
 
 
 async def run_baseline_mesh(
-    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = spawn_node
+    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = fork_node
 ) -> dict[str, Any]:
     """Start the sites, wait until each has exited, summarise as ``run_mesh`` does."""
     baseline = BASELINES[spec.protocol]

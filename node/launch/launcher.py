@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gossipd.node.baselines import BASELINES
 from gossipd.node.errors import GossipdError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import (
     STARTUP_TIMEOUT_S,
     LocalMesh,
@@ -28,7 +29,7 @@ from gossipd.node.launch.localmesh import (
     consensus_distance,
 )
 from gossipd.node.launch.meshspec import MeshSpec
-from gossipd.node.launch.processes import Spawner, spawn_node
+from gossipd.node.launch.processes import Spawner
 from gossipd.node.site.rank_launcher import MAX_RANKS
 from gossipd.node.trainer.ranks import read_records
 
@@ -207,7 +208,7 @@ def check_spec(spec: MeshSpec) -> None:
 
 
 def run_mesh(
-    spec: MeshSpec, progress: TextIO | None = None, spawn: Spawner = spawn_node
+    spec: MeshSpec, progress: TextIO | None = None, spawn: Spawner = fork_node
 ) -> dict[str, Any]:
     """``mesh up``: check ``spec``, run it, return the result ``--json`` prints; ``spawn``
     starts each node (the executable; tests pass a faster one)."""
@@ -224,7 +225,7 @@ def run_mesh(
 
 
 def run_mesh_in(
-    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = spawn_node
+    spec: MeshSpec, root: Path, progress: TextIO, spawn: Spawner = fork_node
 ) -> dict[str, Any]:
     """One run of a spec :func:`check_spec` passed, its files under ``root``, which the
     caller owns and removes (the demo keeps its two runs side by side under one directory)."""

@@ -23,6 +23,7 @@ import torch
 
 from gossipd.node.baselines import BASELINES
 from gossipd.node.errors import GossipdError
+from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.meshconfigs import (
     COORDINATOR_ID,
     LAUNCHER_ID,
@@ -35,7 +36,6 @@ from gossipd.node.launch.processes import (
     NodeProcess,
     Spawner,
     free_ports,
-    spawn_node,
     stop_process,
     stop_processes,
 )
@@ -52,7 +52,7 @@ STATUS_PATIENCE_S = 60.0
 class LocalMesh:
     """Processes of one local mesh; always use as a context manager so every child is reaped."""
 
-    def __init__(self, spec: MeshSpec, root: Path, spawn: Spawner = spawn_node) -> None:
+    def __init__(self, spec: MeshSpec, root: Path, spawn: Spawner = fork_node) -> None:
         """``spawn`` starts each site's process (and the coordinator's)."""
         self.spec = spec
         self.root = root

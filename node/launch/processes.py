@@ -79,7 +79,8 @@ class NodeProcess(Protocol):
 
 #: Starts ``gossipd COMMAND --config CONFIG EXTRA`` with its output appended to a log:
 #: (config, log_path, command, extra) -> the process. :func:`spawn_node` runs the
-#: executable; the test suite forks its daemons from a process that imported torch once.
+#: executable; the launcher forks its nodes from a process that imported torch once
+#: (:func:`gossipd.node.launch.forked.fork_node`).
 Spawner = Callable[[Path, Path, str, tuple[str, ...]], NodeProcess]
 
 

@@ -1,21 +1,23 @@
-"""Daemons for the tests, forked from a process that has imported what a daemon imports.
+"""Sites forked from a process that has imported what a site imports: how `gossipd mesh up`,
+`gossipd demo` and the local benchmarks start their nodes.
 
-The suite starts about 300 daemons. Each ``python -m gossipd.node.cli node`` spent about
-4 s of CPU importing torch, then torch._dynamo (its first optimizer imports that) before
-it did anything else: on CI's 2 cores, about half of the suite's time. Here a
-:mod:`multiprocessing` fork server, started once per test worker, imports them once and
-runs nothing (no torch op, no gRPC channel or server); each daemon is forked from it and
-runs ``gossipd --log-level INFO node --config ...`` through the CLI's own ``main``, in a
-process of its own, with its own signals, sockets and exit status, as the launchers'
-daemons do; it is ready in about 0.3 s instead of 3 to 8. Tests of the command line
-itself and of how a process exits (tests/test_allreduce.py, `mesh up`, `demo`, the
-benchmarks) still start the real executable.
+A site's process spends about 4 s of CPU importing torch, then torch._dynamo (its first
+optimizer imports that), before it does anything else: a 4-site demo on 2 cores took
+8 s of its start-up doing that, twice. Here a :mod:`multiprocessing` fork server,
+started once per launching process, imports them once and runs nothing (no torch op,
+no gRPC channel or server); each node is forked from it and runs ``gossipd --log-level
+INFO node --config ...`` through the command line's own ``main``, in a process of its
+own, with its own signals, sockets, log and exit status, ready in about 0.3 s. A site
+an operator runs (`gossipd node`, a container) is the executable itself, which
+:func:`~gossipd.node.launch.processes.spawn_node` starts where a caller needs exactly
+that.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -49,7 +51,8 @@ def _fork_server() -> Any:
 
 
 def _run(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """The daemon's process: output to its log, the test's environment, then the CLI."""
+    """The node's process: output to its log, the launcher's environment, then the
+    command line as ``python -m gossipd.node.cli ARGV`` runs it (its exit status too)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -60,17 +63,12 @@ def _run(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    from gossipd.node.cli.main import main
-
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
+    sys.argv = ["gossipd", *argv]
+    runpy.run_module("gossipd.node.cli", run_name="__main__", alter_sys=True)
 
 
 class ForkedProcess:
-    """The subset of :class:`subprocess.Popen` the tests and ``stop_process`` use."""
+    """The subset of :class:`subprocess.Popen` the launcher and ``stop_process`` use."""
 
     def __init__(self, process: Any, argv: list[str]) -> None:
         self._process = process
