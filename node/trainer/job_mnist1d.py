@@ -10,7 +10,12 @@ averaging has real work to do.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import logging
+import os
 import random
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +30,10 @@ from gossipd.node.trainer.job_spec import JobSpec, job_options
 
 SIGNAL_LENGTH = 40
 CLASSES = 10
+log = logging.getLogger(__name__)
+
+
+MNIST1D_SHAPES = {"x": (4000, 40), "y": (4000,), "x_test": (1000, 40), "y_test": (1000,)}
 
 
 @functools.cache
@@ -32,10 +41,28 @@ def mnist1d_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train x, train y, test x, test y) from ``make_dataset`` with its default arguments
     (seed 42): the package's standard split. Never ``get_dataset``, which downloads.
 
-    The generator seeds Python's and NumPy's global generators; their states are put back
-    after, so building this job moves no other code's random numbers.
+    Generating it costs about 5.5 s of CPU (1.5 s importing the package), every time a
+    site starts: the arrays are kept in :func:`cache_path` after the first time and read
+    from there (a few milliseconds). The generator seeds Python's and NumPy's global
+    generators; their states are put back after, so building this job moves no other
+    code's random numbers.
     """
     check_job_package("mnist1d")
+    path = cache_path()
+    arrays = read_cached(path) if path is not None else None
+    if arrays is None:
+        arrays = _generate()
+        if path is not None:
+            write_cached(path, arrays)
+    return (
+        arrays["x"].astype(np.float32),
+        arrays["y"].astype(np.int64),
+        arrays["x_test"].astype(np.float32),
+        arrays["y_test"].astype(np.int64),
+    )
+
+
+def _generate() -> dict[str, np.ndarray]:
     from mnist1d.data import get_dataset_args, make_dataset
 
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -44,12 +71,53 @@ def mnist1d_data() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     finally:
         random.setstate(py_state)
         np.random.set_state(np_state)
-    return (
-        data["x"].astype(np.float32),
-        data["y"].astype(np.int64),
-        data["x_test"].astype(np.float32),
-        data["y_test"].astype(np.int64),
-    )
+    return {name: np.asarray(data[name]) for name in MNIST1D_SHAPES}
+
+
+def cache_path() -> Path | None:
+    """Where the generated set is kept: ``$XDG_CACHE_HOME/gossipd`` (``~/.cache/gossipd``),
+    one file per ``mnist1d`` release (its generator is the release's); None without one."""
+    try:
+        version = importlib.metadata.version("mnist1d")
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (importlib.metadata.PackageNotFoundError, RuntimeError):
+        return None
+    return base / "gossipd" / f"mnist1d-{version}-default.npz"
+
+
+def read_cached(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays, or None if there are none or they are not the set's shapes (a
+    damaged file is generated again and replaced)."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            arrays = {name: stored[name] for name in MNIST1D_SHAPES}
+    except (OSError, ValueError, KeyError) as err:
+        if path.exists():
+            log.info(
+                "mnist1d: the cached set %s is unreadable (%s): generating it again", path, err
+            )
+        return None
+    if any(arrays[name].shape != shape for name, shape in MNIST1D_SHAPES.items()):
+        log.info("mnist1d: the cached set %s has other shapes: generating it again", path)
+        return None
+    return arrays
+
+
+def write_cached(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Keep the arrays at ``path``, written whole under another name then renamed, so
+    sites starting together never read half a file. A cache that cannot be written (a
+    read-only home) costs only the next start its 5.5 s."""
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz", delete=False) as file:
+            tmp = file.name
+            np.savez(file, **arrays)
+        os.replace(tmp, path)
+    except OSError as err:
+        log.debug("mnist1d: not caching the generated set at %s: %s", path, err)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 class _Conv1dNet(nn.Module):
