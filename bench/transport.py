@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from gossipd.bench.transport_report import row
-from gossipd.node.launch.processes import spawn_node, stop_process
+from gossipd.node.launch.forked import fork_node
+from gossipd.node.launch.processes import stop_process
 from gossipd.node.net.network import Network
 from gossipd.node.net.status import query_status
 from gossipd.node.net.transport import PeerClient
@@ -175,9 +176,10 @@ def daemon_pid(data_dir: Path) -> int:
 
 @contextlib.contextmanager
 def _daemon(config: Path, data_dir: Path, timeout_s: float = 60.0) -> Iterator[str]:
-    """A `gossipd node` process; yields its address once it serves, and always stops it."""
+    """A `gossipd node` process (forked, as the launcher's nodes are: its start-up is not
+    what is measured); yields its address once it serves, and always stops it."""
     log = data_dir.parent / "receiver.log"
-    proc = spawn_node(config, log)
+    proc = fork_node(config, log)
     try:
         info = data_dir / "node.json"
         deadline = time.monotonic() + timeout_s
