@@ -44,7 +44,7 @@ from gossipd.node.net.transport import Identity
 from gossipd.node.net.wire import Limits, ReceivedSegment, SegmentAssembler
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
-from gossipd.node.shared.rejections import RejectionLog
+from gossipd.node.shared.rejections import RejectionLog, Throttle
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.feedback import FeedbackReceiver, FeedbackSender
@@ -96,6 +96,7 @@ class Network:
         self.stopping = self.tasks.stopping
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.refusals = Refusals(self.rejections, self.metrics, replica)
+        self._bad_words_log = Throttle(config.limits.rejection_log_interval_s)
         self.tls = Credentials.from_config(config.tls)
         self.shaper = LinkShaper.from_config(config.link, config.node_id, config.gossip.seed)
         if self.tls.node_id not in (None, self.node_id):
@@ -395,12 +396,13 @@ class Network:
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
         merged = from_messages(request.merged, len(self.replica.flat.plan))
-        if merged is None:
+        if merged is None and (count := self._bad_words_log.admit(request.node_id)) is not None:
             log.info(
-                "the Leave of %s says it merged more of this node's pushes than a node keeps, "
-                "or names segments this model lacks: ignored, so pushes to it still "
-                "unanswered when it is gone fold back as before",
+                "the Leave of %s says it merged more of this node's pushes than a Leave may "
+                "name, or segments this model lacks (%d more such Leaves since the last "
+                "line): ignored, so pushes to it still unanswered when it is gone fold back",
                 request.node_id,
+                count,
             )
         await self.peering.on_peer_left(
             request.node_id, request.incarnation, peer or request.node_id, merged
