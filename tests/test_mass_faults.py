@@ -46,11 +46,11 @@ CONFIG: dict[str, Any] = {
     "gossip": {"push_probability": 0.5, "progress_timeout_s": PROGRESS_TIMEOUT_S},
     "membership": {"suspect_after_failures": 2, "drop_after_s": DROP_AFTER_S},
 }
-# The hung period (observed: 30 s): many progress timeouts, 7 here (pushes to d are
-# abandoned and retried), a quarter of drop_after_s (d is never declared dead, its pushes
+# The hung period (observed: 30 s): many progress timeouts, 5 here (pushes to d are
+# abandoned and retried), a sixth of drop_after_s (d is never declared dead, its pushes
 # never folded back). The floods run inside it; if they take longer, the stop lasts
 # until they end.
-HUNG_S = 15.0
+HUNG_S = 10.0
 DEDUP_FLOOD = 4_200  # more than the 4,096-entry window of the code it was found in
 TOLERANCE = 1e-9
 
