@@ -127,18 +127,28 @@ def _settled(sites: dict[str, Site]) -> None:
         assert not site.core.in_flight
 
 
+def _a_pushed_then_trained(seed: int) -> tuple[dict[str, Site], Push, list[np.ndarray]]:
+    """The mesh after a's first push to b and a local step of a's: the sites, the push,
+    and the conserved Σ w·x per segment at that moment."""
+    sites = _mesh(seed)
+    push = sites["a"].step(1)
+    sites["a"].train(random.Random(seed + 100))
+    return sites, push, [_conserved_wx(sites, s) for s in range(SEGMENTS)]
+
+
+def _assert_exact(sites: dict[str, Site], wx0: list[np.ndarray]) -> None:
+    for s in range(SEGMENTS):
+        assert _sum_w(sites, s) == len(sites)
+        np.testing.assert_allclose(_sum_wx(sites, s), wx0[s], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_merged_ack_lost_sender_retries_same_sequence_duplicate_then_commit_sums_exact(
     seed: int,
 ) -> None:
-    sites = _mesh(seed)
+    sites, push, wx0 = _a_pushed_then_trained(seed)
     a, b = sites["a"], sites["b"]
-    n = len(sites)
-
-    push = a.step(1)
     assert push.peer == "b" and push.weights == {0: 0.5, 1: 0.5}
-    a.train(random.Random(seed + 100))
-    wx0 = [_conserved_wx(sites, s) for s in range(SEGMENTS)]
     first = b.receive(a, push)
     assert [type(p) for p in first] == [Merge] * SEGMENTS
     merged_x = [v.copy() for v in b.x]
@@ -155,20 +165,14 @@ def test_merged_ack_lost_sender_retries_same_sequence_duplicate_then_commit_sums
     assert a.settle(push, acked) == []  # the first attempt's ack, arriving late
     _settled(sites)
     assert a.core.weights == [0.5, 0.5]
-    for s in range(SEGMENTS):
-        assert _sum_w(sites, s) == n
-        np.testing.assert_allclose(_sum_wx(sites, s), wx0[s], rtol=1e-12, atol=1e-12)
+    _assert_exact(sites, wx0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_merged_ack_lost_sender_gives_up_creates_exactly_the_pushed_weight(seed: int) -> None:
-    sites = _mesh(seed)
+    sites, push, wx0 = _a_pushed_then_trained(seed)
     a, b = sites["a"], sites["b"]
     n = len(sites)
-
-    push = a.step(1)
-    a.train(random.Random(seed + 100))
-    wx0 = [_conserved_wx(sites, s) for s in range(SEGMENTS)]
     assert [type(p) for p in b.receive(a, push)] == [Merge] * SEGMENTS
     # The acknowledgement is lost and a declares b dead: it settles with nothing
     # acknowledged, so every segment's share folds back into a with the snapshot sent.
@@ -194,21 +198,15 @@ def test_merged_ack_lost_sender_gives_up_creates_exactly_the_pushed_weight(seed:
 def test_merged_ack_lost_receiver_left_and_its_receipts_settle_the_push_exactly(
     seed: int,
 ) -> None:
-    sites = _mesh(seed)
+    sites, push, wx0 = _a_pushed_then_trained(seed)
     a, b = sites["a"], sites["b"]
     n = len(sites)
-
-    push = a.step(1)
-    a.train(random.Random(seed + 100))
-    wx0 = [_conserved_wx(sites, s) for s in range(SEGMENTS)]
     b.receive(a, push)  # merged; the acknowledgement is lost, and b leaves
     word = LastWord(incarnation=1, receipts=tuple(b.core.receipts("a")))
     assert word.merged(INCARNATION, push.sequence_base, push.sequence, range(SEGMENTS)) == [0, 1]
     assert a.settle(push, (0, 1)) == []  # committed: nothing folds back
     _settled(sites)
-    for s in range(SEGMENTS):
-        assert _sum_w(sites, s) == n
-        np.testing.assert_allclose(_sum_wx(sites, s), wx0[s], rtol=1e-12, atol=1e-12)
+    _assert_exact(sites, wx0)
 
     # The next push never reached b: its receipts say so, and it folds back whole.
     nxt = a.step(3)
