@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable, StaleReference
 from gossipd.node.net.channels import RPC_TIMEOUT_S
 from gossipd.node.net.cpubudget import HOLD_POLL_S, CpuBudget
-from gossipd.node.net.lastwords import LastWords
+from gossipd.node.net.lastwords import SEQUENCES_SAID, LastWords
 from gossipd.node.net.transport import OutcomeUnknown, PartialPush
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.shared.tls import NotAllowed
@@ -393,7 +393,8 @@ class Outbound:
         the trainer's thread does not answer in time: the peers then settle as before)."""
         try:
             return await asyncio.wait_for(
-                asyncio.wrap_future(self.replica.request_receipts(peers)), RPC_TIMEOUT_S
+                asyncio.wrap_future(self.replica.request_receipts(peers, SEQUENCES_SAID)),
+                RPC_TIMEOUT_S,
             )
         except TimeoutError:
             log.warning(

@@ -412,9 +412,10 @@ class GossipProtocol(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-    def receipts(self, sender: str) -> list[Receipts]:
+    def receipts(self, sender: str, sequences: int | None = None) -> list[Receipts]:
         """What this node merged of ``sender``'s pushes, one entry per numbering kept
-        (none for a core that keeps no de-duplication windows)."""
+        (none for a core that keeps no de-duplication windows); ``sequences``: only each
+        numbering's newest that many, the older ones said forgotten."""
         return []
 
 

@@ -224,11 +224,16 @@ class SumWeightLedger(Reservations, GossipProtocol):
         silent = {p for p, n in self._silent.items() if n >= patience and p in self.peers}
         return self.sinks.sinks() | silent
 
-    def receipts(self, sender: str) -> list[Receipts]:
-        return [
-            Receipts(w.incarnation, w.base, w.forgotten_up_to, frozenset(w.pairs()))
-            for w in self.windows.of(sender)
-        ]
+    def receipts(self, sender: str, sequences: int | None = None) -> list[Receipts]:
+        # Limited before the pairs are listed: a whole window is 4,096 sequences of every
+        # segment, and a leave asks for every peer's on the trainer's thread.
+        receipts = []
+        for w in self.windows.of(sender):
+            floor = w.forgotten_up_to
+            if sequences is not None and w.highest is not None:
+                floor = max(floor, w.highest - sequences)
+            receipts.append(Receipts(w.incarnation, w.base, floor, frozenset(w.pairs(floor))))
+        return receipts
 
     def state_dict(self) -> dict[str, Any]:
         """Weights as held (reservations count as held: their pushes' outcomes are unknown

@@ -185,12 +185,18 @@ class Window:
         self._pairs -= mask.bit_count()
         self.forgotten_up_to = max(self.forgotten_up_to, sequence)
 
-    def pairs(self) -> list[tuple[int, int]]:
-        """The remembered pairs, oldest sequence first."""
+    def pairs(self, after: int = -1) -> list[tuple[int, int]]:
+        """The remembered pairs of sequences above ``after``, oldest sequence first."""
         masks = list((self._older or {}).items())
         if self._newest is not None:
             masks.append((self._newest, self._mask))
-        return [(q, s) for q, mask in masks for s in range(mask.bit_length()) if mask >> s & 1]
+        return [
+            (q, s)
+            for q, mask in masks
+            if q > after
+            for s in range(mask.bit_length())
+            if mask >> s & 1
+        ]
 
     def state(self) -> dict[str, Any]:
         return {"order": self.pairs(), "forgotten": self.forgotten_up_to, "high": self.highest}

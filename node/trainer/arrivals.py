@@ -134,8 +134,8 @@ class Arrivals:
                 # moment merges (merge_new is False), so this empties what could.
                 self._merge_queued(report)
                 _resolve(reply, lambda: self.hand_off(peer))
-            case ReceiptsRequest(peers=peers, reply=reply):
-                _resolve(reply, lambda: {p: self.core.receipts(p) for p in peers})
+            case ReceiptsRequest(peers=peers, sequences=sequences, reply=reply):
+                _resolve(reply, lambda: {p: self.core.receipts(p, sequences) for p in peers})
             case Barrier(reply=reply):
                 # What the waiter reads next (the peers to hand off to) must include
                 # every event before the barrier, not the previous boundary's copy.

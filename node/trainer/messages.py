@@ -169,6 +169,7 @@ class ReceiptsRequest:
     peer its own with the Leave (final by then: a leaving node merges nothing new)."""
 
     peers: tuple[str, ...]
+    sequences: int  # each numbering's newest this many
     reply: concurrent.futures.Future[dict[str, list[Receipts]]]
 
 

@@ -211,11 +211,12 @@ class Replica(Arrivals):
         return reply
 
     def request_receipts(
-        self, peers: tuple[str, ...]
+        self, peers: tuple[str, ...], sequences: int
     ) -> concurrent.futures.Future[dict[str, list[Receipts]]]:
-        """What this node merged of each peer's pushes, read on the trainer's thread."""
+        """What this node merged of each peer's pushes (each numbering's newest
+        ``sequences``), read on the trainer's thread."""
         reply: concurrent.futures.Future[dict[str, list[Receipts]]] = concurrent.futures.Future()
-        self.events.put(ReceiptsRequest(peers, reply))
+        self.events.put(ReceiptsRequest(peers, sequences, reply))
         return reply
 
     def barrier(self) -> concurrent.futures.Future[int]:
