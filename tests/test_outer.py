@@ -2,13 +2,15 @@
 after each burst of averaging (docs/protocols/persyn.md, "Outer optimizer").
 
 The arithmetic against torch's own SGD, on tensors and numpy vectors alike; the core's
-schedule (one OuterStep the step after each burst, none with the defaults); the settings;
+schedule (each sub-round once the last one's push merged, one OuterStep after the burst's
+last merge, none with the defaults); the settings;
 the simulator and two real daemons, which carry the same action out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,14 @@ from gossipd.node.errors import ConfigError
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.protocols import CoreSettings, build
-from gossipd.node.protocols.base import OuterStep, StepEnded, ViewChanged
+from gossipd.node.protocols.base import (
+    OuterStep,
+    PayloadArrived,
+    PayloadMerged,
+    PushSettled,
+    StepEnded,
+    ViewChanged,
+)
 from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SimSpec
 from gossipd.node.sim.driver import Simulation
@@ -80,30 +89,54 @@ def test_bad_outer_settings_are_refused(lr: float, momentum: float) -> None:
         parse_config(data, "site.toml")
 
 
-def _outer_steps(options: dict[str, float], nodes: int = 4, steps: int = 40) -> list[int]:
-    core = build("persyn", CoreSettings("n0", 2, options={"average_every_steps": 10, **options}))
+def _burst(nodes: int, heard: dict[int, str] | None = None, steps: int = 40) -> list[tuple]:
+    """n0's pushes and outer steps over ``steps`` steps, K′ = 10; ``heard`` maps a step to
+    the peer whose push of the burst under way merges at n0 right after that step."""
+    options = {"average_every_steps": 10, "outer_learning_rate": 0.7, "outer_momentum": 0.9}
+    core = build("persyn", CoreSettings("n0", 2, options=options))
     core.handle(ViewChanged(frozenset(f"n{i}" for i in range(nodes))))
-    at = []
+    done = []
     for step in range(1, steps + 1):
-        actions = core.handle(StepEnded(step, float(step)))
-        outer = [a for a in actions if isinstance(a, OuterStep)]
-        if outer:
-            assert outer == [OuterStep(step // 10, options["outer_learning_rate"], 0.9)]
-            at.append(step)
-    return at
+        for action in core.handle(StepEnded(step, float(step))):
+            if isinstance(action, OuterStep):
+                assert action == OuterStep(step // 10, 0.7, 0.9)
+                done.append((step, "outer"))
+            else:
+                done.append((step, action.peer))
+                core.handle(PushSettled(action.peer, action.sequence, (0, 1)))
+        sender = (heard or {}).get(step)
+        if sender is not None:
+            arrival = PayloadArrived(sender, 1, step, step // 10, {0: 0.5, 1: 0.5})
+            core.handle(arrival)
+            core.handle(PayloadMerged(arrival))
+    return done
 
 
-def test_the_core_asks_for_an_outer_step_the_step_after_each_burst() -> None:
-    # N = 4: sub-rounds 0 and 1 at steps 10 and 11, the outer step at 12; and so on.
-    assert _outer_steps({"outer_learning_rate": 0.7, "outer_momentum": 0.9}) == [12, 22, 32]
-    assert _outer_steps({"outer_learning_rate": 0.7, "outer_momentum": 0.9}, nodes=8) == [
-        13,
-        23,
-        33,
+def test_each_sub_round_goes_once_the_last_one_merged_and_the_outer_step_after() -> None:
+    # N = 4, n0 of rank 0: sub-round 0 to n1 at the burst (step 10), sub-round 1 to n2 the
+    # step after n3's sub-round-0 push merged, the outer step the step after n2's merged.
+    heard = {12: "n3", 15: "n2", 23: "n3", 24: "n2"}
+    assert _burst(4, heard, steps=39) == [
+        (10, "n1"),
+        (13, "n2"),
+        (16, "outer"),
+        (20, "n1"),
+        (24, "n2"),
+        (25, "outer"),
+        (30, "n1"),
+        (34, "n2"),  # nothing merged: each sub-round waits W = ⌊(K′ − 1)/R⌋ = 4 steps
+        (38, "outer"),
     ]
+    # n1 pushes to n2 and n3, never to n0: its pushes here pace no sub-round.
+    assert _burst(4, {11: "n1", 12: "n1"}, steps=19) == [(10, "n1"), (14, "n2"), (18, "outer")]
+    # N = 8: R = 3 sub-rounds of W = 3 steps at most.
+    assert _burst(8, steps=19) == [(10, "n1"), (13, "n2"), (16, "n4"), (19, "outer")]
+
+
+def test_the_defaults_take_no_outer_step() -> None:
     core = build("persyn", CoreSettings("n0", 2, options={"average_every_steps": 10}))
     core.handle(ViewChanged(frozenset({"n0", "n1"})))
-    for step in range(1, 41):  # the defaults: no outer step, plain averaging
+    for step in range(1, 41):  # no outer step, plain averaging
         assert not any(isinstance(a, OuterStep) for a in core.handle(StepEnded(step, 1.0)))
 
 
@@ -153,3 +186,9 @@ def test_two_daemons_run_persyn_with_an_outer_step_and_keep_their_weight(tmp_pat
     assert len(logs) == 2
     for text in logs:
         assert "persyn: outer optimizer on (learning rate 0.7, momentum 0.9)" in text
+    # The shared model exists at outer steps (2 nodes: 1 to 9 steps after each burst, once
+    # the peer's push merged): evaluated at the first one past step 100, as DiLoCo's
+    # baseline does, and at the end; never on the plain cadence (step 100).
+    for history in sorted(tmp_path.rglob("history.jsonl")):
+        steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
+        assert len(steps) == 2 and 101 <= steps[0] <= 109 and steps[1] == 200, history

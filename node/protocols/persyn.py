@@ -13,20 +13,24 @@ collect and broadcast; here the butterfly does it with one push per node per
 sub-round, and no node is special.
 
 The schedule is a pure function of the step count, so every node derives the same
-bursts from its own step number with no shared state: the sub-round is step − (the
-latest burst start at or before step), and the round is the number of bursts started
-by then (step // K′ + step // E − step // lcm(K′, E)), which strictly increases from
-burst to burst and is the same on every node for the same burst. A burst that starts
+bursts from its own step number with no shared state: the round is the number of bursts
+started by then (step // K′ + step // E − step // lcm(K′, E)), which strictly increases
+from burst to burst and is the same on every node for the same burst. A burst that starts
 while another is under way (an epoch end two steps after a K′ multiple, say) restarts
 the sub-rounds at 0: the earlier burst's remaining sub-rounds are dropped, not queued.
 With E = 0 bursts come every K′ steps only, and the round is step // K′.
 
 Exactness: if N is a power of two and every node merges sub-round j − 1's push
 before it sends sub-round j's (synchronous sub-rounds), the product of the R
-matrices (I + P_j)/2 is J/N and every model ends at the exact average. Otherwise
-(N not a power of two, fewer than R steps to the next burst, or pushes still in
-flight when the next sub-round starts, which is the normal case here since nothing
-waits) each sub-round is still a doubly stochastic, contracting mix, so
+matrices (I + P_j)/2 is J/N and every model ends at the exact average. So a
+sub-round j ≥ 1 goes at the first step after the node merged its sub-round j − 1
+push (from rank i − 2^(j−1)), and at the latest W = max(1, ⌊(K′ − 1)/R⌋) steps per
+sub-round into the burst (a peer slow, dead or busy does not hold the burst past
+the next one); training never waits. Over a wide-area link a push takes several
+steps to land: going a step per sub-round, as a burst of synchronous sub-rounds
+would, the later sub-rounds sent models that had not merged the earlier ones, and
+the outer step below averaged little. Otherwise (N not a power of two, a deadline
+passed) each sub-round is still a doubly stochastic, contracting mix, so
 disagreement shrinks but the burst is not an exact average; the next burst shrinks
 it again.
 
@@ -48,7 +52,10 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import (
     Action,
+    Event,
     OuterStep,
+    PayloadArrived,
+    PayloadMerged,
     Push,
     StartTimer,
     StepEnded,
@@ -146,6 +153,12 @@ class PerSyn(SumWeightLedger):
         self.step_time_s = DEFAULT_STEP_TIME_S  # until two steps have been seen
         self._step_times_seen = 0
         self._last_step_at_s: float | None = None
+        self._step = 0  # the latest local step
+        self._burst = 0  # the round of the burst under way
+        self._sent = 0  # its sub-rounds gone (sent, or skipped while the peer was busy)
+        # Per sub-round j, the local step at which the push of rank − 2^j last merged.
+        self._heard_at: dict[int, int] = {}
+        self._outer_round = 0  # the round of the last outer step
 
     def exchange(self, sub_round: int) -> list[Push]:
         """Sub-round ``sub_round`` of a burst: half of everything to rank + 2^sub_round."""
@@ -159,17 +172,53 @@ class PerSyn(SumWeightLedger):
         push = self.push_share(peer, 0.5)
         return [push] if push else []
 
+    def handle(self, event: Event) -> list[Action]:
+        actions = super().handle(event)
+        if isinstance(event, PayloadMerged):
+            self._heard_from(event.payload)
+        return actions
+
+    def _heard_from(self, payload: PayloadArrived) -> None:
+        """Note when the sub-round whose shift leads from ``payload``'s sender to this node
+        last merged here. By the local step, not the payload's round: sites step at their
+        own pace (one that started a second later is a hundred steps behind at 100 steps
+        a second), so the same burst is not the same round everywhere at once."""
+        n = len(self.view.members)
+        rank = self.view.rank_of.get(payload.sender)
+        if n < 2 or rank is None:
+            return
+        me = self.view.rank_of[self.node_id]
+        for sub_round in range(ceil_log2(n)):
+            if exponential_peer(rank, n, sub_round) == me:
+                self._heard_at[sub_round] = self._step
+
     def on_step(self, event: StepEnded) -> Iterable[Action]:
         self._observe_step_time(event.time_s)
-        self.round, sub_round = burst_position(
+        self._step = event.step
+        self.round, steps_in = burst_position(
             event.step, self.average_every_steps, self.epoch_steps
         )
         if self.round == 0:
             return []  # the first burst comes after K′ (or E) steps of local training
-        if sub_round == ceil_log2(len(self.view.members)) and self._outer:
-            # The step after the burst's last sub-round: its pushes have had a step to land.
+        if self.round != self._burst:  # a burst starts (one under way is dropped)
+            self._burst, self._sent = self.round, 0
+        sub_rounds = ceil_log2(len(self.view.members))
+        wait = max(1, (self.average_every_steps - 1) // max(sub_rounds, 1))
+        j = self._sent
+        # Sub-round j (or, once all went, the outer step) is due when the push of
+        # sub-round j − 1 from rank − 2^(j−1) has merged here during this burst or in
+        # the half period before it (a peer a little ahead), or at its deadline.
+        since = event.step - steps_in - self.average_every_steps // 2
+        due = j == 0 or self._heard_at.get(j - 1, -1) >= since or steps_in >= j * wait
+        if j < sub_rounds:
+            if not due or steps_in < j:
+                return []
+            self._sent += 1
+            return self.exchange(j)
+        if self._outer and due and self._outer_round < self.round:
+            self._outer_round = self.round
             return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
-        return self.exchange(sub_round)
+        return []
 
     @property
     def _outer(self) -> bool:
@@ -206,10 +255,15 @@ class PerSyn(SumWeightLedger):
             **super().state_dict(),
             "step_time_s": self.step_time_s,
             "step_times_seen": self._step_times_seen,
+            "burst": [self._burst, self._sent, self._outer_round],
+            "heard_at": [[j, at] for j, at in sorted(self._heard_at.items())],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.step_time_s = float(state.get("step_time_s", DEFAULT_STEP_TIME_S))
         self._step_times_seen = int(state.get("step_times_seen", 0))
+        # Where the burst under way stood (a checkpoint before these keys: none under way).
+        self._burst, self._sent, self._outer_round = (int(v) for v in state.get("burst", (0, 0, 0)))
+        self._heard_at = {int(j): int(at) for j, at in state.get("heard_at", ())}
         self._last_step_at_s = None  # the restored clock is not this process's clock

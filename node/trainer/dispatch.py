@@ -52,6 +52,7 @@ class Dispatcher:
         self.outstanding: set[tuple[str, int]] = set()  # pushes sent, not yet settled
         self.pulls_out = 0  # pulls started, not yet merged or failed
         self.outer: OuterNesterov | None = None  # made at the core's first OuterStep
+        self.outer_steps = 0  # OuterSteps carried out, the recording one included
         self.timers: list[tuple[float, str]] = []  # heap of (at_s, tag)
         self.deferred: list[Push] = []  # made by a timer mid-step, sent at the boundary
         self.snapshot_cpu_s = 0.0  # thread CPU spent copying segments for pushes
@@ -101,6 +102,7 @@ class Dispatcher:
         for segment in range(len(self.flat.plan)):
             shared = self.outer.step(segment, self.flat.buffers[segment])
             self.flat.load_segment(segment, shared)
+        self.outer_steps += 1
         if first:
             log.info(
                 "%s: outer optimizer on (learning rate %g, momentum %g): the model after "

@@ -372,6 +372,11 @@ class Replica(Arrivals):
             self.dispatch.carry_out(self.core.handle(granted), mid_step=True)
 
     @property
+    def outer_steps(self) -> int:
+        """Outer steps the protocol's outer optimizer has taken (0: it takes none)."""
+        return self.dispatch.outer_steps
+
+    @property
     def gossip_cpu_s(self) -> float:
         """CPU this replica's thread spent merging pushes and snapshotting its own (its
         share of gossip's cost; the network side's is the rest of the process's)."""

@@ -108,6 +108,8 @@ class TrainingLoop(threading.Thread):
         self.resumed.set()
         self.stepped = False
         self.error: BaseException | None = None
+        self.evaluated_at = 0  # the step of the last evaluation on the cadence
+        self.outer_seen = 0  # the replica's outer steps at the last step boundary
 
     def run(self) -> None:
         adopt_thread_count()
@@ -164,7 +166,7 @@ class TrainingLoop(threading.Thread):
             report = replica.step(loss)
         host.record(report, time.perf_counter() - t0, loss)
         step = replica.steps
-        if plan.eval_every_steps and step % plan.eval_every_steps == 0:
+        if self._evaluation_due(step):
             host.evaluate()
         if plan.checkpoint_every_steps and step % plan.checkpoint_every_steps == 0:
             host.periodic_checkpoint()
@@ -176,6 +178,24 @@ class TrainingLoop(threading.Thread):
             replica.finish_training()
             host.write_summary(training_done=True)
             self.finished.set()
+
+    def _evaluation_due(self, step: int) -> bool:
+        """Every ``eval_every_steps`` steps; once the protocol takes outer steps (``persyn``
+        with its outer optimizer), at the first outer step at or past each multiple, as
+        the DiLoCo baseline does: between outer steps a site holds only its own inner
+        steps' model, and the shared one, the model the mesh is training, exists there."""
+        every = self.plan.eval_every_steps
+        outer = self.replica.outer_steps
+        took_outer, self.outer_seen = outer > self.outer_seen, outer
+        if not every:
+            return False
+        if outer:
+            due = took_outer and step // every > self.evaluated_at // every
+        else:
+            due = step % every == 0
+        if due:
+            self.evaluated_at = step
+        return due
 
     def _pace(self, until: float) -> None:
         """Wait out the rest of a paced step, merging what arrives meanwhile.
