@@ -97,20 +97,10 @@ def test_node_based_mode_averages_every_k_steps_and_at_each_epoch_end(tmp_path: 
     assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
 
 
-def _rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The child of a `--ranks` launcher running ``rank`` (from its environment)."""
-    try:
-        children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    except OSError:
-        return None
-    for pid in children:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return int(pid)
-    return None
+def _rank_pid(site_log: Path, rank: int) -> int | None:
+    """The process running ``rank`` of a `--ranks` site, as its launcher logged it."""
+    found = re.search(r"started \d+ ranks \(pids ([\d, ]+)\)", site_log.read_text())
+    return int(found.group(1).split(", ")[rank]) if found else None
 
 
 def _start_two_sites(mesh: LocalMesh, spec: MeshSpec) -> None:
@@ -140,10 +130,10 @@ def _site_0_ends_after_its_rank_1(
     rank's sockets close) or, for a hung rank, at the collective timeout: the site leaves,
     checkpoints and exits non-zero. (The launcher would kill a hung rank after its grace;
     the test does, once rank 0 is gone, rather than wait for that.)"""
-    victim = _rank_pid(mesh.procs[0].pid, 1)
+    site_log = tmp_path / "node-0" / "node.log"
+    victim = _rank_pid(site_log, 1)
     assert victim is not None
     os.kill(victim, fault)
-    site_log = tmp_path / "node-0" / "node.log"
     if fault == signal.SIGSTOP:
         wait_until(
             lambda: "rank 0 of site node-0 exited" in site_log.read_text(),
