@@ -34,7 +34,14 @@ COLLECTIVE_TIMEOUT_S = 10.0
 EXIT_SLACK_S = 30.0  # start-up of the failure path and diagnosis on a loaded machine
 
 
-def site_config(tmp_path: Path, index: int, world: int, master: str, **sections: Any) -> Path:
+def site_config(
+    tmp_path: Path,
+    index: int,
+    world: int,
+    master: str,
+    protocol: str = "allreduce",
+    **sections: Any,
+) -> Path:
     """Site ``index`` of ``world``: synthetic job (fast), rendezvous at ``master``."""
     config: dict[str, Any] = {
         "mesh_id": "baseline",
@@ -49,8 +56,8 @@ def site_config(tmp_path: Path, index: int, world: int, master: str, **sections:
             "learning_rate": 0.01,
             "eval_every_steps": 10,
         },
-        "gossip": {"protocol": "allreduce"},
-        "allreduce": {"master": master},
+        "gossip": {"protocol": protocol},
+        protocol: {"master": master},
         "ranks": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S},
         "tls": {"insecure": True},
     }
@@ -66,10 +73,10 @@ def group(tmp_path: Path) -> Iterator[Any]:
     """Factory: ``group(world, **sections)`` starts ``world`` sites; all are reaped."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(world: int, **sections: Any) -> list[subprocess.Popen[bytes]]:
+    def start(world: int, protocol: str = "allreduce", **sections: Any) -> list[Any]:
         master = f"127.0.0.1:{free_ports(1)[0]}"
         for i in range(world):
-            config = site_config(tmp_path, i, world, master, **sections)
+            config = site_config(tmp_path, i, world, master, protocol, **sections)
             procs.append(spawn_node(config, tmp_path / f"site-{i}" / "node.log"))
         return list(procs)
 
@@ -264,6 +271,39 @@ def test_sigkill_one_site_ends_the_others_with_one_clear_line(
     assert abs(ends[0]["steps"] - ends[1]["steps"]) <= 1, ends
     if ends[0]["steps"] == ends[1]["steps"]:
         assert ends[0]["model_checksum"] == ends[1]["model_checksum"], ends
+
+
+def test_a_hung_diloco_site_ends_the_others_at_the_outer_steps_timeout(
+    tmp_path: Path, group: Any
+) -> None:
+    """DiLoCo shares DDP's group and its failure path, but its collectives come only at
+    outer steps: a site stopped (SIGSTOP) mid-run holds the next outer step's all-reduce,
+    and after collective_timeout_s the others exit 1 naming it (its heartbeats stopped)."""
+    world = 3
+    procs = group(world, "diloco", diloco={"inner_steps": 5})
+
+    def alive() -> None:
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
+
+    for i in range(world):
+        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    procs[2].send_signal(signal.SIGSTOP)
+    try:
+        for i in (0, 1):
+            code = wait_exit(procs[i], COLLECTIVE_TIMEOUT_S + EXIT_SLACK_S, f"site-{i}")
+            log = log_of(tmp_path, i)
+            assert code == 1, log
+            assert "site with rank 2 left the all-reduce group:" in log, log
+            assert "the low-communication baseline cannot continue without it" in log, log
+            assert summary(tmp_path, i)["training_done"] is False
+    finally:
+        procs[2].kill()  # a stopped process takes no SIGTERM
+    # Both stopped in the same outer step's all-reduce, after its 5 inner steps (each holds
+    # its own inner steps' model then: the shared one never came).
+    ends = [summary(tmp_path, i)["steps"] for i in (0, 1)]
+    assert ends[0] == ends[1] and ends[0] % 5 == 0, ends
 
 
 def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group: Any) -> None:
