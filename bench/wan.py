@@ -63,6 +63,10 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
         "bytes_per_site_to_target": None
         if t0 is None or to_target is None
         else results.bytes_at(run.tx_samples, t0 + to_target),
+        # Sampled during the run: MB per site to any other bar, from the sites' histories.
+        "bytes_per_site_over_time": None
+        if t0 is None or run.tx_bytes is None
+        else [[round(t - t0, 2), b] for t, b in run.tx_samples],
         "weight_shares": results.weight_shares(run.summaries),
         "wait_fraction": results.mean([s.get("wait_fraction") for s in run.summaries]),
         "speedup_vs_allreduce": None,

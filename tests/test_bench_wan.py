@@ -273,6 +273,9 @@ def test_namespace_run_compares_sumweight_with_both_baselines_and_leaves_nothing
         assert 0.0 < row["final_accuracy"] <= 1.0, name
         if row["time_to_target_s"] is not None:
             assert 0 <= row["bytes_per_site_to_target"] <= row["bytes_per_site"], name
+        over_time = row["bytes_per_site_over_time"]
+        assert over_time and [b for _, b in over_time] == sorted(b for _, b in over_time), name
+        assert over_time[-1][1] <= row["bytes_per_site"], name
     assert sum(rows_["sumweight"]["weight_shares"]) == pytest.approx(2.0)
     assert rows_["allreduce"]["weight_shares"] is None and rows_["diloco"]["weight_shares"] is None
     # DiLoCo all-reduces the model once per 50 steps, DDP its gradient every step.
@@ -301,7 +304,7 @@ def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
     check_fields(result, ["sumweight"])
     assert result["testbed"].startswith("loopback: in-process shaping")
     row = result["protocols"]["sumweight"]
-    assert row["bytes_per_site"] is None
+    assert row["bytes_per_site"] is None and row["bytes_per_site_over_time"] is None
     assert row["speedup_vs_allreduce"] is None  # no allreduce run to compare with
     throughput = result["throughput"]
     assert throughput["protocol"] == "sumweight"
