@@ -6,9 +6,9 @@ A burst of R = ⌈log2 N⌉ sub-rounds of the exponential-graph exchange starts 
 step that is a positive multiple of ``average_every_steps`` (K′) and, where
 ``epoch_steps`` (E, this site's local steps per epoch) is set, at every positive
 multiple of E too: the node-based mode averages between sites at each epoch end as
-well as every K′ steps. At sub-round j of a burst (step = burst start + j, j < R)
-the node of rank i pushes half of its available weight, every segment, to rank
-(i + 2^j) mod N. Local training goes on between sub-rounds. PerSyn's master would
+well as every K′ steps. At sub-round j of a burst (j < R; the pacing is under
+Exactness below) the node of rank i pushes half of its available weight, every
+segment, to rank (i + 2^j) mod N. Local training goes on between sub-rounds. PerSyn's master would
 collect and broadcast; here the butterfly does it with one push per node per
 sub-round, and no node is special.
 
