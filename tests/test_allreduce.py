@@ -99,6 +99,18 @@ def history(tmp_path: Path, index: int, name: str = "site") -> list[dict[str, An
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_all_training(tmp_path: Path, procs: list[Any]) -> None:
+    """Until every site has evaluated twice; a site that exits meanwhile fails the test."""
+
+    def alive() -> None:
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
+
+    for i in range(len(procs)):
+        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+
+
 def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float, what: str) -> int:
     try:
         return proc.wait(timeout=timeout_s)
@@ -244,14 +256,7 @@ def test_sigkill_one_site_ends_the_others_with_one_clear_line(
     """The survivors exit 1 naming the rank that left, within the collective timeout."""
     world = 3
     procs = group(world)  # no max_steps or duration: only the kill ends it
-
-    def alive() -> None:
-        for i, proc in enumerate(procs):
-            if proc.poll() is not None:
-                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
-
-    for i in range(world):
-        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    wait_all_training(tmp_path, procs)
     procs[victim].kill()
     procs[victim].wait(timeout=30)
     survivors = [i for i in range(world) if i != victim]
@@ -281,14 +286,7 @@ def test_a_hung_diloco_site_ends_the_others_at_the_outer_steps_timeout(
     and after collective_timeout_s the others exit 1 naming it (its heartbeats stopped)."""
     world = 3
     procs = group(world, "diloco", diloco={"inner_steps": 5})
-
-    def alive() -> None:
-        for i, proc in enumerate(procs):
-            if proc.poll() is not None:
-                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
-
-    for i in range(world):
-        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    wait_all_training(tmp_path, procs)
     procs[2].send_signal(signal.SIGSTOP)
     try:
         for i in (0, 1):
@@ -310,14 +308,7 @@ def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group:
     """Any site's SIGTERM reaches all through the stop flag: all exit 0 at the same step."""
     world = 3
     procs = group(world)
-
-    def alive() -> None:
-        for i, proc in enumerate(procs):
-            if proc.poll() is not None:
-                raise AssertionError(f"site-{i} exited early:\n{log_of(tmp_path, i)}")
-
-    for i in range(world):
-        wait_until(lambda i=i: len(history(tmp_path, i)) >= 2, f"site-{i} training", 180.0, alive)
+    wait_all_training(tmp_path, procs)
     procs[1].send_signal(signal.SIGTERM)
     for i, proc in enumerate(procs):
         assert wait_exit(proc, 60.0, f"site-{i}") == 0, log_of(tmp_path, i)

@@ -8,11 +8,11 @@ step that is a positive multiple of ``average_every_steps`` (K′) and, where
 multiple of E too: the node-based mode averages between sites at each epoch end as
 well as every K′ steps. At sub-round j of a burst (j < R; the pacing is under
 Exactness below) the node of rank i pushes half of its available weight, every
-segment, to rank (i + 2^j) mod N. Local training goes on between sub-rounds. PerSyn's master would
-collect and broadcast; here the butterfly does it with one push per node per
-sub-round, and no node is special.
+segment, to rank (i + 2^j) mod N. Local training goes on between sub-rounds.
+PerSyn's master would collect and broadcast; here the butterfly does it with one push
+per node per sub-round, and no node is special.
 
-The schedule is a pure function of the step count, so every node derives the same
+Where bursts start is a pure function of the step count, so every node derives the same
 bursts from its own step number with no shared state: the round is the number of bursts
 started by then (step // K′ + step // E − step // lcm(K′, E)), which strictly increases
 from burst to burst and is the same on every node for the same burst. A burst that starts

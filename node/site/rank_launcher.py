@@ -4,8 +4,8 @@ It does what ``torchrun --standalone --nproc-per-node=R --no-python gossipd node
 does for us: R child processes with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set, signals passed on, every child reaped. The launcher imports torch once
 and forks the ranks from itself (:mod:`.forking`): each rank as an executable spent
-about 4 s of CPU importing what the launcher had already imported. SIGTERM or Ctrl-C goes to
-rank 0 only (it ends the site: it tells the other ranks to stop, leaves the mesh,
+about 4 s of CPU importing what the launcher had already imported. SIGTERM or Ctrl-C
+goes to rank 0 only (it ends the site: it tells the other ranks to stop, leaves the mesh,
 checkpoints). When a rank exits, the others end on their own (a failed collective,
 or rank 0's stop); whatever is still running ``collective_timeout_s +
 shutdown_timeout_s`` later is killed, so the launcher never hangs.
