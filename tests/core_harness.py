@@ -205,11 +205,15 @@ class Harness:
             assert again and all(isinstance(a, Duplicate) for a in again), again
             core.handle(PayloadMerged(arrival))
             self.duplicates += 1
-        self.settle(flight, tuple(push.weights))
+        acked, held = tuple(push.weights), self.held(receiver)
+        self.settle(flight, acked, tuple(float(held[s]) for s in acked))
 
-    def settle(self, flight: Flight, acked: tuple[int, ...]) -> None:
+    def settle(
+        self, flight: Flight, acked: tuple[int, ...], reported: tuple[float, ...] = ()
+    ) -> None:
+        """``reported``: the receiver's weights after it merged, as its acks say."""
         sender = flight.sender
-        settled = PushSettled(flight.push.peer, flight.push.sequence, acked)
+        settled = PushSettled(flight.push.peer, flight.push.sequence, acked, reported)
         for fold in self.cores[sender].handle(settled):
             assert isinstance(fold, FoldBack), fold
             s = fold.segment

@@ -1,5 +1,5 @@
 """Weight balance: a site's weight does not follow its speed (``gossip.weight_balance``,
-off by default: see :mod:`gossipd.node.protocols.weight_balance` for why).
+on by default: see :mod:`gossipd.node.protocols.weight_balance`).
 
 The policy (docs/protocols/index.md, "Weight shares and site speed"): each site's data
 counts alike, whatever its speed. Without the balance a site that pushes 25 times as
@@ -10,6 +10,7 @@ after every exchange), in the simulator, and in two real daemons.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from dataclasses import replace
@@ -19,11 +20,13 @@ import numpy as np
 import pytest
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.protocols.base import HandOff, StepEnded
+from gossipd.node.protocols.base import HandOff, Push, PushSettled, StepEnded
+from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.weight_balance import LEAST_FACTOR, WeightBalance
 from gossipd.node.shared.config import parse_config
-from gossipd.node.sim import SCENARIOS, SimSpec, run_sim
-from gossipd.node.sim.scenarios import Scenario
+from gossipd.node.sim import SCENARIOS, SimSpec, Simulation, run_sim
+from gossipd.node.sim.scenarios import FaultEntry, Scenario
+from gossipd.node.trainer.report import BalanceLog
 from tests.conftest import wait_until
 from tests.core_harness import ALL_PROTOCOLS, STEP_S, Harness
 from tests.meshes import stop_in_turn
@@ -103,13 +106,85 @@ def test_a_leaving_node_hands_off_everything_whatever_its_factor() -> None:
     np.testing.assert_allclose(list(push.weights.values()), h.held(fast))
 
 
-def test_the_config_turns_it_on_and_refuses_what_is_not_a_boolean() -> None:
+def test_the_config_turns_it_on_or_off_and_refuses_what_is_not_a_boolean() -> None:
     base = {"mesh_id": "m", "node_id": "a", "listen": "127.0.0.1:0", "tls": {"insecure": True}}
-    assert parse_config(base, "test").gossip.weight_balance is False
-    on = parse_config({**base, "gossip": {"weight_balance": True}}, "test")
-    assert on.gossip.weight_balance is True
+    assert parse_config(base, "test").gossip.weight_balance is True
+    for value in (True, False):
+        chosen = parse_config({**base, "gossip": {"weight_balance": value}}, "test")
+        assert chosen.gossip.weight_balance is value
     with pytest.raises(ConfigError, match=r"gossip\.weight_balance = 'sometimes'"):
         parse_config({**base, "gossip": {"weight_balance": "sometimes"}}, "test")
+
+
+@pytest.mark.parametrize("protocol", ALL_PROTOCOLS)
+def test_it_is_on_by_default_in_every_protocol_with_weights(protocol: str) -> None:
+    """The per-peer credit bounds what a peer holds of this node's weight, not how weight
+    follows speed across many sites (simulated, 8 sites stepping 1 to 12 s apart, credit
+    1/3: shares 0.25-1.94 without the balance, 0.70-1.52 with it), and the directed
+    protocols have no credit at all: every protocol balances unless told not to."""
+    h = Harness(protocol, 2)
+    assert h.cores[h.ids[0]].balance.enabled
+    assert SimSpec().weight_balance
+
+
+def test_what_a_peer_reports_is_its_weight_before_the_push_and_a_lie_is_bounded() -> None:
+    """A report is the receiver's weight after the merge less what the push brought,
+    clamped to a founder's weight plus the default credit (1/3) from each other member:
+    1e30 and inf count as that bound, a negative report as 0, NaN as nothing."""
+    h = Harness("pushsum-expgraph", 4, segments=1)
+    core = h.cores[h.ids[0]]
+    reports = core.balance.reports
+    bound = 1.0 + 3 * DEFAULT_CREDIT
+    for step, reported in enumerate((1.5, 1e30, math.inf, -5.0, math.nan)):
+        (push,) = [a for a in core.handle(StepEnded(step, step * STEP_S)) if isinstance(a, Push)]
+        before = list(reports.get(push.peer, [math.nan]))
+        core.handle(PushSettled(push.peer, push.sequence, (0,), (reported,)))
+        heard = reports.get(push.peer, [math.nan])[0]
+        expected = {1.5: 1.5 - push.weights[0], 1e30: bound, math.inf: bound, -5.0: 0.0}
+        if math.isnan(reported):
+            assert heard == before[0] or (math.isnan(heard) and math.isnan(before[0]))
+        else:
+            assert heard == pytest.approx(expected[reported])
+
+
+@pytest.mark.parametrize("members", [3, 4, 8, 64, 1000])
+def test_one_liar_at_the_bound_leaves_honest_pushes_whole_and_two_do_not(members: int) -> None:
+    """Honest sites at weight 1 and one member reporting the most it may: the share it
+    makes is at most 4/3, within the band of 1, so no honest factor moves. Two such
+    members (from 8 members on) can shrink honest pushes: the limit of this defence."""
+    bound = 1.0 + (members - 1) * DEFAULT_CREDIT
+
+    def factor_after(liars: int) -> float:
+        balance = WeightBalance(1, enabled=True)
+        for peer in range(members - 1):
+            balance.heard(f"p{peer}", 0, bound if peer < liars else 1.0)
+        for _ in range(1000):
+            balance.factor(0, 1.0)
+        return balance.factors[0]
+
+    assert factor_after(1) == 1.0
+    if members >= 8:
+        assert factor_after(2) < 0.5
+
+
+@pytest.mark.parametrize("protocol", ["pushsum-expgraph", "persyn"])
+def test_joiners_thin_the_share_and_the_balance_follows_instead_of_throttling(
+    protocol: str,
+) -> None:
+    """8 founders, then 8 joiners at weight 0: the mesh's weight per site is 1/2. A share
+    fixed at a founder's 1 would leave every site under it for good and shrink every push
+    to a hundredth (measured: mean factor 0.010); with the share from the peers'
+    reports every factor stays 1, and Σw·x stays exact."""
+    joins = tuple(FaultEntry(0.5 + 0.01 * i, "join") for i in range(8))
+    scenario = replace(SCENARIOS["homogeneous"], name="joiners", events=joins)
+    sim = Simulation(
+        SimSpec(protocol=protocol, nodes=8, rounds=400, scenario=scenario, check_invariants=True)
+    )
+    result = sim.run()
+    assert len(sim.nodes) == 16
+    assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
+    factors = [f for node in sim.nodes for f in node.core.balance.factors]
+    assert min(factors) >= 0.9, factors
 
 
 ONE_SLOW = Scenario(
@@ -181,3 +256,17 @@ def test_two_daemons_25_times_apart_keep_about_their_share_and_lose_no_weight(
     final = stop_in_turn([fast, slow])
     for segment in range(len(final[0])):
         assert math.isclose(sum(w[segment] for w in final), 2.0, abs_tol=1e-9), final
+
+
+def test_the_operator_is_told_once_when_pushes_shrink_and_once_when_whole_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    said = BalanceLog()
+    with caplog.at_level(logging.INFO, logger="gossipd.node.trainer.report"):
+        for factors in [(1.0, 0.6), (1.0, 0.4), (0.3, 0.45), (0.8, 1.0), (0.95, 1.0), (1.0,)]:
+            said.update(factors)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "carry 0.40 of their protocol's share" in lines[0]
+    assert "gossip.weight_balance" in lines[0] and "gossipd_weight_sinks" in lines[0]
+    assert "whole share again" in lines[1]

@@ -148,6 +148,13 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "limits.sink_score_bound): this node pushes nothing to them",
     ),
     gauge(
+        "push_balance_factor",
+        "gossipd_push_balance_factor",
+        "Per segment, the factor on what this site's pushes carry (gossip.weight_balance): "
+        "under 1 while it has held less weight than the mesh's per site",
+        ("segment",),
+    ),
+    gauge(
         "sum_weight_cap",
         "gossipd_sum_weight_cap",
         "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
@@ -308,5 +315,9 @@ class NodeMetrics:
         self.sum_weight_cap.set_function(lambda: summary().weight_cap)
         for i in range(len(summary().weights)):
             self.sum_weight.labels(str(i)).set_function(lambda i=i: summary().weights[i])
+        for i in range(len(summary().balance_factors)):
+            self.push_balance_factor.labels(str(i)).set_function(
+                lambda i=i: summary().balance_factors[i]
+            )
         for i in range(len(summary().reserved)):
             self.sum_weight_reserved.labels(str(i)).set_function(lambda i=i: summary().reserved[i])

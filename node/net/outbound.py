@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -302,7 +303,8 @@ class Outbound:
             merged,
             sorted(set(pending) - set(merged)),
         )
-        acks = [Ack(segment, duplicate=True, receiver_weight=0.0) for segment in merged]
+        # Its weight now is unknown (NaN: the weight balance hears nothing of it).
+        acks = [Ack(segment, duplicate=True, receiver_weight=math.nan) for segment in merged]
         return Delivery(tries.acked + acks, f"{push.peer} left before answering", exact=True)
 
     def _credible(self, out: OutboundPush, acks: list[Ack], never_sent: set[int]) -> list[Ack]:

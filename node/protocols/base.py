@@ -104,11 +104,14 @@ class PayloadMerged:
 
 @dataclass(frozen=True)
 class PushSettled:
-    """A push ended: the receiver acknowledged ``acked`` segments; the rest comes home."""
+    """A push ended: the receiver acknowledged ``acked`` segments; the rest comes home.
+    ``receiver_weights``: the receiver's weight of each acknowledged segment after it
+    merged, as its acknowledgement reports it (NaN: not reported; empty: none)."""
 
     peer: str
     sequence: int
     acked: tuple[int, ...] = ()
+    receiver_weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,12 @@ class CoreStatus:
         return float(self.extra.get(EXTRA_WEIGHT_CAP, math.inf))
 
     @property
+    def balance_factors(self) -> tuple[float, ...]:
+        """Per segment, the weight balance's factor on what a push carries
+        (``extra["balance"]``); empty where the core keeps no weights or it is off."""
+        return tuple(self.extra.get(EXTRA_BALANCE, ()))
+
+    @property
     def scheduling(self) -> str:
         """Who picks this node's pulls: ``coordinator``, ``decentralized``, or "" for a core
         that does not pull (``extra["scheduling"]``)."""
@@ -338,6 +347,7 @@ class CoreStatus:
 # The keys of CoreStatus.extra that drivers read (through the properties above).
 EXTRA_SINKS = "sinks"
 EXTRA_WEIGHT_CAP = "weight_cap"
+EXTRA_BALANCE = "balance"
 EXTRA_SCHEDULING = "scheduling"
 EXTRA_PULLS = "pulls"
 

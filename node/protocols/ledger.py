@@ -47,6 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from gossipd.node.protocols.base import (
+    EXTRA_BALANCE,
     EXTRA_SINKS,
     EXTRA_WEIGHT_CAP,
     Action,
@@ -123,7 +124,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
         ``sink_bound`` and ``sink_allowance``: when a peer is suspected of sinking weight
         (:mod:`.sinks`); ``peer_credit``: the most of this node's weight a peer may hold
         (:mod:`.credit`; inf: unbounded); ``weight_balance``: whether pushes are scaled so a
-        site's weight does not depend on its speed (:mod:`.weight_balance`)."""
+        site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
+        a core built bare pushes its paper's shares; on in the daemon's and the
+        simulator's settings)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -181,7 +184,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 self.apply_receive(*_payload_key(p), planned[1], p.sequence_base)
                 return []
             case PushSettled():
-                return list(self.settle((event.peer, event.sequence), event.acked))
+                key = (event.peer, event.sequence)
+                self.hear_receiver(key, event.acked, event.receiver_weights)
+                return list(self.settle(key, event.acked))
             case StepEnded():
                 return list(self.on_step(event))
             case ViewChanged():
@@ -211,7 +216,11 @@ class SumWeightLedger(Reservations, GossipProtocol):
             in_flight=len(self.in_flight),
             peers=self.peers,
             exchanged=dict(self.exchanged.by_peer),
-            extra={EXTRA_SINKS: self.suspected_sinks(), EXTRA_WEIGHT_CAP: self.weight_cap},
+            extra={
+                EXTRA_SINKS: self.suspected_sinks(),
+                EXTRA_WEIGHT_CAP: self.weight_cap,
+                EXTRA_BALANCE: tuple(self.balance.factors) if self.balance.enabled else (),
+            },
         )
 
     def suspected_sinks(self) -> frozenset[str]:
@@ -315,6 +324,8 @@ class SumWeightLedger(Reservations, GossipProtocol):
             self.numberings.renumber(gone)
         self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
         self.cap.saw_view(len(self.view.members))
+        if self.balance.reports:
+            self.balance.keep_only(self.view.members)
 
     @property
     def weight_cap(self) -> float:

@@ -49,7 +49,7 @@ class CoreSettings:
     sink_bound: float = 6.0
     sink_allowance: float = 0.5
     peer_credit: float = DEFAULT_CREDIT  # limits.peer_credit
-    weight_balance: bool = False
+    weight_balance: bool = True
     # A coordinator schedules this node's pulls (a core that schedules asks it with
     # AskPeer, and schedules alone while it cannot answer); False: decentralized.
     coordinator: bool = False

@@ -64,11 +64,11 @@ class GossipConfig(_Section):
     )
     seed: int = Field(0, description="seed of this node's peer choices")
     weight_balance: bool = Field(
-        False,
+        True,
         description="scale what this site's pushes carry while it has held less weight than "
-        "a founding site's share, so a site that steps faster than the others is not drained "
-        "and its data counts alike; off by default: a sink, crashes or joiners also leave "
-        "sites under that share",
+        "the mesh's weight per site (as its peers' acknowledgements report theirs), so a "
+        "site that steps faster than the others is not drained and its data counts alike; "
+        "off: every push carries its protocol's share",
     )
     error_feedback: bool = Field(
         False,

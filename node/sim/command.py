@@ -103,7 +103,7 @@ FLAGS: tuple[Flag, ...] = (
         "--weight-balance",
         "scale pushes so a node's weight does not follow its speed (the daemon's "
         "gossip.weight_balance); off: the protocols' shares as published",
-        {"action": argparse.BooleanOptionalAction, "default": False},
+        {"action": argparse.BooleanOptionalAction, "default": True},
     ),
     Flag(
         "--peer-credit",

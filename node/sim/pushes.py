@@ -43,6 +43,16 @@ if TYPE_CHECKING:
 INCARNATION = 1  # simulated nodes never restart; a join is a new node id
 
 
+def _reported(sender: SimNode, receiver: SimNode, acked: tuple[int, ...]) -> tuple[float, ...]:
+    """The receiver's weights its acknowledgement reports, as the daemon's does; only for a
+    sender whose weight balance hears them (a tuple per push costs a million-node run)."""
+    balance = getattr(sender.core, "balance", None)
+    weights = getattr(receiver.core, "weights", None)
+    if balance is None or not balance.enabled or weights is None:
+        return ()
+    return tuple(weights[s] for s in acked)
+
+
 def _numel(values: Any) -> int:
     """Elements of a snapshot: a numpy vector's ``size``, a tensor's ``numel()``."""
     return int(values.size) if isinstance(values, np.ndarray) else int(values.numel())
@@ -120,6 +130,7 @@ class PushSide:
             sender.id, INCARNATION, push.sequence, push.round, push.weights, push.sequence_base
         )
         acked: tuple[int, ...] = ()
+        reported: tuple[float, ...] = ()
         values = flight.values
         if self.codec is not None and flight.sent is not None:
             try:
@@ -147,6 +158,7 @@ class PushSide:
                         )
                 receiver.core.handle(PayloadMerged(arrival))
                 acked = tuple(a.segment for a in plan)
+                reported = _reported(flight.sender, receiver, acked)
                 if self.codec is not None and flight.sent is not None:
                     merged = {s: values[s] for s in acked}
                     flight.kept = self.codec.keep(receiver.id, sender.id, flight.sent, merged)
@@ -159,7 +171,7 @@ class PushSide:
             self._at(self.now + self.scenario.timeout_s, self._retry, flight)
             return
         latency, _ = self._link(receiver, sender)
-        self._at(self.now + latency, self._ack, flight, acked)
+        self._at(self.now + latency, self._ack, flight, acked, reported)
 
     def _keep_what_the_codec_dropped(self, flight: Flight, acked: tuple[int, ...]) -> None:
         """The receiver merged the rebuilt values r, not the snapshot x: Σ w·x moved by
@@ -185,10 +197,12 @@ class PushSide:
         other = np.asarray(values[merge.segment], dtype=float)
         return bool(np.isfinite((1.0 - merge.alpha) * mine + merge.alpha * other).all())
 
-    def _ack(self, flight: Flight, acked: tuple[int, ...]) -> None:
+    def _ack(
+        self, flight: Flight, acked: tuple[int, ...], reported: tuple[float, ...] = ()
+    ) -> None:
         self.acks += 1
         if flight.sender.alive and flight.push.key in flight.sender.flights:
-            self._settle(flight, acked)
+            self._settle(flight, acked, reported)
 
     def _retry(self, flight: Flight) -> None:
         """No answer: try again with the same sequence, or fold back once the peer is gone."""
@@ -202,7 +216,9 @@ class PushSide:
         self.retries += 1
         self._transmit(flight)
 
-    def _settle(self, flight: Flight, acked: tuple[int, ...]) -> None:
+    def _settle(
+        self, flight: Flight, acked: tuple[int, ...], reported: tuple[float, ...] = ()
+    ) -> None:
         sender, push = flight.sender, flight.push
         del sender.flights[push.key]
         if self.codec is not None:
@@ -210,7 +226,7 @@ class PushSide:
             self.codec.settled(sender.id, push.peer, push.sequence, kept, set(push.weights))
         if flight.merged and not acked:
             self.book.folded_back_after_merge(push.weights, flight.values)
-        for action in sender.core.handle(PushSettled(push.peer, push.sequence, acked)):
+        for action in sender.core.handle(PushSettled(push.peer, push.sequence, acked, reported)):
             if isinstance(action, FoldBack):
                 seg = action.segment
                 self.payload.blend(sender.index, seg, flight.values[seg], action.alpha)

@@ -40,7 +40,7 @@ class SimSpec:
     model_bytes: int = 0  # bytes of the whole model on the simulated wire; 0: the payload's own
     round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
-    weight_balance: bool = False  # pushes scaled so a site's weight does not follow its speed
+    weight_balance: bool = True  # pushes scaled so a site's weight does not follow its speed
     peer_credit: float = DEFAULT_CREDIT  # the most of a node's weight one peer may hold
     codec: str = "raw"  # how pushed segments travel (gossip.codec)
     error_feedback: bool = False  # differences from shared copies (gossip.error_feedback)

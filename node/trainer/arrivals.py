@@ -166,7 +166,10 @@ class Arrivals:
         with self.lock, self.core_lock:
             if not self.dispatch.settle(out.push):
                 return  # settled before (a late duplicate outcome changes nothing)
-            settled = self.core.handle(PushSettled(out.push.peer, out.push.sequence, acked))
+            reported = tuple(a.receiver_weight for a in acks)
+            settled = self.core.handle(
+                PushSettled(out.push.peer, out.push.sequence, acked, reported)
+            )
             self.merger.fold_back(out, settled)
             if rebuilt:
                 self.merger.keep_dropped(out, rebuilt, acked, self.core.status())

@@ -53,7 +53,8 @@ class ReceivedSegment:
 @dataclass(frozen=True)
 class Ack:
     """A receiver's answer for one segment: merged now, or merged before (``duplicate``);
-    ``kept``: it keeps what the segment stood for as its copy (error feedback)."""
+    ``receiver_weight``: the receiver's weight of it after (NaN: unknown); ``kept``: it
+    keeps what the segment stood for as its copy (error feedback)."""
 
     segment: int
     duplicate: bool

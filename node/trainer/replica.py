@@ -56,7 +56,7 @@ from gossipd.node.trainer.messages import (
     ViewNotice,
 )
 from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
-from gossipd.node.trainer.report import SinkLog, StepReport, Summary
+from gossipd.node.trainer.report import BalanceLog, SinkLog, StepReport, Summary
 from gossipd.node.trainer.segments import FlatModel
 
 # Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
@@ -120,6 +120,7 @@ class Replica(Arrivals):
         self.merge_cpu_s = 0.0
         self.summary = Summary.of(self)
         self.sink_log = SinkLog()
+        self.balance_log = BalanceLog()
 
     @classmethod
     def from_config(cls, config: NodeConfig, model: torch.nn.Module) -> Replica:
@@ -267,6 +268,7 @@ class Replica(Arrivals):
     def _publish(self) -> None:
         self.summary = Summary.of(self)
         self.sink_log.update(self.summary.sinks)
+        self.balance_log.update(self.summary.balance_factors)
 
     def _due_now(self) -> bool:
         return self.due_pulls.due_now(self.steps)
@@ -319,8 +321,7 @@ class Replica(Arrivals):
         with self.lock, self.core_lock:
             report = StepReport(self.steps)
             self.drain(report)
-            self.summary = Summary.of(self)
-            self.sink_log.update(self.summary.sinks)
+            self._publish()
             return report
 
     def gauge(

@@ -93,6 +93,7 @@ class Summary:
     exchanged: Mapping[str, PeerMass]
     sinks: frozenset[str] = frozenset()  # peers suspected of sinking weight (no pushes to them)
     weight_cap: float = math.inf  # the most sum-weight a segment may hold after a merge
+    balance_factors: tuple[float, ...] = ()  # per segment, the weight balance's (empty: off)
     wait_s: float = 0.0  # the trainer's waits at step boundaries for due pulls
     wait_fraction: float = 0.0  # wait_s over the wall time since the first step ended
     scheduling: str = ""  # who picks this node's pulls: coordinator, decentralized, or ""
@@ -117,6 +118,7 @@ class Summary:
             exchanged=core.exchanged,
             sinks=core.sinks,
             weight_cap=core.weight_cap,
+            balance_factors=core.balance_factors,
             wait_s=replica.wait_s,
             wait_fraction=replica.wait_fraction(),
             scheduling=core.scheduling,
@@ -149,3 +151,31 @@ class SinkLog:
         for peer in sorted(self.said - sinks):
             log.info("peer %s pushed weight back: no longer suspected of sinking weight", peer)
         self.said = sinks
+
+
+class BalanceLog:
+    """Tells the operator when the weight balance shrinks this site's pushes, and when
+    they are whole again: small pushes are what a fast site's balance is for, and what
+    peers lying about their weight would cause, so the line says which to look for."""
+
+    SMALL = 0.5  # under this factor (in some segment) it says so
+    WHOLE = 0.9  # and once every factor is back over this, that they are whole again
+
+    def __init__(self) -> None:
+        self.small = False
+
+    def update(self, factors: tuple[float, ...]) -> None:
+        least = min(factors, default=1.0)
+        if not self.small and least < self.SMALL:
+            self.small = True
+            log.info(
+                "this site's pushes carry %.2f of their protocol's share (gossip.weight_balance):"
+                " it held less weight than the mesh's per site, as a site that steps or pushes "
+                "faster than its peers does, so its data still counts alike; if every site "
+                "steps alike, a peer may report more weight than it holds: check "
+                "gossipd_weight_sinks and the peers' logs",
+                least,
+            )
+        elif self.small and least > self.WHOLE:
+            self.small = False
+            log.info("this site's pushes carry their protocol's whole share again")
