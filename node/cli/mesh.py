@@ -33,6 +33,7 @@ def _mesh_spec(args: argparse.Namespace, **overrides: object) -> object:
         "insecure": args.insecure,
         "duration_s": args.duration_s,
         "max_steps": args.max_steps,
+        "max_steps_per_s": args.max_steps_per_s,
         "push_probability": args.push_probability,
         "cpu_share": args.cpu_share,
         "codec": args.codec,

@@ -27,6 +27,20 @@ def cpu_share(text: str) -> float:
     return share
 
 
+def steps_per_s(text: str) -> float:
+    """``--max-steps-per-s``: a pace, as ``job.max_steps_per_s`` takes it."""
+    try:
+        pace = float(text)
+    except ValueError:
+        pace = math.nan
+    if not 0 <= pace < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"--max-steps-per-s {text!r}: give a number of steps a second, 0 or more "
+            "(0: as fast as each node goes)"
+        )
+    return pace
+
+
 # The flags both commands share, as (flag, add_argument keywords), in --help order;
 # :func:`add_mesh_args` adds what differs between them.
 MESH_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -117,6 +131,16 @@ MESH_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
             "type": int,
             "default": 0,
             "help": "stop each node after this many steps; 0: no limit (default: %(default)s)",
+        },
+    ),
+    (
+        "--max-steps-per-s",
+        {
+            "type": steps_per_s,
+            "default": 0.0,
+            "help": "pace each node to at most this many steps a second (job.max_steps_per_s), "
+            "as on a slower machine: with --max-steps, the same number of pushes per step on "
+            "a fast machine as on a slow one; 0: as fast as it goes (default: %(default)s)",
         },
     ),
     (

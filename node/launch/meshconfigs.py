@@ -82,6 +82,8 @@ def _job(spec: MeshSpec, index: int) -> dict[str, Any]:
     }
     if spec.learning_rate is not None:
         job["learning_rate"] = spec.learning_rate
+    if spec.max_steps_per_s:
+        job["max_steps_per_s"] = spec.max_steps_per_s
     return job
 
 

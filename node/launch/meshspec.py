@@ -19,6 +19,7 @@ class MeshSpec:
     insecure: bool = False
     duration_s: float = 30.0
     max_steps: int = 0
+    max_steps_per_s: float = 0.0  # [job] max_steps_per_s of every node; 0: unpaced
     push_probability: float | None = None
     cpu_share: float | None = None  # [gossip] cpu_share of every node; None: the default
     # Node i runs on core i (mod the cores this process may use), as if each site had a
