@@ -32,13 +32,16 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from gossipd.bench import consensus
 from gossipd.bench import wan_results as results
 from gossipd.bench.wan_scenarios import DEFAULT_PATH, scenario
 from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS
+from gossipd.node.shared.config_gossip import GossipConfig
 from gossipd.node.shared.config_ranks import ALLREDUCE, BASELINE_SECTIONS, DILOCO
+from gossipd.node.trainer import checkpoint
 
 log = logging.getLogger("gossipd.bench.wan")
 
@@ -139,6 +142,17 @@ def print_table(result: dict[str, Any], file: IO[str]) -> None:
             f"{_num(tp['alone_final_accuracy'], '.4f')}",
             file=file,
         )
+    for name, row in result["protocols"].items():
+        agreed = row.get("consensus") or {}
+        if agreed.get("consensus_on_site_classes"):
+            on = agreed["consensus_on_site_classes"]
+            own = agreed["own_model_on_site_classes"]
+            print(
+                f"{name}: the consensus (Σ w·x / Σ w of the final models) on each site's "
+                f"classes {min(on):.3f}-{max(on):.3f}; each site's own model on them "
+                f"{min(own):.3f}-{max(own):.3f}",
+                file=file,
+            )
     print(
         "'-': never reached (or no baseline run to compare with); shares: each site's share "
         "of the weight times the number of sites, lowest-highest (1.00: its fair share)",
@@ -222,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weight-balance",
-        action="store_true",
-        help="gossip.weight_balance on every gossip site: a fast site's pushes shrink until "
-        "it holds about its share (default: off, as in the config)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gossip.weight_balance of every gossip site: a fast site's pushes shrink until "
+        "it holds about its share (default: on, as in the config)",
     )
     p.add_argument(
         "--codecs",
@@ -245,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         metavar="H",
         help="diloco: local steps between outer steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--site-ranks",
+        default="",
+        metavar="R,R,...",
+        help="ranks of each gossip site (gossipd node --ranks), one per site: sites of "
+        "different speed, as a 2-rank site beside 1-rank ones (default: 1 each; the "
+        "baselines always run 1)",
     )
     p.add_argument(
         "--no-throughput",
@@ -283,6 +306,33 @@ def _codecs(text: str) -> list[str]:
     return names
 
 
+def _site_ranks(text: str, sites: int) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        ranks = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        ranks = ()
+    if len(ranks) != sites or any(r < 1 for r in ranks):
+        raise ConfigError(
+            f"--site-ranks {text!r}: give {sites} whole numbers of at least 1, one per site, "
+            "comma-separated"
+        )
+    return ranks
+
+
+def consensus_of(run: SitesRun, spec: WanSpec) -> dict[str, Any] | None:
+    """The run's consensus scored on each site's classes (:mod:`.consensus`); None where a
+    site wrote no final checkpoint (it is named in the log)."""
+    paths = [run.workdir / f"site-{i}" / checkpoint.FILENAME for i in range(spec.sites)]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        log.warning("%s: no consensus scored, no final checkpoint at %s", run.name, missing)
+        return None
+    segment_bytes = GossipConfig.model_fields["segment_bytes"].default
+    return consensus.score(spec.job, spec.job_options, paths, segment_bytes).as_json()
+
+
 def runs_of(
     protocols: list[str], codecs: list[str], persyn_outer: bool = False
 ) -> list[tuple[str, str, str]]:
@@ -310,6 +360,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         raise ConfigError(f"--cpu-share {args.cpu_share:g}: give a share over 0 and at most 1")
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
+    site_ranks = _site_ranks(args.site_ranks, args.sites)
     chosen = scenario(args.scenario)  # an unknown name stops here, before any directory
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gossipd-bench-wan-"))
     spec = WanSpec(
@@ -324,6 +375,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         cpu_share=args.cpu_share,
         weight_balance=args.weight_balance,
         persyn_outer=args.persyn_outer,
+        site_ranks=site_ranks,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
@@ -332,6 +384,8 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         runs.append(run_)
         rows[name] = protocol_row(run_, target, args.budget_s)
         rows[name]["codec"] = codec
+        if protocol not in BASELINE_SECTIONS:
+            rows[name]["consensus"] = consensus_of(run_, spec)
         row = rows[name]
         print(
             f"  {name}: to target {_num(row['time_to_target_s'], '.1f')} s, final "
@@ -357,6 +411,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "weight_balance": args.weight_balance,
         "codecs": codecs,
         "persyn_outer": args.persyn_outer,
+        "site_ranks": list(site_ranks),
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

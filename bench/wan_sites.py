@@ -57,10 +57,13 @@ class WanSpec:
     job_options: dict[str, Any] = field(default_factory=dict)
     inner_steps: int = 100  # the diloco baseline's H
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
-    weight_balance: bool = False  # [gossip] weight_balance of the gossip sites
+    weight_balance: bool = True  # [gossip] weight_balance of the gossip sites
     codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
     # persyn sites take DiLoCo's outer step (0.7, Nesterov 0.9) every inner_steps steps
     persyn_outer: bool = False
+    # Ranks of each gossip site (`gossipd node --ranks R`; empty: one each): sites of
+    # different speed. The baselines run one rank per site.
+    site_ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -117,7 +120,7 @@ def site_toml(
             "protocol": protocol,
             "seed": index,
             **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
-            **({"weight_balance": True} if spec.weight_balance and not baseline else {}),
+            **({"weight_balance": False} if not spec.weight_balance and not baseline else {}),
             **(
                 {"codec": spec.codec, "error_feedback": True}
                 if spec.codec != "raw" and not baseline
@@ -252,6 +255,9 @@ def _start(
             # gloo would pick the interface of the machine's hostname, absent in a namespace.
             env["GLOO_SOCKET_IFNAME"] = bed.interface(i)
         argv = [sys.executable, "-m", "gossipd.node.cli", "--log-level", "INFO", "node"]
+        ranks = spec.site_ranks[i] if spec.site_ranks else 1
+        if ranks > 1 and protocol not in BASELINE_SECTIONS:
+            argv += ["--ranks", str(ranks)]
         with open(data_dir / "node.log", "ab") as out:
             procs.append(
                 bed.popen(i, [*argv, "--config", str(config)], stdout=out, stderr=out, env=env)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gossipd.bench import wan_net
-from gossipd.bench.wan import _codecs, add_speedups, runs_of
+from gossipd.bench.wan import _codecs, _site_ranks, add_speedups, runs_of
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
@@ -162,10 +162,10 @@ def test_weight_balance_reaches_the_gossip_sites_configs_and_no_baselines(tmp_pa
         text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "site", master=master)
         return tomllib.loads(text)["gossip"]
 
-    assert "weight_balance" not in gossip_table(spec, "sumweight")  # the config's default
-    balanced = replace(spec, weight_balance=True)
-    assert gossip_table(balanced, "pushsum-expgraph")["weight_balance"] is True
-    assert "weight_balance" not in gossip_table(balanced, "allreduce")
+    assert "weight_balance" not in gossip_table(spec, "sumweight")  # the config's default: on
+    bare = replace(spec, weight_balance=False)
+    assert gossip_table(bare, "pushsum-expgraph")["weight_balance"] is False
+    assert "weight_balance" not in gossip_table(bare, "allreduce")
 
 
 def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_baseline(
@@ -216,6 +216,14 @@ def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
     for bad in ("", "zstd", "int8,int8"):
         with pytest.raises(ConfigError, match="--codecs"):
             _codecs(bad)
+
+
+def test_site_ranks_are_one_whole_number_per_site() -> None:
+    assert _site_ranks("", 4) == ()  # one rank each
+    assert _site_ranks("2,1,1,1", 4) == (2, 1, 1, 1)
+    for bad in ("2,1,1", "2,1,1,1,1", "0,1,1,1", "two,1,1,1", "2,,1,1"):
+        with pytest.raises(ConfigError, match=r"--site-ranks .* 4 whole numbers"):
+            _site_ranks(bad, 4)
 
 
 # -- real runs ---------------------------------------------------------------------------

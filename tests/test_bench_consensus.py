@@ -1,0 +1,73 @@
+"""The consensus `gossipd bench wan` scores: the sites' final models averaged by weight.
+
+Built from real checkpoints of real digits jobs (two label-skewed shards), written the
+way a site writes them at exit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossipd.bench.consensus import score, weighted_average
+from gossipd.node.trainer import checkpoint
+from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.trainer.segments import FlatModel
+
+SEGMENT_BYTES = 1024  # several segments, so the average is taken per segment
+BY_LABEL = {"partition": "by_label"}  # site 0 holds digits 0-4, site 1 digits 5-9
+
+
+def _write_sites(tmp_path: Path, weights: list[float], steps: int) -> list[Path]:
+    """Two digits sites, each trained ``steps`` steps on its own shard, saved with
+    ``weights`` as every segment's sum-weight."""
+    paths = []
+    for i, weight in enumerate(weights):
+        spec = JobSpec("digits", seed=i, shard_index=i, num_shards=len(weights), options=BY_LABEL)
+        job = build_job(spec)
+        flat = FlatModel(job.model, SEGMENT_BYTES)
+        for _ in range(steps):
+            job.train_step()
+        segments = [b.clone() for b in flat.buffers]
+        saved = checkpoint.Checkpoint(
+            node_id=f"site-{i}",
+            fingerprint=flat.fingerprint,
+            step=steps,
+            core={},
+            segments=segments,
+            weights=[weight] * len(segments),
+        )
+        directory = tmp_path / f"site-{i}"
+        directory.mkdir()
+        paths.append(checkpoint.save(directory, saved))
+    return paths
+
+
+def test_the_average_is_taken_per_segment_by_weight() -> None:
+    a = [torch.tensor([1.0, 1.0]), torch.tensor([4.0])]
+    b = [torch.tensor([3.0, 5.0]), torch.tensor([0.0])]
+    mixed = weighted_average([a, b], [[1.0, 3.0], [1.0, 1.0]])
+    assert torch.equal(mixed[0], torch.tensor([2.0, 3.0]))
+    assert torch.equal(mixed[1], torch.tensor([3.0]))
+    with pytest.raises(ValueError, match="add up to 0"):
+        weighted_average([a, b], [[0.0, 1.0], [0.0, 1.0]])
+
+
+def test_a_site_holding_all_the_weight_is_the_consensus(tmp_path: Path) -> None:
+    """Site 1 holds nothing: the consensus is site 0's model, so it scores on each site's
+    classes exactly as site 0's own model does, well on site 0's and poorly on site 1's."""
+    scores = score("digits", BY_LABEL, _write_sites(tmp_path, [2.0, 0.0], steps=150), SEGMENT_BYTES)
+    assert scores.weights == [2.0, 0.0]
+    assert scores.consensus[0] == scores.own[0]
+    assert scores.consensus[0] > 0.8 and scores.consensus[1] < 0.5
+    assert 0.0 <= scores.overall["test_accuracy"] <= 1.0
+
+
+def test_weights_shared_evenly_leave_a_consensus_of_both(tmp_path: Path) -> None:
+    scores = score("digits", BY_LABEL, _write_sites(tmp_path, [1.0, 1.0], steps=150), SEGMENT_BYTES)
+    assert scores.weights == [1.0, 1.0]
+    assert len(scores.consensus) == len(scores.own) == 2
+    assert all(0.0 <= s <= 1.0 for s in [*scores.consensus, *scores.own])
+    assert scores.as_json()["weight_shares"] == [1.0, 1.0]
