@@ -21,8 +21,7 @@ import pytest
 
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols.base import HandOff, Push, PushSettled, StepEnded
-from gossipd.node.protocols.credit import DEFAULT_CREDIT
-from gossipd.node.protocols.weight_balance import LEAST_FACTOR, WeightBalance
+from gossipd.node.protocols.weight_balance import LEAST_FACTOR, REPORTERS, WeightBalance
 from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SCENARIOS, SimSpec, Simulation, run_sim
 from gossipd.node.sim.scenarios import FaultEntry, Scenario
@@ -127,44 +126,60 @@ def test_it_is_on_by_default_in_every_protocol_with_weights(protocol: str) -> No
     assert SimSpec().weight_balance
 
 
-def test_what_a_peer_reports_is_its_weight_before_the_push_and_a_lie_is_bounded() -> None:
+def test_what_a_peer_reports_is_its_weight_before_the_push() -> None:
     """A report is the receiver's weight after the merge less what the push brought,
-    clamped to a founder's weight plus the default credit (1/3) from each other member:
-    1e30 and inf count as that bound, a negative report as 0, NaN as nothing."""
+    clamped to the weight cap: 1e30 and inf count as the cap, a negative report as 0,
+    NaN as nothing."""
     h = Harness("pushsum-expgraph", 4, segments=1)
     core = h.cores[h.ids[0]]
-    reports = core.balance.reports
-    bound = 1.0 + 3 * DEFAULT_CREDIT
+    cap = core.weight_cap
     for step, reported in enumerate((1.5, 1e30, math.inf, -5.0, math.nan)):
         (push,) = [a for a in core.handle(StepEnded(step, step * STEP_S)) if isinstance(a, Push)]
-        before = list(reports.get(push.peer, [math.nan]))
+        before = core.balance.reports[0].get(push.peer, math.nan)
         core.handle(PushSettled(push.peer, push.sequence, (0,), (reported,)))
-        heard = reports.get(push.peer, [math.nan])[0]
-        expected = {1.5: 1.5 - push.weights[0], 1e30: bound, math.inf: bound, -5.0: 0.0}
+        heard = core.balance.reports[0].get(push.peer, math.nan)
+        expected = {1.5: 1.5 - push.weights[0], 1e30: cap, math.inf: cap, -5.0: 0.0}
         if math.isnan(reported):
-            assert heard == before[0] or (math.isnan(heard) and math.isnan(before[0]))
+            assert heard == before or (math.isnan(heard) and math.isnan(before))
         else:
             assert heard == pytest.approx(expected[reported])
 
 
-@pytest.mark.parametrize("members", [3, 4, 8, 64, 1000])
-def test_one_liar_at_the_bound_leaves_honest_pushes_whole_and_two_do_not(members: int) -> None:
-    """Honest sites at weight 1 and one member reporting the most it may: the share it
-    makes is at most 4/3, within the band of 1, so no honest factor moves. Two such
-    members (from 8 members on) can shrink honest pushes: the limit of this defence."""
-    bound = 1.0 + (members - 1) * DEFAULT_CREDIT
+@pytest.mark.parametrize("reporters", range(1, REPORTERS + 1))
+def test_one_liar_among_any_number_of_reporters_leaves_honest_pushes_whole(
+    reporters: int,
+) -> None:
+    """Honest sites at weight 1 and one peer reporting the cap: the share it makes is
+    under 4/3, inside the band, so no honest factor moves, however few peers report (a
+    directed protocol hears only from its log2 N out-neighbours). Two such peers among
+    three or more reporters can shrink honest pushes: the limit of this defence."""
 
     def factor_after(liars: int) -> float:
         balance = WeightBalance(1, enabled=True)
-        for peer in range(members - 1):
-            balance.heard(f"p{peer}", 0, bound if peer < liars else 1.0)
+        for peer in range(reporters):
+            balance.heard(f"p{peer}", 0, 1e6 if peer < liars else 1.0)
+        assert balance.share(0, 1.0) < 4 / 3 or liars > 1
         for _ in range(1000):
             balance.factor(0, 1.0)
         return balance.factors[0]
 
     assert factor_after(1) == 1.0
-    if members >= 8:
+    if reporters >= 3:
         assert factor_after(2) < 0.5
+
+
+def test_the_share_averages_the_latest_reporters_only_and_forgets_who_left() -> None:
+    balance = WeightBalance(2, enabled=True)
+    for peer in range(20):
+        balance.heard(f"p{peer}", 0, float(peer))
+    assert list(balance.reports[0]) == [f"p{i}" for i in range(20 - REPORTERS, 20)]
+    balance.heard("p12", 0, 0.5)  # reporting again makes it the latest
+    assert list(balance.reports[0])[-1] == "p12" and len(balance.reports[0]) == REPORTERS
+    assert balance.reports[1] == {}
+    balance.keep_only({"p13", "p14"})
+    assert sorted(balance.reports[0]) == ["p13", "p14"]
+    bound = 1.0 + 2 / 3  # three values in the mean: each report moves it by under 1/3
+    assert balance.share(0, 1.0) == pytest.approx((1.0 + 2 * bound) / 3)
 
 
 @pytest.mark.parametrize("protocol", ["pushsum-expgraph", "persyn"])

@@ -322,10 +322,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
         was_member = self.view.rank_of
         for gone in [p for p in self.numberings.last if p in was_member and p not in members]:
             self.numberings.renumber(gone)
+        self.balance.keep_only(members)
         self.view = ranked(members | {self.node_id} if self.node_id not in members else members)
         self.cap.saw_view(len(self.view.members))
-        if self.balance.reports:
-            self.balance.keep_only(self.view.members)
 
     @property
     def weight_cap(self) -> float:

@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from gossipd.node.protocols.base import FoldBack, Push, View
-from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT, PeerCredit
+from gossipd.node.protocols.credit import PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.sequences import Numberings
 from gossipd.node.protocols.sinks import SinkWatch
@@ -62,8 +62,6 @@ class Reservations:
         @property
         def weight_cap(self) -> float: ...
 
-        def suspected_sinks(self) -> frozenset[str]: ...
-
     def available(self, segment: int) -> float:
         return self.weights[segment] - self.reserved[segment]
 
@@ -77,20 +75,16 @@ class Reservations:
     ) -> None:
         """What the receiver of push ``key`` reports holding, less what the push brought
         (its weight before this node's push merged): the weight balance's view of its
-        peers (:mod:`.weight_balance`). A report is clamped (see the comment below) and
-        a suspected sink's reports are dropped: its take is not the honest sites' share."""
+        peers (:mod:`.weight_balance`, which bounds what a lie can do). A suspected sink's
+        reports are not heard: its take is not the honest sites' share."""
         push = self.in_flight.get(key)
         if push is None or not self.balance.enabled or not reported:
             return
-        # A founder's weight plus, from every other member, the default credit (or this
-        # node's, if smaller): what a member holds under the credit, and a bound that one
-        # liar's report cannot push the share past the balance's band with.
-        credit = min(self.credit.take, DEFAULT_CREDIT)
-        bound = min(self.weight_cap, FOUNDING_WEIGHT + (len(self.view.members) - 1) * credit)
+        if self.sinks.suspected(push.peer):
+            return
         for s, weight in zip(acked, reported, strict=False):
-            self.balance.heard(push.peer, s, min(weight - push.weights.get(s, 0.0), bound))
-        if suspected := self.suspected_sinks() & self.balance.reports.keys():
-            self.balance.keep_only(frozenset(self.balance.reports.keys() - suspected))
+            before = weight - push.weights.get(s, 0.0)
+            self.balance.heard(push.peer, s, min(before, self.weight_cap))
 
     def busy_peers(self) -> set[str]:
         return {peer for peer, _ in self.in_flight}

@@ -35,19 +35,21 @@ credit (:mod:`.credit`) bounds what one peer holds of this node's weight, not ho
 weight follows speed across many sites, and the directed protocols have no credit.
 What a peer could do to it, and what bounds that (the ledger's ``hear_receiver``):
 
-* Lie in its acknowledgements. A report is clamped to a founder's weight plus the
-  default credit from every other member, so one liar makes the share at most 4/3 of
-  the honest sites' weight, inside the band: no honest factor moves. Two liars can
-  shrink honest pushes, down to ``LEAST_FACTOR``.
-* Sink weight. A sink's report is dropped once it is suspected (:mod:`.sinks`, and a
-  peer holding all its credit while giving nothing back): its take is not the honest
-  sites' share. Until then the honest sites look under the share, and their factors
-  shrink a little and stay where they were when the sink was named.
+* Lie in its acknowledgements. Each report in the share's mean is clamped to a
+  founder's weight plus a third of one per other value in the mean, so one liar makes
+  the share at most 4/3 of the honest sites' weight, inside the band, however few peers
+  report (a directed protocol hears from its log2 N out-neighbours only): no honest
+  factor moves. Two liars can shrink honest pushes, down to ``LEAST_FACTOR``.
+* Sink weight. A suspected sink's reports are not heard (:mod:`.sinks`), and the share
+  averages only the last ``REPORTERS`` peers to report, so a sink named by the credit
+  instead, which gets no more pushes, drops out of it. Until then the honest sites look
+  under the share, and their factors shrink a little and stay where they were.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 SHARE = 1.0  # a founding site's weight: the share until a peer reports its own
@@ -55,43 +57,58 @@ AVERAGE_PUSHES = 50  # the held weight is averaged over about this many pushes
 DEAD_BAND = 0.3  # a mean within this fraction of the share leaves the factor alone
 GAIN = 0.05  # per push, the factor changes by exp(GAIN × how far the mean is from the share)
 LEAST_FACTOR = 0.01  # a site 100 times faster than the slowest is balanced; faster, nearly
+# The share averages the latest reports of this many peers, the most recent reporters: a
+# sample of the mesh, and what bounds the balance's memory in a simulated million nodes.
+REPORTERS = 8
+# A report moves the share's mean by less than this much of a founder's weight: one liar
+# leaves the share under 4/3 of the honest weights, inside DEAD_BAND, however few report.
+LIE_ROOM = 1 / 3
 
 
 @dataclass
 class WeightBalance:
     """Per segment, the mean weight held at this node's pushes, the factor they carry,
-    and each peer's latest reported weight (``enabled`` False: every factor is 1 and
-    nothing is tracked)."""
+    and the latest reported weight of each of the last ``REPORTERS`` peers to report one
+    (``enabled`` False: every factor is 1 and nothing is tracked)."""
 
     num_segments: int
     enabled: bool = False
     means: list[float] = field(init=False)
     factors: list[float] = field(init=False)
-    reports: dict[str, list[float]] = field(init=False, default_factory=dict)
+    reports: list[dict[str, float]] = field(init=False)  # per segment, oldest first
 
     def __post_init__(self) -> None:
         self.means = [SHARE] * self.num_segments
         self.factors = [1.0] * self.num_segments
+        self.reports = [{} for _ in range(self.num_segments)]
 
     def heard(self, peer: str, segment: int, weight: float) -> None:
-        """``peer`` held ``weight`` of ``segment`` (already clamped by the caller)."""
+        """``peer`` held ``weight`` of ``segment`` before this node's push merged."""
         if not self.enabled or not math.isfinite(weight):
             return
-        held = self.reports.setdefault(peer, [math.nan] * self.num_segments)
-        held[segment] = max(weight, 0.0)
+        book = self.reports[segment]
+        book.pop(peer, None)
+        book[peer] = max(weight, 0.0)
+        if len(book) > REPORTERS:
+            del book[next(iter(book))]
 
-    def keep_only(self, members: frozenset[str]) -> None:
-        """Forget the reports of peers no longer in the view (bounded by the view)."""
-        for gone in [p for p in self.reports if p not in members]:
-            del self.reports[gone]
+    def keep_only(self, members: Container[str]) -> None:
+        """Drop the reports of peers gone from the view (it looks at the reporters only,
+        at most ``REPORTERS`` per segment, never the whole view)."""
+        for book in self.reports:
+            for gone in [p for p in book if p not in members]:
+                del book[gone]
 
     def share(self, segment: int, held: float) -> float:
-        """The mesh's weight per site: the mean of ``held`` and the peers' reports
+        """The mesh's weight per site: the mean of ``held`` and the peers' reports, each
+        clamped so that it moves the mean by less than ``LIE_ROOM`` of a founder's weight
         (``SHARE`` while no peer has reported)."""
-        heard = [r[segment] for r in self.reports.values() if not math.isnan(r[segment])]
-        if not heard:
+        book = self.reports[segment]
+        if not book:
             return SHARE
-        return (held + math.fsum(heard)) / (1 + len(heard))
+        values = 1 + len(book)
+        bound = SHARE + (values - 1) * LIE_ROOM
+        return (held + math.fsum(min(w, bound) for w in book.values())) / values
 
     def factor(self, segment: int, held: float) -> float:
         """The factor for a push of ``segment`` now, which holds ``held``; each call is one
