@@ -215,7 +215,12 @@ class PerSyn(SumWeightLedger):
                 return []
             self._sent += 1
             return self.exchange(j)
-        if self._outer and due and self._outer_round < self.round:
+        # The outer step only on a burst whose every push to this node merged: on a
+        # partial average its pseudo-gradient holds the sites' disagreement, which the
+        # momentum amplifies burst after burst (mnist1d over 80 ms links reached 1e13).
+        # A burst left partial by its deadlines is a plain average.
+        whole = all(self._heard_at.get(k, -1) >= since for k in range(sub_rounds))
+        if self._outer and whole and self._outer_round < self.round:
             self._outer_round = self.round
             return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
         return []

@@ -106,8 +106,8 @@ class Dispatcher:
         if first:
             log.info(
                 "%s: outer optimizer on (learning rate %g, momentum %g): the model after "
-                "burst %d is the shared model, and an outer step follows every burst from "
-                "now on (%d bytes held for it)",
+                "burst %d is the shared model, and an outer step follows every burst whose "
+                "pushes all merged here from now on (%d bytes held for it)",
                 self.core.name,
                 action.learning_rate,
                 action.momentum,
