@@ -88,8 +88,9 @@ class PerSynSettings(ProtocolSettings):
     outer_learning_rate: float = Field(
         1.0,
         gt=0,
-        description="DiLoCo's outer step after each burst: the learning rate of its Nesterov "
-        "SGD on (model before the burst's steps − the burst's average); 1 with "
+        description="DiLoCo's outer step after each burst whose pushes all merged: the "
+        "learning rate of its Nesterov SGD on (model before the burst's steps − the burst's "
+        "average); 1 with "
         "outer_momentum 0 (the defaults): no outer step, the average itself",
     )
     outer_momentum: float = Field(
