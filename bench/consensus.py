@@ -61,6 +61,13 @@ def weighted_average(
     return averaged
 
 
+def _has_classes(job: Any) -> bool:
+    """Labelled classes in tensors (digits, mnist1d); not text windows or regression."""
+    labels = [getattr(job, name, None) for name in ("train_y", "test_y")]
+    tensors = all(isinstance(y, torch.Tensor) and not torch.is_floating_point(y) for y in labels)
+    return tensors and isinstance(getattr(job, "test_x", None), torch.Tensor)
+
+
 def _accuracy_on(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         model.eval()
@@ -90,7 +97,7 @@ def score(
     for s, values in enumerate(averaged):
         flats[0].load_segment(s, values)
     result.overall.update(jobs[0].evaluate())
-    if not all(hasattr(j, "train_y") and hasattr(j, "test_y") for j in jobs):
+    if not all(_has_classes(j) for j in jobs):
         return result
     for i, site in enumerate(jobs):
         mask = torch.isin(site.test_y, torch.unique(site.train_y))

@@ -330,7 +330,11 @@ def consensus_of(run: SitesRun, spec: WanSpec) -> dict[str, Any] | None:
         log.warning("%s: no consensus scored, no final checkpoint at %s", run.name, missing)
         return None
     segment_bytes = GossipConfig.model_fields["segment_bytes"].default
-    return consensus.score(spec.job, spec.job_options, paths, segment_bytes).as_json()
+    try:
+        return consensus.score(spec.job, spec.job_options, paths, segment_bytes).as_json()
+    except Exception:  # a figure beside the run's: never the reason a bench loses its rows
+        log.warning("%s: the consensus could not be scored", run.name, exc_info=True)
+        return None
 
 
 def runs_of(

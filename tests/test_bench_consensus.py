@@ -6,6 +6,7 @@ way a site writes them at exit.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,25 @@ def test_weights_shared_evenly_leave_a_consensus_of_both(tmp_path: Path) -> None
     assert len(scores.consensus) == len(scores.own) == 2
     assert all(0.0 <= s <= 1.0 for s in [*scores.consensus, *scores.own])
     assert scores.as_json()["weight_shares"] == [1.0, 1.0]
+
+
+def test_a_job_without_classes_gets_the_overall_metric_only(tmp_path: Path) -> None:
+    """The synthetic job's targets are real numbers (shakespeare's are text windows): no
+    site has classes to score on, so only the consensus's own metrics are given."""
+    paths = []
+    for i in range(2):
+        job = build_job(JobSpec("synthetic", seed=i, shard_index=i, num_shards=2))
+        flat = FlatModel(job.model, SEGMENT_BYTES)
+        saved = checkpoint.Checkpoint(
+            node_id=f"site-{i}",
+            fingerprint=flat.fingerprint,
+            step=0,
+            core={},
+            segments=[b.clone() for b in flat.buffers],
+            weights=[1.0] * len(flat.buffers),
+        )
+        (tmp_path / f"site-{i}").mkdir()
+        paths.append(checkpoint.save(tmp_path / f"site-{i}", saved))
+    scores = score("synthetic", {}, paths, SEGMENT_BYTES)
+    assert scores.consensus == [] and scores.own == []
+    assert math.isfinite(scores.overall["test_loss"])
