@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from gossipd.node.protocols.base import (
     ViewChanged,
 )
 from gossipd.node.shared.config import parse_config
-from gossipd.node.sim import SimSpec
+from gossipd.node.sim import SimResult, SimSpec
 from gossipd.node.sim.driver import Simulation
 from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.trainer.outer import OuterNesterov
@@ -139,6 +140,33 @@ def test_each_sub_round_goes_once_the_last_one_merged_and_the_outer_step_after()
     ]
 
 
+def _persyn_over_wan(
+    nodes: int, latency_s: float, rounds: int, options: dict[str, Any]
+) -> SimResult:
+    """``nodes`` persyn nodes stepping every 10 ms over links of ``latency_s`` one way;
+    the sum of weights checked after every event."""
+    wan = Scenario(
+        name=f"wan{latency_s * 1000:g}",
+        description=f"10 ms steps, {latency_s * 1000:g} ms links",
+        step_time_s=(0.01,),
+        latency_s=((latency_s,),),
+        timeout_s=1.0,
+    )
+    spec = SimSpec(
+        protocol="persyn",
+        nodes=nodes,
+        rounds=rounds,
+        segments=2,
+        scenario=wan,
+        predict=False,
+        check_invariants=True,
+        options=options,
+    )
+    result = Simulation(spec).run()
+    assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
+    return result
+
+
 @pytest.mark.parametrize("nodes", [4, 8])
 def test_over_links_slower_than_a_step_a_burst_still_ends_at_the_exact_average(
     nodes: int,
@@ -146,25 +174,7 @@ def test_over_links_slower_than_a_step_a_burst_still_ends_at_the_exact_average(
     """10 ms steps, 50 ms one way: a push lands 5 steps after it leaves. Paced by arrivals
     the burst at step 50 leaves every vector at the mean; with sub-rounds a step apart
     (before) they ended 0.40-0.52 of their start from it."""
-    wan = Scenario(
-        name="wan50",
-        description="10 ms steps, 50 ms links",
-        step_time_s=(0.01,),
-        latency_s=((0.05,),),
-        timeout_s=1.0,
-    )
-    spec = SimSpec(
-        protocol="persyn",
-        nodes=nodes,
-        rounds=70,
-        segments=2,
-        scenario=wan,
-        predict=False,
-        check_invariants=True,
-        options={"average_every_steps": 50},
-    )
-    result = Simulation(spec).run()
-    assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
+    result = _persyn_over_wan(nodes, 0.05, 70, {"average_every_steps": 50})
     assert result.consensus_error_end <= 1e-12 * result.consensus_error_start
 
 
@@ -177,26 +187,8 @@ def test_over_links_too_slow_for_a_burst_the_outer_step_never_amplifies_disagree
     took the sites' disagreement for a pseudo-gradient and the momentum amplified it:
     the consensus error grew from 0.98 to 4.2 (4 nodes) and 1.06 to 6.8 (8) in 400
     steps, as mnist1d sites over 80 ms links diverged to 1e13. Now it never grows."""
-    wan = Scenario(
-        name="wan120",
-        description="10 ms steps, 120 ms links",
-        step_time_s=(0.01,),
-        latency_s=((0.12,),),
-        timeout_s=1.0,
-    )
     options = {"average_every_steps": 20, "outer_learning_rate": 0.7, "outer_momentum": 0.9}
-    spec = SimSpec(
-        protocol="persyn",
-        nodes=nodes,
-        rounds=400,
-        segments=2,
-        scenario=wan,
-        predict=False,
-        check_invariants=True,
-        options=options,
-    )
-    result = Simulation(spec).run()
-    assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
+    result = _persyn_over_wan(nodes, 0.12, 400, options)
     assert max(result.errors) <= result.consensus_error_start * (1 + 1e-9), result.errors[-1]
 
 
@@ -231,6 +223,9 @@ def test_two_daemons_run_persyn_with_an_outer_step_and_keep_their_weight(tmp_pat
         nodes=2,
         job="digits",
         max_steps=200,
+        # Paced: unpaced, 200 digits steps took under 0.1 s on a fast machine, the run ended
+        # before the two sites' pushes merged in any burst, and no burst was whole.
+        max_steps_per_s=100.0,
         duration_s=0.0,
         cpu_share=1.0,
         eval_every_steps=100,
