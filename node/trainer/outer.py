@@ -50,6 +50,8 @@ class OuterNesterov:
             self._buffers[segment] = buffer
             update = grad + buffer * self.momentum
         self.shared[segment] = shared - update * self.learning_rate
+        if segment == 0:  # the drivers step every segment in order, one step of the model
+            self.steps += 1
         return self.shared[segment]
 
     @property
