@@ -99,8 +99,7 @@ class Dispatcher:
         first = self.outer is None
         if self.outer is None:
             self.outer = OuterNesterov(action.learning_rate, action.momentum)
-        for segment in range(len(self.flat.plan)):
-            shared = self.outer.step(segment, self.flat.buffers[segment])
+        for segment, shared in enumerate(self.outer.step_model(self.flat.buffers)):
             self.flat.load_segment(segment, shared)
         self.outer_steps += 1
         if first:
