@@ -83,29 +83,27 @@ def score(
     """The consensus of the sites whose final checkpoints are ``checkpoints`` (site i is
     shard i of their number, as ``gossipd bench wan`` and ``mesh up`` split a job)."""
     n = len(checkpoints)
-
-    def site(i: int) -> tuple[Any, FlatModel]:
-        built = build_job(JobSpec(job, seed=i, shard_index=i, num_shards=n, options=options))
-        return built, FlatModel(built.model, segment_bytes)
-
-    first, flat = site(0)
-    saved = [checkpoint.load(p, fingerprint=flat.fingerprint) for p in checkpoints]
+    jobs = [
+        build_job(JobSpec(job, seed=i, shard_index=i, num_shards=n, options=options))
+        for i in range(n)
+    ]
+    flats = [FlatModel(j.model, segment_bytes) for j in jobs]
+    saved = [checkpoint.load(p, fingerprint=flats[0].fingerprint) for p in checkpoints]
     weights = [list(c.weights) for c in saved]
     mean_weight = sum(sum(w) for w in weights) / (n * len(weights[0]))
     shares = [sum(w) / len(w) / mean_weight for w in weights]
     averaged = weighted_average([c.segments for c in saved], weights)
     result = ConsensusScores(shares)
     for s, values in enumerate(averaged):
-        flat.load_segment(s, values)
-    result.overall.update(first.evaluate())
-    if not _has_classes(first):  # every site of a job alike: no other site is built
+        flats[0].load_segment(s, values)
+    result.overall.update(jobs[0].evaluate())
+    if not all(_has_classes(j) for j in jobs):
         return result
-    for i in range(n):
-        own, own_flat = site(i)
-        mask = torch.isin(own.test_y, torch.unique(own.train_y))
-        x, y = own.test_x[mask], own.test_y[mask]
-        result.consensus.append(_accuracy_on(first.model, x, y))
+    for i, site in enumerate(jobs):
+        mask = torch.isin(site.test_y, torch.unique(site.train_y))
+        x, y = site.test_x[mask], site.test_y[mask]
+        result.consensus.append(_accuracy_on(jobs[0].model, x, y))
         for s, values in enumerate(saved[i].segments):
-            own_flat.load_segment(s, values)
-        result.own.append(_accuracy_on(own.model, x, y))
+            flats[i].load_segment(s, values)
+        result.own.append(_accuracy_on(site.model, x, y))
     return result

@@ -204,15 +204,14 @@ class PerSyn(SumWeightLedger):
         if self.round != self._burst:  # a burst starts (one under way is dropped)
             self._burst, self._sent = self.round, 0
         sub_rounds = ceil_log2(len(self.view.members))
+        wait = max(1, (self.average_every_steps - 1) // max(sub_rounds, 1))
         j = self._sent
-        # A push merged here during this burst, or in the half period before it (a peer a
-        # little ahead), counts for it.
+        # Sub-round j (or, once all went, the outer step) is due when the push of
+        # sub-round j − 1 from rank − 2^(j−1) has merged here during this burst or in
+        # the half period before it (a peer a little ahead), or at its deadline.
         since = event.step - steps_in - self.average_every_steps // 2
+        due = j == 0 or self._heard_at.get(j - 1, -1) >= since or steps_in >= j * wait
         if j < sub_rounds:
-            # Sub-round j is due once the push of sub-round j − 1 from rank − 2^(j−1) has
-            # merged here, or at its deadline.
-            wait = max(1, (self.average_every_steps - 1) // sub_rounds)
-            due = j == 0 or self._heard_at.get(j - 1, -1) >= since or steps_in >= j * wait
             if not due or steps_in < j:
                 return []
             self._sent += 1
@@ -221,12 +220,11 @@ class PerSyn(SumWeightLedger):
         # partial average its pseudo-gradient holds the sites' disagreement, which the
         # momentum amplifies burst after burst (mnist1d over 80 ms links reached 1e13).
         # A burst left partial by its deadlines is a plain average.
-        if not self._outer or self._outer_round >= self.round:
-            return []
-        if not all(self._heard_at.get(k, -1) >= since for k in range(sub_rounds)):
-            return []
-        self._outer_round = self.round
-        return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
+        whole = all(self._heard_at.get(k, -1) >= since for k in range(sub_rounds))
+        if self._outer and whole and self._outer_round < self.round:
+            self._outer_round = self.round
+            return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
+        return []
 
     @property
     def _outer(self) -> bool:

@@ -285,8 +285,8 @@ class Simulation(PushSide, PullSide):
         outer = self.outers.get(node.index)
         if outer is None:
             outer = self.outers[node.index] = OuterNesterov(action.learning_rate, action.momentum)
-        averaged = [self.payload.values(node.index, s) for s in range(self.segments)]
-        for segment, shared in enumerate(outer.step_model(averaged)):
+        for segment in range(self.segments):
+            shared = outer.step(segment, self.payload.values(node.index, segment))
             self.payload.load(node.index, segment, shared)
 
     def _timer(self, node: SimNode, tag: str) -> None:

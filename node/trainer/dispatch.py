@@ -99,7 +99,8 @@ class Dispatcher:
         first = self.outer is None
         if self.outer is None:
             self.outer = OuterNesterov(action.learning_rate, action.momentum)
-        for segment, shared in enumerate(self.outer.step_model(self.flat.buffers)):
+        for segment in range(len(self.flat.plan)):
+            shared = self.outer.step(segment, self.flat.buffers[segment])
             self.flat.load_segment(segment, shared)
         self.outer_steps += 1
         if first:

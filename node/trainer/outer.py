@@ -17,7 +17,6 @@ own initial model would pull every other site towards it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -51,15 +50,9 @@ class OuterNesterov:
             self._buffers[segment] = buffer
             update = grad + buffer * self.momentum
         self.shared[segment] = shared - update * self.learning_rate
+        if segment == 0:  # the drivers step every segment in order, one step of the model
+            self.steps += 1
         return self.shared[segment]
-
-    def step_model(self, averaged: Sequence[Any]) -> list[Any]:
-        """One outer step of the whole model, segment by segment (a recording one if no
-        step came before); the new shared values, which the caller loads."""
-        recording = not self.shared
-        shared = [self.step(segment, values) for segment, values in enumerate(averaged)]
-        self.steps += not recording
-        return shared
 
     @property
     def nbytes(self) -> int:
