@@ -94,15 +94,19 @@ def score(
     shares = [sum(w) / len(w) / mean_weight for w in weights]
     averaged = weighted_average([c.segments for c in saved], weights)
     result = ConsensusScores(shares)
+    # Its own job: the sites' jobs get their own final models below, and site 0's would
+    # otherwise become the "consensus" every later site is scored with.
+    agreed = build_job(JobSpec(job, seed=0, shard_index=0, num_shards=n, options=options))
+    agreed_flat = FlatModel(agreed.model, segment_bytes)
     for s, values in enumerate(averaged):
-        flats[0].load_segment(s, values)
-    result.overall.update(jobs[0].evaluate())
+        agreed_flat.load_segment(s, values)
+    result.overall.update(agreed.evaluate())
     if not all(_has_classes(j) for j in jobs):
         return result
     for i, site in enumerate(jobs):
         mask = torch.isin(site.test_y, torch.unique(site.train_y))
         x, y = site.test_x[mask], site.test_y[mask]
-        result.consensus.append(_accuracy_on(jobs[0].model, x, y))
+        result.consensus.append(_accuracy_on(agreed.model, x, y))
         for s, values in enumerate(saved[i].segments):
             flats[i].load_segment(s, values)
         result.own.append(_accuracy_on(site.model, x, y))

@@ -66,6 +66,16 @@ def test_a_site_holding_all_the_weight_is_the_consensus(tmp_path: Path) -> None:
     assert 0.0 <= scores.overall["test_accuracy"] <= 1.0
 
 
+def test_every_site_is_scored_with_the_consensus_not_an_earlier_sites_own_model(
+    tmp_path: Path,
+) -> None:
+    """Site 0 holds nothing, so the consensus is site 1's model, on site 0's classes as on
+    site 1's: scoring site 0's own model must not replace it before site 1 is scored."""
+    scores = score("digits", BY_LABEL, _write_sites(tmp_path, [0.0, 2.0], steps=150), SEGMENT_BYTES)
+    assert scores.consensus[1] == scores.own[1] > 0.8
+    assert scores.consensus[0] < 0.5 < scores.own[0]
+
+
 def test_weights_shared_evenly_leave_a_consensus_of_both(tmp_path: Path) -> None:
     scores = score("digits", BY_LABEL, _write_sites(tmp_path, [1.0, 1.0], steps=150), SEGMENT_BYTES)
     assert scores.weights == [1.0, 1.0]
