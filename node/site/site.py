@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
+from gossipd.node.net.cpubudget import CollectiveThreads
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.mqtt import MqttAgent
 from gossipd.node.net.network import Network
@@ -76,6 +77,8 @@ class Site:
         self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
         self.network = Network(config, self.replica, self.metrics)
         self.network.status.ranks = 1 if rank_env is None else rank_env.world
+        if self.ranks is not None:
+            self.network.budget.collectives = CollectiveThreads()
         self.data_dir = Path(config.data_dir)
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
