@@ -91,8 +91,10 @@ def test_node_based_mode_averages_every_k_steps_and_at_each_epoch_end(tmp_path: 
     bursts = _expected_bursts(steps, every, epoch)
     assert bursts > steps // every  # the epoch ends added bursts of their own
     for node in result["nodes"]:
-        # The core counts bursts by step (one more for the burst at the end of training).
-        assert node["round"] == bursts + 1, node
+        # The core counts bursts by step (one more for the burst at the end of training),
+        # and more where it caught up with a peer's burst more than half a period ahead
+        # of its own (a site that started later, or the peer's burst at its end).
+        assert node["round"] >= bursts + 1, node
         assert all(r["test_accuracy"] >= 0.90 for r in node["ranks"]), node
     assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
 

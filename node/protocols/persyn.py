@@ -12,19 +12,27 @@ segment, to rank (i + 2^j) mod N. Local training goes on between sub-rounds.
 PerSyn's master would collect and broadcast; here the butterfly does it with one push
 per node per sub-round, and no node is special.
 
-Where bursts start is a pure function of the step count, so every node derives the same
-bursts from its own step number with no shared state: the round is the number of bursts
-started by then (step // K′ + step // E − step // lcm(K′, E)), which strictly increases
-from burst to burst and is the same on every node for the same burst. A burst that starts
-while another is under way (an epoch end two steps after a K′ multiple, say) restarts
-the sub-rounds at 0: the earlier burst's remaining sub-rounds are dropped, not queued.
-With E = 0 bursts come every K′ steps only, and the round is step // K′.
+Where bursts start is a function of the step count: the round is the number of bursts
+started by then (t // K′ + t // E − t // lcm(K′, E) at step t), which strictly increases
+from burst to burst. Sites step at their own pace, so by their own counts alone a site
+at 200 steps a second and one at 300 drift a round apart every 150 steps, and their
+bursts never meet again (a 2-rank mnist1d site beside single-rank ones: the outer step
+then averaged whatever had arrived, and the mesh diverged to NaN). So a node that merges
+a push of a later round whose start is more than half a period past its own count
+catches up: it moves its count (t above is its step plus a lead that only grows) to the
+start of that round, and its burst begins at the next step. A peer less ahead is paired
+with as it is (its pushes count for this node's next burst). The fastest site sets the
+pace; a slower one takes fewer local steps between averages, as its compute allows. A
+burst that starts while another is under way (an epoch end two steps after a K′
+multiple, a catch-up) restarts the sub-rounds at 0: the earlier burst's remaining
+sub-rounds are dropped, not queued. With E = 0 bursts come every K′ steps only, and the
+round is t // K′.
 
 Exactness: if N is a power of two and every node merges sub-round j − 1's push
 before it sends sub-round j's (synchronous sub-rounds), the product of the R
 matrices (I + P_j)/2 is J/N and every model ends at the exact average. So a
 sub-round j ≥ 1 goes at the first step after the node merged its sub-round j − 1
-push (from rank i − 2^(j−1)), and at the latest W = max(1, ⌊(K′ − 1)/R⌋) steps per
+push of this round (from rank i − 2^(j−1)), and at the latest W = max(1, ⌊(K′ − 1)/R⌋) steps per
 sub-round into the burst (a peer slow, dead or busy does not hold the burst past
 the next one); training never waits. Over a wide-area link a push takes several
 steps to land: going a step per sub-round, as a burst of synchronous sub-rounds
@@ -71,6 +79,10 @@ DEFAULT_STEP_TIME_S = 0.1
 # one slow step (a checkpoint, a merge of a big payload) does not dominate it.
 STEP_TIME_SMOOTHING = 0.2
 FINAL_BURST_TAG = "persyn-final"
+# A round from a peer above this is not caught up with: the round travels as a uint64,
+# and a member that sent 2^64 − 1 would otherwise leave every node unable to number its
+# next burst. Honest rounds stay far below (a burst a millisecond for 285,000 years).
+MAX_ROUND = 2**53
 
 
 class PerSynSettings(ProtocolSettings):
@@ -111,6 +123,19 @@ def burst_position(step: int, average_every_steps: int, epoch_steps: int = 0) ->
         start = max(start, step - step % epoch)
         bursts += step // epoch - step // math.lcm(period, epoch)
     return bursts, step - start
+
+
+def burst_start(round_: int, average_every_steps: int, epoch_steps: int = 0) -> int:
+    """The first step at which burst ``round_`` has started (the inverse of
+    :func:`burst_position`'s round, which never falls as the step grows)."""
+    low, high = 0, round_ * average_every_steps  # by then at least round_ bursts started
+    while low < high:
+        middle = (low + high) // 2
+        if burst_position(middle, average_every_steps, epoch_steps)[0] >= round_:
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 class PerSyn(SumWeightLedger):
@@ -155,10 +180,13 @@ class PerSyn(SumWeightLedger):
         self._step_times_seen = 0
         self._last_step_at_s: float | None = None
         self._step = 0  # the latest local step
+        self._lead = 0  # steps added to it by catching up with later rounds (grows only)
         self._burst = 0  # the round of the burst under way
         self._sent = 0  # its sub-rounds gone (sent, or skipped while the peer was busy)
-        # Per sub-round j, the local step at which the push of rank − 2^j last merged.
+        # Per sub-round j, the step (lead included) at which the push of rank − 2^j last
+        # merged here.
         self._heard_at: dict[int, int] = {}
+        self._half_period = min(average_every_steps, epoch_steps or average_every_steps) // 2
         self._outer_round = 0  # the round of the last outer step
 
     def exchange(self, sub_round: int) -> list[Push]:
@@ -181,24 +209,33 @@ class PerSyn(SumWeightLedger):
 
     def _heard_from(self, payload: PayloadArrived) -> None:
         """Note when the sub-round whose shift leads from ``payload``'s sender to this node
-        last merged here. By the local step, not the payload's round: sites step at their
-        own pace (one that started a second later is a hundred steps behind at 100 steps
-        a second), so the same burst is not the same round everywhere at once."""
+        last merged here, and catch up with the payload's round if it is later than this
+        node's. By the step, not the round: over a link slower than a burst, the push
+        of sub-round 1 lands in the next burst, and is still what the outer step needs."""
         n = len(self.view.members)
         rank = self.view.rank_of.get(payload.sender)
         if n < 2 or rank is None:
             return
+        if self._position(self._step)[0] < payload.round <= MAX_ROUND:
+            start = burst_start(payload.round, self.average_every_steps, self.epoch_steps)
+            # A peer less than half a period ahead is paired with as it is (below); caught
+            # up with, sites of one speed would leapfrog each other by their jitter and
+            # burst more often than configured (a 2-rank digits pair: 40 bursts for 34).
+            if start - (self._step + self._lead) > self._half_period:
+                self._lead = start - 1 - self._step  # the burst starts at the next step
         me = self.view.rank_of[self.node_id]
         for sub_round in range(ceil_log2(n)):
             if exponential_peer(rank, n, sub_round) == me:
-                self._heard_at[sub_round] = self._step
+                self._heard_at[sub_round] = self._step + self._lead
+
+    def _position(self, step: int) -> tuple[int, int]:
+        """(round, steps into it) at local step ``step``, caught-up rounds included."""
+        return burst_position(step + self._lead, self.average_every_steps, self.epoch_steps)
 
     def on_step(self, event: StepEnded) -> Iterable[Action]:
         self._observe_step_time(event.time_s)
         self._step = event.step
-        self.round, steps_in = burst_position(
-            event.step, self.average_every_steps, self.epoch_steps
-        )
+        self.round, steps_in = self._position(event.step)
         if self.round == 0:
             return []  # the first burst comes after K′ (or E) steps of local training
         if self.round != self._burst:  # a burst starts (one under way is dropped)
@@ -209,8 +246,9 @@ class PerSyn(SumWeightLedger):
         # Sub-round j (or, once all went, the outer step) is due when the push of
         # sub-round j − 1 from rank − 2^(j−1) has merged here during this burst or in
         # the half period before it (a peer a little ahead), or at its deadline.
-        since = event.step - steps_in - self.average_every_steps // 2
-        due = j == 0 or self._heard_at.get(j - 1, -1) >= since or steps_in >= j * wait
+        since = event.step + self._lead - steps_in - self.average_every_steps // 2
+        heard = [self._heard_at.get(k, -1) >= since for k in range(sub_rounds)]
+        due = j == 0 or heard[j - 1] or steps_in >= j * wait
         if j < sub_rounds:
             if not due or steps_in < j:
                 return []
@@ -220,8 +258,7 @@ class PerSyn(SumWeightLedger):
         # partial average its pseudo-gradient holds the sites' disagreement, which the
         # momentum amplifies burst after burst (mnist1d over 80 ms links reached 1e13).
         # A burst left partial by its deadlines is a plain average.
-        whole = all(self._heard_at.get(k, -1) >= since for k in range(sub_rounds))
-        if self._outer and whole and self._outer_round < self.round:
+        if self._outer and all(heard) and self._outer_round < self.round:
             self._outer_round = self.round
             return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
         return []
@@ -232,7 +269,7 @@ class PerSyn(SumWeightLedger):
 
     def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
         """One more burst, timed: sub-round 0 now, sub-round j at j estimated step-times."""
-        self.round = burst_position(event.step, self.average_every_steps, self.epoch_steps)[0] + 1
+        self.round = self._position(event.step)[0] + 1
         actions: list[Action] = list(self.exchange(0))
         for j in range(1, ceil_log2(max(len(self.view.members), 1))):
             tag = f"{FINAL_BURST_TAG}:{self.round}:{j}"
@@ -262,6 +299,7 @@ class PerSyn(SumWeightLedger):
             "step_time_s": self.step_time_s,
             "step_times_seen": self._step_times_seen,
             "burst": [self._burst, self._sent, self._outer_round],
+            "lead": self._lead,
             "heard_at": [[j, at] for j, at in sorted(self._heard_at.items())],
         }
 
@@ -271,5 +309,6 @@ class PerSyn(SumWeightLedger):
         self._step_times_seen = int(state.get("step_times_seen", 0))
         # Where the burst under way stood (a checkpoint before these keys: none under way).
         self._burst, self._sent, self._outer_round = (int(v) for v in state.get("burst", (0, 0, 0)))
+        self._lead = int(state.get("lead", 0))
         self._heard_at = {int(j): int(at) for j, at in state.get("heard_at", ())}
         self._last_step_at_s = None  # the restored clock is not this process's clock
