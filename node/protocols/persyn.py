@@ -32,7 +32,7 @@ Exactness: if N is a power of two and every node merges sub-round j − 1's push
 before it sends sub-round j's (synchronous sub-rounds), the product of the R
 matrices (I + P_j)/2 is J/N and every model ends at the exact average. So a
 sub-round j ≥ 1 goes at the first step after the node merged its sub-round j − 1
-push of this round (from rank i − 2^(j−1)), and at the latest W = max(1, ⌊(K′ − 1)/R⌋) steps per
+push (from rank i − 2^(j−1)), and at the latest W = max(1, ⌊(K′ − 1)/R⌋) steps per
 sub-round into the burst (a peer slow, dead or busy does not hold the burst past
 the next one); training never waits. Over a wide-area link a push takes several
 steps to land: going a step per sub-round, as a burst of synchronous sub-rounds
@@ -247,8 +247,7 @@ class PerSyn(SumWeightLedger):
         # sub-round j − 1 from rank − 2^(j−1) has merged here during this burst or in
         # the half period before it (a peer a little ahead), or at its deadline.
         since = event.step + self._lead - steps_in - self.average_every_steps // 2
-        heard = [self._heard_at.get(k, -1) >= since for k in range(sub_rounds)]
-        due = j == 0 or heard[j - 1] or steps_in >= j * wait
+        due = j == 0 or self._heard_at.get(j - 1, -1) >= since or steps_in >= j * wait
         if j < sub_rounds:
             if not due or steps_in < j:
                 return []
@@ -258,7 +257,8 @@ class PerSyn(SumWeightLedger):
         # partial average its pseudo-gradient holds the sites' disagreement, which the
         # momentum amplifies burst after burst (mnist1d over 80 ms links reached 1e13).
         # A burst left partial by its deadlines is a plain average.
-        if self._outer and all(heard) and self._outer_round < self.round:
+        whole = all(self._heard_at.get(k, -1) >= since for k in range(sub_rounds))
+        if self._outer and whole and self._outer_round < self.round:
             self._outer_round = self.round
             return [OuterStep(self.round, self.outer_learning_rate, self.outer_momentum)]
         return []
