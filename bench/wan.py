@@ -270,6 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
         "baselines always run 1)",
     )
     p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="site i seeds its job (initial model, batch order) with 1000·SEED + i: repeat "
+        "a comparison with other seeds to see its noise (default: %(default)s)",
+    )
+    p.add_argument(
         "--no-throughput",
         action="store_true",
         help=f"skip the last pair of runs ({THROUGHPUT_PROTOCOL} gossip on, then off)",
@@ -380,6 +387,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         weight_balance=args.weight_balance,
         persyn_outer=args.persyn_outer,
         site_ranks=site_ranks,
+        seed=args.seed,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
@@ -416,6 +424,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "codecs": codecs,
         "persyn_outer": args.persyn_outer,
         "site_ranks": list(site_ranks),
+        "seed": args.seed,
         "protocols": rows,
         "throughput": None if args.no_throughput else throughput(spec, target, out),
         "date": datetime.date.today().isoformat(),

@@ -42,6 +42,7 @@ POLL_S = 0.5
 
 
 OUTER_LEARNING_RATE, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's, as the diloco baseline's
+SEED_STRIDE = 1000  # site i of --seed S seeds its job with 1000·S + i
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class WanSpec:
     # Ranks of each gossip site (`gossipd node --ranks R`; empty: one each): sites of
     # different speed. The baselines run one rank per site.
     site_ranks: tuple[int, ...] = ()
+    # Site i's job seed is 1000·seed + i: a repeat with other initial models and batches.
+    seed: int = 0
 
 
 @dataclass
@@ -118,7 +121,7 @@ def site_toml(
         "job.options": spec.job_options,
         "gossip": {
             "protocol": protocol,
-            "seed": index,
+            "seed": SEED_STRIDE * spec.seed + index,
             **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
             **({"weight_balance": False} if not spec.weight_balance and not baseline else {}),
             **(
@@ -156,7 +159,7 @@ def _site_job(
     """Site ``index``'s ``[job]``: shard ``index`` of ``n``, seeded by it, for the budget."""
     return {
         "name": spec.job,
-        "seed": index,
+        "seed": SEED_STRIDE * spec.seed + index,
         "shard_index": index,
         "num_shards": n,
         "duration_s": spec.budget_s,

@@ -200,6 +200,23 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     assert "persyn" not in plain["gossip"]
 
 
+def test_a_seed_moves_every_sites_job_and_gossip_seed_apart(tmp_path: Path) -> None:
+    spec = WanSpec(
+        scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
+    )
+    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
+
+    def seeds(spec: WanSpec, protocol: str, index: int) -> tuple[int, int]:
+        master = addresses[0] if protocol == "diloco" else None
+        text = site_toml(spec, protocol, index, addresses, 20.0, None, tmp_path, master=master)
+        table = tomllib.loads(text)
+        return table["job"]["seed"], table["gossip"]["seed"]
+
+    assert seeds(spec, "sumweight", 1) == (1, 1)  # seed 0: the runs measured before it
+    assert seeds(replace(spec, seed=2), "sumweight", 1) == (2001, 2001)
+    assert seeds(replace(spec, seed=2), "diloco", 0) == (2000, 2000)
+
+
 def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
     assert runs_of(["sumweight", "diloco"], ["raw", "int8", "int4"]) == [
         ("sumweight", "sumweight", "raw"),
