@@ -33,7 +33,7 @@ pushes and snapshotting its own (the job's steps, evaluations, checkpoints, the
 replica's per-step bookkeeping, which costs the same with gossip off), and on a
 multi-rank site what torch.distributed's own threads spend (:class:`CollectiveThreads`):
 gloo runs a collective on them, not on the thread that called it (2,000 all-reduces of
-5,210 floats between two ranks: 0.05 CPU-s on the caller, 0.96 on gloo's threads).
+5,210 floats between two ranks: 0.96 CPU-s in all, 0.05 of it on the caller's thread).
 Charged to gossip, that starved a 2-rank site of pushes (held 4.7 s each, 0.3 acknowledged
 a second against its peers' 5) while its peers' pushes piled weight on it. Everything
 else the process spends is gossip: the network side's threads and those merges and
