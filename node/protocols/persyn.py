@@ -115,7 +115,7 @@ def burst_position(step: int, average_every_steps: int, epoch_steps: int = 0) ->
     it, and how many steps ago the latest of them started (round 0: none started yet).
 
     A pure function of the step, so every node places the same burst at the same step and
-    numbers it alike, whatever it saw of the others."""
+    numbers it alike; a node passes it its step plus the lead it took catching up."""
     period, epoch = average_every_steps, epoch_steps
     start = step - step % period
     bursts = step // period
