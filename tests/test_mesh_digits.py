@@ -29,13 +29,15 @@ def forked_mesh(tmp_path: Path, protocol: str, plot: Path) -> tuple[dict[str, An
     # 1,000 digits steps are under a second of training: a share of so short a run buys
     # too few pushes for consensus to fall 10x (the README's "CPU budget for gossip" says
     # so; at 0.1 a loaded CI run of sumweight fell 9.5x). The protocols are what this
-    # tests; the budget has its own tests.
+    # tests; the budget has its own tests. Paced for the same reason: unpaced, 1,000 steps
+    # took 0.3 s on a fast 2-core VM and pushsum-expgraph's consensus fell 7.5x.
     spec = MeshSpec(
         nodes=NODES,
         job="digits",
         protocol=protocol,
         duration_s=0.0,
         max_steps=STEPS,
+        max_steps_per_s=400.0,
         cpu_share=1.0,
         workdir=tmp_path / "mesh",
         plot_path=plot,
