@@ -42,7 +42,7 @@ POLL_S = 0.5
 
 
 OUTER_LEARNING_RATE, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's, as the diloco baseline's
-SEED_STRIDE = 1000  # site i of --seed S seeds its job with 1000·S + i
+SEED_STRIDE = 1000  # site i of --seed S seeds its job and gossip with 1000·S + i
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,7 @@ class WanSpec:
     # Ranks of each gossip site (`gossipd node --ranks R`; empty: one each): sites of
     # different speed. The baselines run one rank per site.
     site_ranks: tuple[int, ...] = ()
-    # Site i's job seed is 1000·seed + i: a repeat with other initial models and batches.
-    seed: int = 0
+    seed: int = 0  # a repeat with other initial models and batches (SEED_STRIDE)
 
 
 @dataclass

@@ -142,15 +142,21 @@ def test_each_sub_round_goes_once_the_last_one_merged_and_the_outer_step_after()
 
 
 def _persyn_over_wan(
-    nodes: int, latency_s: float, rounds: int, options: dict[str, Any]
-) -> SimResult:
-    """``nodes`` persyn nodes stepping every 10 ms over links of ``latency_s`` one way;
-    the sum of weights checked after every event."""
+    nodes: int,
+    latency_s: float,
+    rounds: int,
+    options: dict[str, Any],
+    step_time_s: tuple[float, ...] = (0.01,),
+) -> tuple[Simulation, SimResult]:
+    """``nodes`` persyn nodes over links of ``latency_s`` one way, node i stepping every
+    ``step_time_s[i % len(step_time_s)]``; the sum of weights checked after every event."""
+    k = len(step_time_s)
     wan = Scenario(
         name=f"wan{latency_s * 1000:g}",
-        description=f"10 ms steps, {latency_s * 1000:g} ms links",
-        step_time_s=(0.01,),
-        latency_s=((latency_s,),),
+        description=f"{step_time_s} s steps, {latency_s * 1000:g} ms links",
+        step_time_s=step_time_s,
+        latency_s=((latency_s,) * k,) * k,
+        bandwidth_bytes_per_s=((1.25e9,) * k,) * k,
         timeout_s=1.0,
     )
     spec = SimSpec(
@@ -163,9 +169,10 @@ def _persyn_over_wan(
         check_invariants=True,
         options=options,
     )
-    result = Simulation(spec).run()
+    sim = Simulation(spec)
+    result = sim.run()
     assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
-    return result
+    return sim, result
 
 
 @pytest.mark.parametrize("nodes", [4, 8])
@@ -175,7 +182,7 @@ def test_over_links_slower_than_a_step_a_burst_still_ends_at_the_exact_average(
     """10 ms steps, 50 ms one way: a push lands 5 steps after it leaves. Paced by arrivals
     the burst at step 50 leaves every vector at the mean; with sub-rounds a step apart
     (before) they ended 0.40-0.52 of their start from it."""
-    result = _persyn_over_wan(nodes, 0.05, 70, {"average_every_steps": 50})
+    _, result = _persyn_over_wan(nodes, 0.05, 70, {"average_every_steps": 50})
     assert result.consensus_error_end <= 1e-12 * result.consensus_error_start
 
 
@@ -189,7 +196,7 @@ def test_over_links_too_slow_for_a_burst_the_outer_step_never_amplifies_disagree
     the consensus error grew from 0.98 to 4.2 (4 nodes) and 1.06 to 6.8 (8) in 400
     steps, as mnist1d sites over 80 ms links diverged to 1e13. Now it never grows."""
     options = {"average_every_steps": 20, "outer_learning_rate": 0.7, "outer_momentum": 0.9}
-    result = _persyn_over_wan(nodes, 0.12, 400, options)
+    _, result = _persyn_over_wan(nodes, 0.12, 400, options)
     assert max(result.errors) <= result.consensus_error_start * (1 + 1e-9), result.errors[-1]
 
 
@@ -223,30 +230,10 @@ def test_a_slower_site_takes_every_outer_step_the_fast_ones_take() -> None:
     burst every third of theirs, and the bursts met by chance: before, three of the sites
     took 15 outer steps of the 48 the fourth took (7-23 with four speeds). Caught up,
     every site takes all 48 and the disagreement never grows."""
-    k = 4
-    slow = Scenario(
-        name="one-slow",
-        description="3 ms steps, one site 9 ms, 5 ms links",
-        step_time_s=(0.003, 0.003, 0.003, 0.009),
-        latency_s=((0.005,) * k,) * k,
-        bandwidth_bytes_per_s=((1.25e9,) * k,) * k,
-        timeout_s=1.0,
-    )
-    spec = SimSpec(
-        protocol="persyn",
-        nodes=k,
-        rounds=1000,
-        segments=1,
-        scenario=slow,
-        predict=False,
-        check_invariants=True,
-        options={"average_every_steps": 20, "outer_learning_rate": 0.7, "outer_momentum": 0.9},
-    )
-    sim = Simulation(spec)
-    result = sim.run()
-    assert [sim.outers[i].steps for i in range(k)] == [48] * k
+    options = {"average_every_steps": 20, "outer_learning_rate": 0.7, "outer_momentum": 0.9}
+    sim, result = _persyn_over_wan(4, 0.005, 1000, options, (0.003, 0.003, 0.003, 0.009))
+    assert [sim.outers[i].steps for i in range(4)] == [48] * 4
     assert max(result.errors) <= result.consensus_error_start * (1 + 1e-9)
-    assert result.invariant_mass_error is not None and result.invariant_mass_error <= 1e-12
 
 
 def test_the_defaults_take_no_outer_step() -> None:
