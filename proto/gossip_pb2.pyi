@@ -265,7 +265,7 @@ class StatusRequest(_message.Message):
     def __init__(self, checksum: _Optional[bool] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling", "eval", "eval_step", "model_sketch", "pulls", "ranks", "crash")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling", "eval", "eval_step", "model_sketch", "pulls", "ranks", "crash", "weight_cut")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class StatusReply(_message.Message):
     PULLS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     CRASH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_CUT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -351,7 +352,8 @@ class StatusReply(_message.Message):
     pulls: _containers.ScalarMap[str, int]
     ranks: int
     crash: CrashAudit
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ..., eval: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., model_sketch: _Optional[_Iterable[float]] = ..., pulls: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., crash: _Optional[_Union[CrashAudit, _Mapping]] = ...) -> None: ...
+    weight_cut: float
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ..., eval: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., model_sketch: _Optional[_Iterable[float]] = ..., pulls: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., crash: _Optional[_Union[CrashAudit, _Mapping]] = ..., weight_cut: _Optional[float] = ...) -> None: ...
 
 class CrashAudit(_message.Message):
     __slots__ = ("resumed", "done", "weight_lost", "merged_after", "sent_after", "peers_answered", "peers_asked", "checkpoint_step")

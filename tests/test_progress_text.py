@@ -88,7 +88,12 @@ def test_status_table_of_a_push_node_shows_its_weights_and_pushes() -> None:
     assert _row(table, "sum-weight") == "0.75 (all 2 segments)"
     assert _row(table, "pushes") == "7 acknowledged, 1 failed, 5 merged here, 1 in flight"
     assert _row(table, "mass issues") == "0"
-    assert not re.search(r"^(pulls|waits|scheduling)\s", table, re.M), table
+    assert not re.search(r"^(pulls|waits|scheduling|weight cut)\s", table, re.M), table
+
+
+def test_status_table_of_a_node_whose_merges_met_the_cap_says_how_much_was_cut() -> None:
+    table = render_status(_status(protocol="sumweight", sum_weights=[8.0], weight_cut=12.5))
+    assert _row(table, "weight cut") == "12.5 (pushes over the cap: see the INFO log)"
 
 
 def test_every_status_table_has_a_test_row_and_a_multi_rank_site_its_ranks() -> None:

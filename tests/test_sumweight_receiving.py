@@ -4,8 +4,9 @@ A payload is asked about (``PayloadArrived``: nothing changes) and then merged
 (``PayloadMerged``), as the replica does (tests/sumweight_events.py). A merge adds the
 sender's weight with alpha its share of the available weight; a segment merged before
 is answered DUPLICATE and nothing else is; a retry older than the window, a weight
-that is not finite or lifts a segment over the cap, a segment out of range, or a
-sequence too far ahead is refused whole and changes nothing.
+that is not finite or heavier than the cap on its own, a segment out of range, or a
+sequence too far ahead is refused whole and changes nothing. A weight that would lift a
+segment over the cap merges the part that fits; the rest is cut.
 """
 
 from __future__ import annotations
@@ -172,14 +173,25 @@ def test_weight_not_finite_or_lifting_the_result_over_max_weight_is_refused_and_
     assert isinstance(receive(node, "b", 0, 2, 0, 0.5), Merge)  # not remembered as seen
 
 
-def test_merge_whose_result_equals_max_weight_is_merged_and_one_above_is_refused():
+def test_merge_whose_result_equals_max_weight_is_merged_and_one_above_merges_what_fits():
     """Issue 12: 60 pushes of 1e6, each under the per-message cap, gave a node 6.2e7;
-    the cap is on the weight a merge leaves, so the sum of many pushes cannot pass it."""
+    the cap is on the weight a merge leaves, so the sum of many pushes cannot pass it.
+    Issue 32: refusing the push that would pass it stopped a mesh for good once a member
+    had topped every site up to just under the cap; the push merges the part that fits,
+    with its share of the model at most that part's, and the rest is cut."""
     node = make(max_weight=1e3, peers=())
     assert receive(node, "b", 0, 1, 0, 999.0) == Merge(0, 999.0 / 1000.0, 1000.0)
-    with pytest.raises(WeightCapExceeded, match="max_sum_weight"):
-        receive(node, "b", 0, 2, 0, 1e-9)
+    at_cap = receive(node, "b", 0, 2, 0, 0.5)
+    assert at_cap == Merge(0, 0.0, 1000.0, cut=0.5)  # nothing fits: the model is unmoved
     assert node.weights[0] == 1000.0
+    node.weights[0] = 999.75  # as if it had pushed a quarter away
+    assert receive(node, "b", 0, 3, 0, 0.5) == Merge(0, 0.25 / 1000.0, 1000.0, cut=0.25)
+    assert node.cut == 0.75
+    assert node.status().weight_cut == 0.75
+    # Booked as received whole: what the sender's books say it sent.
+    assert node.exchanged.by_peer["b"].received == pytest.approx(1000.0)
+    with pytest.raises(WeightCapExceeded, match="more than any node may hold"):
+        receive(node, "b", 0, 4, 0, 1000.5)
 
 
 @pytest.mark.parametrize("segment", [-1, 2, 100])
@@ -284,10 +296,10 @@ _receive_ops = st.lists(
 @given(ops=_receive_ops)
 def test_receiver_answers_duplicate_exactly_for_segments_it_merged_before(ops):
     """Reference model: DUPLICATE iff that (sender, incarnation, sequence, segment) was
-    merged; Refused iff a weight is negative, or merging a new segment would lift its weight
-    over max_weight (the cap is on the result, not the message), or the sequence is more than
-    SEQUENCE_AHEAD beyond the highest merged from that sender incarnation (0 before the
-    first); a refused or abandoned plan changes nothing."""
+    merged; Refused iff a weight is negative or heavier than max_weight on its own, or the
+    sequence is more than SEQUENCE_AHEAD beyond the highest merged from that sender
+    incarnation (0 before the first); a new segment merges what fits under max_weight and
+    cuts the rest; a refused or abandoned plan changes nothing."""
     node = make(num_segments=3, peers=(), max_weight=8.0)
     merged: set[tuple[str, int, int, int]] = set()
     highest: dict[tuple[str, int], int] = {}
@@ -295,9 +307,7 @@ def test_receiver_answers_duplicate_exactly_for_segments_it_merged_before(ops):
         state = snapshot(node)
         top = highest.get((sender, incarnation))
         over_cap = any(
-            node.weights[s] + w > 8.0
-            for s, w in weights.items()
-            if (sender, incarnation, sequence, s) not in merged
+            w > 8.0 for s, w in weights.items() if (sender, incarnation, sequence, s) not in merged
         )
         refuse = (
             sequence > (top or 0) + SEQUENCE_AHEAD
@@ -317,7 +327,9 @@ def test_receiver_answers_duplicate_exactly_for_segments_it_merged_before(ops):
                 assert action == Duplicate(segment)
             else:
                 assert isinstance(action, Merge)
-                assert action.weight_after == node.weights[segment] + w
+                fits = min(w, 8.0 - node.weights[segment])
+                assert action.weight_after == node.weights[segment] + fits
+                assert action.cut == w - fits
         if not apply:
             continue
         before = list(node.weights)

@@ -158,7 +158,14 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "sum_weight_cap",
         "gossipd_sum_weight_cap",
         "The most sum-weight a segment may hold after a merge (limits.max_sum_weight, or "
-        "the number of founding members); a merge over it is refused as WeightOverCap",
+        "twice the number of founding members): a push is merged with the part of its "
+        "weight that fits, one heavier than the cap alone is refused as WeightOverCap",
+    ),
+    gauge(
+        "sum_weight_cut",
+        "gossipd_sum_weight_cut",
+        "Sum-weight of merged pushes that did not fit under gossipd_sum_weight_cap since "
+        "start, summed over segments: acknowledged and gone (honest sites never reach the cap)",
     ),
     gauge(
         "sum_weight_reserved",
@@ -313,6 +320,7 @@ class NodeMetrics:
         self.pushes_in_flight.set_function(lambda: summary().in_flight)
         self.weight_sinks.set_function(lambda: len(summary().sinks))
         self.sum_weight_cap.set_function(lambda: summary().weight_cap)
+        self.sum_weight_cut.set_function(lambda: summary().weight_cut)
         for i in range(len(summary().weights)):
             self.sum_weight.labels(str(i)).set_function(lambda i=i: summary().weights[i])
         for i in range(len(summary().balance_factors)):

@@ -38,6 +38,7 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "suspected_peers": list(reply.suspected_peers),
         "rejected": dict(reply.rejected),
         "reserved_weights": list(reply.reserved_weights),
+        "weight_cut": reply.weight_cut,
         "round": reply.round,
         "membership_epoch": reply.membership_epoch,
         "transport_security": reply.transport_security,
@@ -143,7 +144,7 @@ def _exchange_rows(status: dict[str, Any]) -> list[tuple[str, str]]:
     the trainer's waits for them and who schedules them instead of push counters."""
     pulls = status["pulls"]
     if not pulls:
-        return [
+        rows = [
             ("sum-weight", _weights(status["sum_weights"])),
             ("reserved", _weights(status["reserved_weights"])),
             (
@@ -153,6 +154,10 @@ def _exchange_rows(status: dict[str, Any]) -> list[tuple[str, str]]:
             ),
             ("mass issues", str(status["mass_inconsistencies"])),
         ]
+        if status.get("weight_cut"):
+            cut = f"{_number(status['weight_cut'])} (pushes over the cap: see the INFO log)"
+            rows.append(("weight cut", cut))
+        return rows
     skipped = pulls.get("skipped", 0)
     scheduled = (
         f"{pulls.get('coordinator', 0)} periods from the coordinator, "

@@ -108,6 +108,7 @@ class StatusReplies:
             pulls=s.pulls,
             ranks=self.ranks,
             crash=self.crash,
+            weight_cut=s.weight_cut,
         )
 
     def set_crash(self, audit: pb.CrashAudit) -> None:

@@ -208,11 +208,16 @@ class Push:
 
 @dataclass(frozen=True)
 class Merge:
-    """x ← (1 − alpha)·x + alpha·x_received on ``segment``; the weight becomes ``weight_after``."""
+    """x ← (1 − alpha)·x + alpha·x_received on ``segment``; the weight becomes ``weight_after``.
+
+    ``cut``: the part of the payload's weight that did not fit under the weight cap
+    (:mod:`.weight_cap`), received and gone; the payload brought ``weight_after`` less the
+    weight before, plus ``cut``."""
 
     segment: int
     alpha: float
     weight_after: float
+    cut: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -327,6 +332,12 @@ class CoreStatus:
         return float(self.extra.get(EXTRA_WEIGHT_CAP, math.inf))
 
     @property
+    def weight_cut(self) -> float:
+        """Sum-weight received that did not fit under the weight cap since start, summed
+        over segments (``extra["weight_cut"]``): merged payloads' weight that is gone."""
+        return float(self.extra.get(EXTRA_WEIGHT_CUT, 0.0))
+
+    @property
     def balance_factors(self) -> tuple[float, ...]:
         """Per segment, the weight balance's factor on what a push carries
         (``extra["balance"]``); empty where the core keeps no weights or it is off."""
@@ -347,6 +358,7 @@ class CoreStatus:
 # The keys of CoreStatus.extra that drivers read (through the properties above).
 EXTRA_SINKS = "sinks"
 EXTRA_WEIGHT_CAP = "weight_cap"
+EXTRA_WEIGHT_CUT = "weight_cut"
 EXTRA_BALANCE = "balance"
 EXTRA_SCHEDULING = "scheduling"
 EXTRA_PULLS = "pulls"

@@ -26,9 +26,10 @@ exchanged with each peer is booked in :mod:`.exchanged`, suspected sinks in
 :mod:`.sinks`, and how much of this node's weight each peer may hold (and bring) in
 :mod:`.credit`.
 
-Mass bound: without faults Σw is exact. A push is folded back into its sender
-only when the receiver refused it (it merged nothing) or was declared dead; a
-receiver that merged a push and was then declared dead before its acknowledgement
+Mass bound: without faults Σw is exact (no honest weight reaches the cap; a merge
+that would pass it cuts what does not fit, counted in ``cut``). A push is folded back
+into its sender only when the receiver refused it (it merged nothing) or was declared
+dead; a receiver that merged a push and was then declared dead before its acknowledgement
 arrived (it comes back after ``drop_after_s``) leaves that push's weight twice.
 A crash and restart of one node from its checkpoint changes Σw by exactly what
 the checkpoint does not hold: minus the weight it merged after the checkpoint,
@@ -50,6 +51,7 @@ from gossipd.node.protocols.base import (
     EXTRA_BALANCE,
     EXTRA_SINKS,
     EXTRA_WEIGHT_CAP,
+    EXTRA_WEIGHT_CUT,
     Action,
     CoreStatus,
     Duplicate,
@@ -156,6 +158,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         # Peers holding all their credit: this node's pushes settled since, none returned.
         self._silent: dict[str, int] = {}
         self.cap = WeightCap(max_weight, max(1, math.ceil(initial_weight)))
+        self.cut = 0.0  # weight received that did not fit under the cap, since this start
         self.balance = WeightBalance(num_segments, weight_balance)
 
     @property
@@ -219,6 +222,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
             extra={
                 EXTRA_SINKS: self.suspected_sinks(),
                 EXTRA_WEIGHT_CAP: self.weight_cap,
+                EXTRA_WEIGHT_CUT: self.cut,
                 EXTRA_BALANCE: tuple(self.balance.factors) if self.balance.enabled else (),
             },
         )
@@ -374,11 +378,11 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 actions.append(Duplicate(segment))
                 continue
             self.credit.check(sender, segment, weight, self.in_flight_to(sender, segment))
-            self.cap.check(segment, self.weights[segment], weight)
+            fits = self.cap.fit(segment, self.weights[segment], weight)
             mine = self.available(segment)
-            total = mine + weight
-            alpha = weight / total if total > 0 else 0.0
-            actions.append(Merge(segment, alpha, self.weights[segment] + weight))
+            total = mine + fits
+            alpha = fits / total if total > 0 else 0.0
+            actions.append(Merge(segment, alpha, self.weights[segment] + fits, weight - fits))
         return actions
 
     def apply_receive(
@@ -397,9 +401,10 @@ class SumWeightLedger(Reservations, GossipProtocol):
         merged = False
         for action in plan:
             if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
-                weight = action.weight_after - self.weights[action.segment]
+                weight = action.weight_after - self.weights[action.segment] + action.cut
                 mine = self.available(action.segment)
                 received += weight
+                self.cut += action.cut
                 self.credit.received(sender, action.segment, weight)
                 share += weight / mine if mine > 0 else (math.inf if weight > 0 else 0.0)
                 self.weights[action.segment] = action.weight_after

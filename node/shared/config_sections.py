@@ -58,9 +58,10 @@ class LimitsConfig(_Section):
     max_sum_weight: float | None = Field(
         None,
         gt=0,
-        description="most sum-weight a segment may hold after a merge (a merge over it is "
-        "refused: WeightOverCap); unset: the number of founding members, taken as the largest "
-        "view this node has seen, itself included",
+        description="most sum-weight a segment may hold after a merge: a push merges the "
+        "part of its weight that fits and the rest is cut (gossipd_sum_weight_cut), one "
+        "heavier than this on its own is refused (WeightOverCap); unset: twice the number of "
+        "founding members, taken as the largest view this node has seen, itself included",
     )
     sink_score_bound: float = Field(
         6.0,

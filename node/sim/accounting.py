@@ -2,7 +2,8 @@
 
 Σw and Σw·x (per segment) over a mesh are constant while nothing fails
 (docs/design.md §5). A simulation can also destroy some (a crash takes the node's
-available weight and its payloads still on the wire) or, in the ledger's one
+available weight and its payloads still on the wire; a merge cuts what does not fit
+under the receiver's weight cap) or, in the ledger's one
 known error, create some (a push folded back after its receiver merged it). The
 book counts both, so live totals + lost − duplicated must equal the start to
 rounding in every scenario; anything else is a bug in a core or in the driver.
@@ -42,6 +43,10 @@ class MassBook:
     def gone(self, node: SimNode) -> None:
         """A node's available weight and its payloads not merged yet vanish with it."""
         self.count(self.lost, self.lost_values, node)
+
+    def cut(self, segment: int, weight: float, values: Any) -> None:
+        """A merged payload's weight that did not fit under the receiver's weight cap."""
+        self._add(self.lost, self.lost_values, segment, weight, values)
 
     def folded_back_after_merge(
         self, weights: Mapping[int, float], values: Mapping[int, Any]

@@ -157,6 +157,9 @@ class PushSide:
                             receiver.index, m.segment, flight.rows[m.segment], m.alpha
                         )
                 receiver.core.handle(PayloadMerged(arrival))
+                for m in merges:
+                    if m.cut:
+                        self.book.cut(m.segment, m.cut, values[m.segment])
                 acked = tuple(a.segment for a in plan)
                 reported = _reported(flight.sender, receiver, acked)
                 if self.codec is not None and flight.sent is not None:

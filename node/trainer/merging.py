@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ class Merger:
         self.bound = bound
         self.recent = RecentDistances(bound.clip_factor is not None)
         self._clip_log = Throttle(CLIP_LOG_INTERVAL_S)
+        self._cut_log = Throttle(CLIP_LOG_INTERVAL_S)
 
     def merge_push(self, item: InboundPush) -> tuple[list[Ack], MergeRecord]:
         """Merge a whole push (or raise, having written nothing); returns its acks.
@@ -123,6 +125,9 @@ class Merger:
             for a in plan.actions
             if isinstance(a, Merge | Duplicate)
         ]
+        cut = math.fsum(a.cut for a in plan.actions if isinstance(a, Merge))
+        if cut > 0:
+            self._say_cut(item.sender, cut, weights)
         record = MergeRecord(
             item.sender,
             item.sequence,
@@ -131,6 +136,34 @@ class Merger:
             plan.clipped,
         )
         return acks, record
+
+    def _say_cut(self, sender: str, cut: float, weights: Sequence[float]) -> None:
+        """One INFO line per sender and minute: whose push met the weight cap, by how much
+        (its weight over the cap was cut, not refused: see :mod:`.weight_cap`), and the
+        peer that brought this node the most weight, net: a push that meets the cap is as
+        often an honest one landing on a site an inflater filled."""
+        quieted = self._cut_log.admit(sender)
+        if quieted is None:
+            return
+        status = self.core.status()
+        net = {
+            p: m.received + m.received_before - m.sent - m.sent_before
+            for p, m in status.exchanged.items()
+        }
+        most = max(net, key=net.__getitem__, default=None)
+        log.info(
+            "push from %s would have lifted this node's sum-weight over the cap %g: merged the "
+            "part that fit, and %.4g of its weight is gone (%s; weights now %s). Honest sites "
+            "never reach the cap (twice the founding members): a member is inflating weight, "
+            "or limits.max_sum_weight is below the mesh's weight. The peer that brought this "
+            "node the most weight: %s. Counted in gossipd_sum_weight_cut",
+            sender,
+            status.weight_cap,
+            cut,
+            f"{quieted} more such pushes since the last line" if quieted else "the first",
+            " ".join(f"{w:.4g}" for w in weights),
+            "none" if most is None else f"{most} ({net[most]:+.4g} net)",
+        )
 
     def merge_pull(
         self, pull: Pull, pulled: Pulled | None, error: str | None

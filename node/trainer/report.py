@@ -93,6 +93,7 @@ class Summary:
     exchanged: Mapping[str, PeerMass]
     sinks: frozenset[str] = frozenset()  # peers suspected of sinking weight (no pushes to them)
     weight_cap: float = math.inf  # the most sum-weight a segment may hold after a merge
+    weight_cut: float = 0.0  # sum-weight received that did not fit under the cap, since start
     balance_factors: tuple[float, ...] = ()  # per segment, the weight balance's (empty: off)
     wait_s: float = 0.0  # the trainer's waits at step boundaries for due pulls
     wait_fraction: float = 0.0  # wait_s over the wall time since the first step ended
@@ -118,6 +119,7 @@ class Summary:
             exchanged=core.exchanged,
             sinks=core.sinks,
             weight_cap=core.weight_cap,
+            weight_cut=core.weight_cut,
             balance_factors=core.balance_factors,
             wait_s=replica.wait_s,
             wait_fraction=replica.wait_fraction(),
