@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from gossipd.node.trainer.clip_radius import SENDERS_KEPT, RecentDistances
+from gossipd.node.trainer.clip_radius import DISTANCES_KEPT, SENDERS_KEPT, RecentDistances
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR, PayloadBound
@@ -40,6 +40,22 @@ def test_the_typical_distance_is_the_upper_median_of_the_other_senders() -> None
         recent.record(f"p{i}", 0, 1.0)
     assert len(recent.latest) == SENDERS_KEPT
     assert RecentDistances(False).typical("a", 0) is None
+
+
+def test_a_senders_entry_is_the_largest_of_its_recent_distances() -> None:
+    """Near consensus (learning rate 0), a sender that merges with this node often comes
+    ever closer, while one on an edge left idle for a few rounds brings a payload from
+    where the mesh was then; measured against the close one's latest distance alone, that
+    honest payload was clipped (a 3-site crossover mesh ended 3% off the exact mean)."""
+    recent = RecentDistances(True)
+    for k in range(10):
+        recent.record("near", 0, 0.5**k)  # 1.0 down to 0.002
+    assert recent.typical("idle", 0) == 1.0  # the idle sender's 0.3 is inside 10 × 1.0
+    for _ in range(DISTANCES_KEPT - 1):
+        recent.record("near", 0, 1e-3)
+    assert recent.typical("idle", 0) == 0.5**9  # the 1.0 has left the window
+    recent.record("near", 0, 1e-3)
+    assert recent.typical("idle", 0) == 1e-3
 
 
 def _replica(clip_factor: float | None) -> Replica:

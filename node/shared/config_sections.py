@@ -142,9 +142,10 @@ class LimitsConfig(_Section):
         None,
         gt=0,
         description="opt-in (unset: off): a payload segment farther from ours (RMS) than this "
-        "many times the upper median of the other senders' latest distances is pulled in to "
-        "that radius, then merged (ClippedGossip): one member's push moves a model by at most "
-        "its weight share times the radius; 10 is a start where members are not trusted",
+        "many times the upper median of the other senders' recent distances (each sender's "
+        "largest of its last 16) is pulled in to that radius, then merged (ClippedGossip): one "
+        "member's push moves a model by at most its weight share times the radius; 10 is a "
+        "start where members are not trusted",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_inbound_pulls_per_peer: int = Field(
