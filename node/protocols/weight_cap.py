@@ -20,10 +20,10 @@ an insider with the credit off (or several together) topped every honest site up
 just under the cap, after which every honest push was refused and none ever settled.
 Merging what fits keeps the honest sites exchanging (a site at the cap takes nothing
 from a push, but its own pushes halve what it holds, and it takes again), and bounds
-what one payload moves a model by exactly as the refusal did: its share is at most what
-fits over the cap. The weight cut is counted (``gossipd_weight_cut_total``), so the
-books still close: founding weight, plus what peers brought, less what they took, less
-what was cut.
+what one payload moves a model by exactly as the refusal did: it is merged with the
+share of what fits. The weight cut is counted (``gossipd_sum_weight_cut``), so the books
+still close: founding weight, plus what peers brought, less what they took, less what
+was cut.
 """
 
 from __future__ import annotations
