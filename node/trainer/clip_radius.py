@@ -23,8 +23,10 @@ Why the largest of each sender's last few, not its latest: with the latest only,
 3-site learning-rate-0 crossover mesh ended 3% off the exact mean at a factor of 10.
 Near consensus, a sender that has just merged with this node is very close, while an
 edge the credit left idle for a few rounds brings an honest payload from where the
-mesh was then: measured against the close one's latest distance alone, it was clipped.
-Its earlier payloads were as far as the idle one is now.
+mesh was then: measured against the close one's latest distance alone, it was clipped,
+while the close one's earlier payloads were about as far. This makes honest clips rarer,
+not impossible: a node far from a mesh that has converged (a joiner, a restarted node,
+a healed partition) is still clipped, which is why the clip stays opt-in.
 
 A payload farther than the radius is pulled toward our segment along the line between
 them until it is exactly that far, then merged at its full weight: the weights stay
