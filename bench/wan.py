@@ -75,6 +75,9 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
         "speedup_vs_allreduce": None,
         "speedup_vs_diloco": None,
         "steps_per_site": results.mean(steps),
+        # DiLoCo's and DiLoCo over gossip's (a burst whose pushes did not all merge takes
+        # none); 0 for the other gossip protocols, None for DDP
+        "outer_steps_per_site": results.mean([s.get("outer_steps") for s in run.summaries]),
         "steps_per_s": None if results.mean(steps) is None else results.mean(steps) / budget_s,
         "load_average": run.load_average,
         "finished": run.finished,
@@ -399,9 +402,11 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         if protocol not in BASELINE_SECTIONS:
             rows[name]["consensus"] = consensus_of(run_, spec)
         row = rows[name]
+        outer = row["outer_steps_per_site"]
         print(
             f"  {name}: to target {_num(row['time_to_target_s'], '.1f')} s, final "
-            f"{_num(row['final_accuracy'], '.4f')}, {_num(row['steps_per_site'], '.0f')} steps",
+            f"{_num(row['final_accuracy'], '.4f')}, {_num(row['steps_per_site'], '.0f')} steps"
+            + (f", {outer:.0f} outer steps" if outer else ""),
             file=out,
             flush=True,
         )

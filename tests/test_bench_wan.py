@@ -50,6 +50,7 @@ ROW_FIELDS = {
     "speedup_vs_allreduce",
     "speedup_vs_diloco",
     "steps_per_site",
+    "outer_steps_per_site",
     "bytes_per_site_to_target",
     "weight_shares",
 }
@@ -291,6 +292,9 @@ def test_namespace_run_compares_sumweight_with_both_baselines_and_leaves_nothing
     assert result["throughput"] is None
     rows_ = result["protocols"]
     assert rows_["allreduce"]["speedup_vs_allreduce"] in (1.0, None)
+    assert rows_["sumweight"]["outer_steps_per_site"] == 0  # no outer optimizer
+    assert rows_["allreduce"]["outer_steps_per_site"] is None
+    assert rows_["diloco"]["outer_steps_per_site"] is not None
     for name, row in rows_.items():
         assert row["bytes_per_site"] > 0, name
         assert row["steps_per_site"] > 0, name

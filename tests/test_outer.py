@@ -300,3 +300,6 @@ def test_two_daemons_run_persyn_with_an_outer_step_and_keep_their_weight(tmp_pat
     for history in sorted(tmp_path.rglob("history.jsonl")):
         steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
         assert 100 <= steps[0] <= 109 and set(steps[1:]) == {200}, history
+    for summary in sorted(tmp_path.rglob("summary.json")):
+        # The recording burst and at least one outer step by step 109, where it evaluated.
+        assert json.loads(summary.read_text())["outer_steps"] >= 2, summary

@@ -192,6 +192,9 @@ class Site:
                         self.network.budget.mean_share_while_training(), 4
                     ),
                     "pushes_held": self.network.budget.held_pushes,
+                    # persyn's outer optimizer: bursts it stepped on (the recording one
+                    # included); a burst whose pushes did not all merge takes none
+                    "outer_steps": self.replica.outer_steps,
                     "training_done": training_done,
                     "resumed_from_step": self.checkpoints.resumed_from,
                     **self.last_eval,
