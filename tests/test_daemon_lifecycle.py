@@ -201,6 +201,38 @@ def test_metrics_endpoint_exposes_core_metrics(daemons: Any) -> None:
     assert m["gossipd_suspected_peers"] == 0.0
 
 
+def test_merges_between_paced_steps_are_counted(daemons: Any) -> None:
+    """gossipd_merges_total was fed from step reports only, so what a paced node merged
+    while waiting out a step (most of its merges: its steps are short, its waits long)
+    was never counted; nor what it merges before training starts or after it ends."""
+    ports = [next(daemons.ports), next(daemons.ports)]
+    common = {
+        "gossip": {"push_probability": 1.0, "cpu_share": 1.0},  # paced: no budget to earn
+        "metrics": {"listen": "127.0.0.1:0"},
+    }
+    a = daemons(
+        "a",
+        ports[0],
+        seeds=[f"127.0.0.1:{ports[1]}"],
+        job={"max_steps": 40, "max_steps_per_s": 20.0},
+        **common,
+    )
+    b = daemons(
+        "b",
+        ports[1],
+        seeds=[f"127.0.0.1:{ports[0]}"],
+        job={"max_steps": 400, "max_steps_per_s": 100.0},
+        **common,
+    )
+    for node in (a, b):
+        wait_until(lambda n=node: n.status()["training_done"], f"{node.node_id} to finish", 60.0)
+    wait_until(lambda: b.status()["pushes_in_flight"] == 0, "b's last push to settle", 30.0)
+    status, m = a.status(), scrape_metrics(a.node_json()["metrics_port"])
+    # sumweight pushes every segment: each merged push is that many merged segments
+    merged_segments = status["pushes_merged"] * len(status["sum_weights"])
+    assert m["gossipd_merges_total"] == merged_segments > 0
+
+
 def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

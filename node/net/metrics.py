@@ -301,6 +301,11 @@ class NodeMetrics:
         self.step_seconds.observe(step_time_s)
         if loss is not None:
             self.loss.set(loss)
+        self.record_merges(report)
+
+    def record_merges(self, report: StepReport) -> None:
+        """Merges of a step boundary, or of a wait between steps (a paced trainer's, one
+        that has not started or has finished training: peers still push to it)."""
         for m in report.merged:
             self.merges.inc(len(m.merged_segments))
             self.merges_clipped.inc(len(m.clipped_segments))

@@ -125,6 +125,9 @@ class Site:
             loop, stop = self._stop_from_thread
             loop.call_soon_threadsafe(stop.set)
 
+    def record_merges(self, report: StepReport) -> None:
+        self.metrics.record_merges(report)
+
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
         world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
         samples = getattr(self.job, "batch_size", 0) * world
@@ -333,7 +336,9 @@ class Site:
             # Never started, or died (it may not have returned yet): something must drive.
             if not driver.is_alive() or driver.error is not None:
                 driver = threading.Thread(
-                    target=self.replica.idle_until, args=(driver.release,), daemon=True
+                    target=self.replica.idle_until,
+                    args=(driver.release, self.record_merges),
+                    daemon=True,
                 )
                 driver.start()
             try:

@@ -350,10 +350,15 @@ class Replica(Arrivals):
                 or self.events.pending()
             )
 
-    def idle_until(self, stop: threading.Event) -> None:
-        """Drive the replica (merges, outcomes, requests) without stepping until ``stop``."""
+    def idle_until(
+        self, stop: threading.Event, record: Callable[[StepReport], None] | None = None
+    ) -> None:
+        """Drive the replica (merges, outcomes, requests) without stepping until ``stop``;
+        ``record`` gets each wait's report (its merges, for the metrics)."""
         while not stop.is_set():
-            self.idle(0.05)
+            report = self.idle(0.05)
+            if record is not None:
+                record(report)
 
     # -- called from a worker thread of the loop -------------------------------------
     def fire_due_timers(self) -> None:

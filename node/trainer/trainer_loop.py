@@ -29,6 +29,7 @@ class TrainingHost(Protocol):
     the summary, and hear that training died."""
 
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None: ...
+    def record_merges(self, report: StepReport) -> None: ...
     def evaluate(self) -> None: ...
     def periodic_checkpoint(self) -> None: ...
     def write_summary(self, *, training_done: bool) -> None: ...
@@ -121,7 +122,7 @@ class TrainingLoop(threading.Thread):
             if self.ranks is not None:
                 self.host.evaluate()  # every rank records the model the site stops with
                 self.ranks.stop(self.replica.steps)
-            self.replica.idle_until(self.release)
+            self.replica.idle_until(self.release, self.host.record_merges)
         except BaseException as err:
             log.exception("trainer thread failed")
             self.error = err
@@ -208,6 +209,6 @@ class TrainingLoop(threading.Thread):
             self._idle(left)
 
     def _idle(self, wait_s: float = 0.05) -> None:
-        self.replica.idle(min(wait_s, 0.05))
+        self.host.record_merges(self.replica.idle(min(wait_s, 0.05)))
         if self.ranks is not None:
             self.ranks.tick(self.replica.steps)
