@@ -21,16 +21,15 @@ had joined and before it topped anyone up.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from gossipd.node.shared.tls import Credentials
-from tests.conftest import DaemonHandle, check_alive, status_of, stop_all, wait_until
+from tests.conftest import DaemonHandle, check_alive, status_of, wait_until
 from tests.insider import ack_rate
 from tests.insider_weight import WeightInsider, metric, wait_accounted
-from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
+from tests.tls_mesh import Pki, insider_mesh_fixtures
 
 IDS = ["a", "b", "c"]
 INSIDER = "inflater"
@@ -45,18 +44,7 @@ WINDOW_TIMEOUT_S = 60.0
 MOST_TOP_UPS = 2000
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return Pki.create(tmp_path_factory.mktemp("pki") / "ca", [*IDS, CLIENT, INSIDER])
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[DaemonHandle]]:
-    handles = start_tls_mesh(tmp_path_factory.mktemp("mesh"), pki, IDS, **CONFIG)
-    try:
-        yield handles
-    finally:
-        stop_all(handles)
+pki, mesh = insider_mesh_fixtures(IDS, INSIDER, CONFIG)
 
 
 def test_top_ups_to_just_under_the_cap_do_not_stop_honest_gossip(

@@ -46,13 +46,12 @@ from tests.conftest import (
     check_alive,
     scrape_metrics,
     status_of,
-    stop_all,
     stop_in_turn,
     wait_until,
 )
 from tests.insider import ack_rate
 from tests.insider_streams import Insider
-from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
+from tests.tls_mesh import Pki, insider_mesh_fixtures
 
 IDS = ["a", "b", "c"]
 INSIDER = "mallory"
@@ -80,18 +79,7 @@ TOLERANCE = 1e-9
 ROWS: dict[str, str] = {}
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return Pki.create(tmp_path_factory.mktemp("pki") / "ca", [*IDS, CLIENT, INSIDER])
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[DaemonHandle]]:
-    handles = start_tls_mesh(tmp_path_factory.mktemp("mesh"), pki, IDS, **CONFIG)
-    try:
-        yield handles
-    finally:
-        stop_all(handles)
+pki, mesh = insider_mesh_fixtures(IDS, INSIDER, CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
-import pytest
 import torch
 
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
@@ -36,12 +34,11 @@ from tests.conftest import (
     DaemonHandle,
     check_alive,
     status_of,
-    stop_all,
     wait_until,
 )
 from tests.insider import ack_rate, acked
 from tests.insider_weight import WeightInsider, metric, wait_accounted
-from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
+from tests.tls_mesh import Pki, insider_mesh_fixtures
 
 IDS = ["a", "b", "c"]
 INSIDER = "sink"
@@ -59,18 +56,7 @@ INFLATE_WEIGHT = 1e6  # what the insider claims per push (the old per-message ca
 MOST_EVER = 2 * DEFAULT_CREDIT + FOUNDING_WEIGHT
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return Pki.create(tmp_path_factory.mktemp("pki") / "ca", [*IDS, CLIENT, INSIDER])
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[DaemonHandle]]:
-    handles = start_tls_mesh(tmp_path_factory.mktemp("mesh"), pki, IDS, **CONFIG)
-    try:
-        yield handles
-    finally:
-        stop_all(handles)
+pki, mesh = insider_mesh_fixtures(IDS, INSIDER, CONFIG)
 
 
 def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, founding: float) -> None:

@@ -1,7 +1,8 @@
 """A mesh CA for tests and the TLS daemons that use it: certificates per site
 (:class:`Pki`), a client that presents certificate files as they are (:class:`FilesTls`,
 for the ones ``Credentials`` would refuse), what a server presents, and meshes of daemons
-each with its own certificate (:func:`start_tls_mesh`).
+each with its own certificate (:func:`start_tls_mesh`; :func:`insider_mesh_fixtures` for a
+test module's mesh with one more member's certificate).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import datetime as dt
 import os
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -225,3 +227,25 @@ def healthy(mesh: list[DaemonHandle]) -> list[DaemonHandle]:
     check_alive(mesh)
     wait_mesh_live(mesh, 60.0)
     return mesh
+
+
+def insider_mesh_fixtures(
+    ids: list[str], insider: str, config: dict[str, Any]
+) -> tuple[Callable[..., Pki], Callable[..., Iterator[list[DaemonHandle]]]]:
+    """A test module's ``pki`` (certificates for ``ids``, :data:`CLIENT` and ``insider``)
+    and ``mesh`` (the TLS daemons of ``ids`` with ``config``) fixtures, one per module:
+    write ``pki, mesh = insider_mesh_fixtures(IDS, INSIDER, CONFIG)`` at module level."""
+
+    @pytest.fixture(scope="module")
+    def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+        return Pki.create(tmp_path_factory.mktemp("pki") / "ca", [*ids, CLIENT, insider])
+
+    @pytest.fixture(scope="module")
+    def mesh(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[DaemonHandle]]:
+        handles = start_tls_mesh(tmp_path_factory.mktemp("mesh"), pki, ids, **config)
+        try:
+            yield handles
+        finally:
+            stop_all(handles)
+
+    return pki, mesh
