@@ -78,6 +78,8 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
         # DiLoCo's and DiLoCo over gossip's (a burst whose pushes did not all merge takes
         # none); 0 for the other gossip protocols, None for DDP
         "outer_steps_per_site": results.mean([s.get("outer_steps") for s in run.summaries]),
+        # Of the segments the sites merged, the share the clip pulled in (honest ones all)
+        "clipped_share": results.clipped_share(run.summaries),
         "steps_per_s": None if results.mean(steps) is None else results.mean(steps) / budget_s,
         "load_average": run.load_average,
         "finished": run.finished,
@@ -245,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         "it holds about its share (default: on, as in the config)",
     )
     p.add_argument(
+        "--clip-factor",
+        type=float,
+        default=None,
+        help="limits.clip_factor of every gossip site, over 0; inf turns the clip off "
+        "(default: the config's, 10)",
+    )
+    p.add_argument(
         "--codecs",
         default="raw",
         help="comma-separated gossip.codec values each gossip protocol runs with, in order; "
@@ -372,6 +381,10 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         )
     if args.cpu_share is not None and not 0 < args.cpu_share <= 1:
         raise ConfigError(f"--cpu-share {args.cpu_share:g}: give a share over 0 and at most 1")
+    if args.clip_factor is not None and not args.clip_factor > 0:
+        raise ConfigError(
+            f"--clip-factor {args.clip_factor:g}: give a factor over 0, or inf for no clip"
+        )
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
     site_ranks = _site_ranks(args.site_ranks, args.sites)
@@ -388,6 +401,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         inner_steps=args.inner_steps,
         cpu_share=args.cpu_share,
         weight_balance=args.weight_balance,
+        clip_factor=args.clip_factor,
         persyn_outer=args.persyn_outer,
         site_ranks=site_ranks,
         seed=args.seed,
@@ -402,11 +416,12 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         if protocol not in BASELINE_SECTIONS:
             rows[name]["consensus"] = consensus_of(run_, spec)
         row = rows[name]
-        outer = row["outer_steps_per_site"]
+        outer, clipped = row["outer_steps_per_site"], row["clipped_share"]
         print(
             f"  {name}: to target {_num(row['time_to_target_s'], '.1f')} s, final "
             f"{_num(row['final_accuracy'], '.4f')}, {_num(row['steps_per_site'], '.0f')} steps"
-            + (f", {outer:.0f} outer steps" if outer else ""),
+            + (f", {outer:.0f} outer steps" if outer else "")
+            + ("" if clipped is None else f", {100 * clipped:.2f}% of merges clipped"),
             file=out,
             flush=True,
         )
@@ -426,6 +441,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "inner_steps": args.inner_steps,
         "cpu_share": args.cpu_share,
         "weight_balance": args.weight_balance,
+        "clip_factor": args.clip_factor,
         "codecs": codecs,
         "persyn_outer": args.persyn_outer,
         "site_ranks": list(site_ranks),

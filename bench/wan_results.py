@@ -192,3 +192,12 @@ def weight_shares(summaries: Sequence[Mapping[str, Any]]) -> list[float] | None:
         weights.append(sum(segments) / len(segments))
     total = sum(weights)
     return [w * len(weights) / total for w in weights] if total > 0 else None
+
+
+def clipped_share(summaries: Sequence[Mapping[str, Any]]) -> float | None:
+    """Of the segments every site merged, the share the clip pulled in first
+    (``limits.clip_factor``): in a run of honest sites, what the clip cost them. None
+    when nothing was merged (a baseline)."""
+    merged = sum(s.get("merged_segments") or 0 for s in summaries)
+    clipped = sum(s.get("clipped_segments") or 0 for s in summaries)
+    return clipped / merged if merged else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -59,6 +60,7 @@ class WanSpec:
     inner_steps: int = 100  # the diloco baseline's H
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
     weight_balance: bool = True  # [gossip] weight_balance of the gossip sites
+    clip_factor: float | None = None  # [limits] clip_factor of the gossip sites; None: default
     codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
     # persyn sites take DiLoCo's outer step (0.7, Nesterov 0.9) every inner_steps steps
     persyn_outer: bool = False
@@ -129,6 +131,7 @@ def site_toml(
                 else {}
             ),
         },
+        "limits": {} if spec.clip_factor is None or baseline else {"clip_factor": spec.clip_factor},
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
         "link": link,
@@ -167,8 +170,15 @@ def _site_job(
 
 
 def _toml_keys(values: dict[str, Any]) -> list[str]:
-    """``key = value`` lines (JSON's strings, numbers, lists and booleans are TOML's too)."""
-    return [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    """``key = value`` lines (JSON's strings, numbers, lists and booleans are TOML's too;
+    an infinite float is not JSON's, and is TOML's ``inf``)."""
+    return [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return json.dumps(value)
 
 
 def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = "") -> SitesRun:

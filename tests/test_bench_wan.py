@@ -26,6 +26,7 @@ from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
     bytes_at,
+    clipped_share,
     eval_every_steps,
     final_metric,
     first_reached_unix_s,
@@ -199,6 +200,36 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     }
     plain = tomllib.loads(site_toml(spec, "persyn", 0, addresses, 20.0, None, tmp_path / "s"))
     assert "persyn" not in plain["gossip"]
+
+
+def test_a_clip_factor_reaches_the_gossip_sites_limits_as_toml_and_no_baseline(
+    tmp_path: Path,
+) -> None:
+    spec = WanSpec(
+        scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
+    )
+    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
+
+    def limits(spec: WanSpec, protocol: str) -> dict[str, Any]:
+        master = addresses[0] if protocol == "diloco" else None
+        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "s", master=master)
+        return tomllib.loads(text)["limits"]
+
+    assert limits(spec, "sumweight") == {}  # the config's default
+    assert limits(replace(spec, clip_factor=4.0), "persyn") == {"clip_factor": 4.0}
+    off = replace(spec, clip_factor=math.inf)
+    assert limits(off, "crossover") == {"clip_factor": math.inf}  # TOML's inf, not JSON's
+    assert limits(off, "diloco") == {}
+
+
+def test_the_clipped_share_is_over_every_sites_merged_segments() -> None:
+    summaries = [
+        {"merged_segments": 90, "clipped_segments": 1},
+        {"merged_segments": 10, "clipped_segments": 0},
+        {},  # a site that wrote no summary
+    ]
+    assert clipped_share(summaries) == pytest.approx(0.01)
+    assert clipped_share([{}, {"merged_segments": 0}]) is None
 
 
 def test_a_seed_moves_every_sites_job_and_gossip_seed_apart(tmp_path: Path) -> None:

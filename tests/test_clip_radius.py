@@ -15,13 +15,14 @@ import math
 import pytest
 import torch
 
+from gossipd.node.shared.config import LimitsConfig
 from gossipd.node.trainer.clip_radius import DISTANCES_KEPT, SENDERS_KEPT, RecentDistances
 from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR, PayloadBound
 from gossipd.node.trainer.replica import Replica
 
-FACTOR = 10.0  # limits.clip_factor, as the security model suggests
+FACTOR = LimitsConfig().clip_factor  # the default: on, at 10
 
 
 def test_the_typical_distance_is_the_upper_median_of_the_other_senders() -> None:
@@ -58,10 +59,10 @@ def test_a_senders_entry_is_the_largest_of_its_recent_distances() -> None:
     assert recent.typical("idle", 0) == 1e-3
 
 
-def _replica(clip_factor: float | None) -> Replica:
+def _replica(limits: LimitsConfig) -> Replica:
     job = build_job(JobSpec("synthetic", seed=3, learning_rate=0.0))
     settings = {"options": {"push_probability": 0.0}, "max_weight": 100.0}
-    bound = PayloadBound(clip_factor=clip_factor)
+    bound = PayloadBound.from_limits(limits)
     return Replica("r", job.model, segment_bytes=4 << 20, settings=settings, bound=bound)
 
 
@@ -81,7 +82,7 @@ def _rms(t: torch.Tensor) -> float:
 def test_a_payload_far_beyond_the_others_moves_the_model_by_its_share_of_the_radius(
     gauged: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    replica = _replica(FACTOR)
+    replica = _replica(LimitsConfig())  # the defaults
     offset = torch.linspace(-1.0, 1.0, replica.flat.buffers[0].numel())
     honest = 0.05 * offset / _rms(offset)  # RMS 0.05: what the others send
     for sender in ("h1", "h2"):
@@ -104,8 +105,11 @@ def test_a_payload_far_beyond_the_others_moves_the_model_by_its_share_of_the_rad
     assert replica.summary.weights[0] == pytest.approx(weight + 1.0)  # weights stay exact
 
 
-def test_without_the_relative_clip_the_same_payload_moves_it_by_its_share_of_50() -> None:
-    replica = _replica(None)
+def test_with_the_clip_off_the_same_payload_moves_it_by_its_share_of_50() -> None:
+    """``limits.clip_factor = inf``: every payload inside the sanity bound merged exactly,
+    as in a mesh whose members are all trusted; nothing is recorded either."""
+    replica = _replica(LimitsConfig(clip_factor=math.inf))
+    assert replica.merger.recent.on is False
     offset = torch.linspace(-1.0, 1.0, replica.flat.buffers[0].numel())
     for sender in ("h1", "h2"):
         own = replica.flat.buffers[0].clone()

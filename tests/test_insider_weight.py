@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
+from gossipd.node.shared.config import LimitsConfig
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR
 from tests.conftest import (
@@ -42,11 +43,11 @@ from tests.tls_mesh import Pki, insider_mesh_fixtures
 
 IDS = ["a", "b", "c"]
 INSIDER = "sink"
-CLIP_FACTOR = 10.0  # limits.clip_factor: opt-in, on here (a mesh with a member it doubts)
+# limits.clip_factor: the default, which this mesh leaves as it is
+CLIP_FACTOR = LimitsConfig().clip_factor
 CONFIG = {
     "gossip": {"push_probability": 0.5},
     "membership": {"anti_entropy_interval_s": 0.5},
-    "limits": {"clip_factor": CLIP_FACTOR},
 }
 PROGRESS = 600  # acknowledged pushes, all honest sites together, per measured window
 WINDOW_TIMEOUT_S = 60.0

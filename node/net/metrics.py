@@ -278,6 +278,10 @@ class NodeMetrics:
         self.registry = CollectorRegistry()
         register(self, NODE_METRICS, self.registry)
         self.site_ranks.set(1)
+        # The same two counts as plain numbers, for summary.json (a benchmark reads what
+        # share of honest merges the clip touched without scraping).
+        self.merged_segments = 0
+        self.clipped_segments = 0
         self.port: int | None = None
         self._server = None
 
@@ -307,6 +311,8 @@ class NodeMetrics:
         """Merges of a step boundary, or of a wait between steps (a paced trainer's, one
         that has not started or has finished training: peers still push to it)."""
         for m in report.merged:
+            self.merged_segments += len(m.merged_segments)
+            self.clipped_segments += len(m.clipped_segments)
             self.merges.inc(len(m.merged_segments))
             self.merges_clipped.inc(len(m.clipped_segments))
 

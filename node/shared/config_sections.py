@@ -138,14 +138,14 @@ class LimitsConfig(_Section):
         description="opt-in robust merge: an incoming segment is pulled toward ours until its "
         "RMS distance is at most this many times max(RMS of ours, payload_scale_floor)",
     )
-    clip_factor: float | None = Field(
-        None,
+    clip_factor: float = Field(
+        10.0,
         gt=0,
-        description="opt-in (unset: off): a payload segment farther from ours (RMS) than this "
-        "many times the upper median of the other senders' recent distances (each sender's "
-        "largest of its last 16) is pulled in to that radius, then merged (ClippedGossip): one "
-        "member's push moves a model by at most its weight share times the radius; 10 is a "
-        "start where members are not trusted",
+        description="a payload segment farther from ours (RMS) than this many times the upper "
+        "median of the other senders' recent distances (each sender's largest of its last 16) "
+        "is pulled in to that radius, then merged (ClippedGossip): one member's push moves a "
+        "model by at most its weight share times the radius; inf: off (exact averaging of "
+        "every payload, where every member is trusted)",
     )
     max_inbound_pulls: int = Field(4, ge=1, description="PullModel streams served at once")
     max_inbound_pulls_per_peer: int = Field(

@@ -198,6 +198,9 @@ class Site:
                     # persyn's outer optimizer: bursts it stepped on (the recording one
                     # included); a burst whose pushes did not all merge takes none
                     "outer_steps": self.replica.outer_steps,
+                    # segments merged, and of them pulled in by the clip (limits.clip_factor)
+                    "merged_segments": self.metrics.merged_segments,
+                    "clipped_segments": self.metrics.clipped_segments,
                     "training_done": training_done,
                     "resumed_from_step": self.checkpoints.resumed_from,
                     **self.last_eval,

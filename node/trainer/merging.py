@@ -298,8 +298,9 @@ class Merger:
         log.info(
             "payload from %s: segment %d was %.3g (RMS) from this model, the other senders' "
             "%s; pulled in to limits.clip_factor = %s times that, then merged at its full "
-            "weight (%d segment(s) clipped%s). If %s is honest it has drifted far from the "
-            "mesh (strong label skew, a much higher learning rate): raise limits.clip_factor",
+            "weight (%d segment(s) clipped%s). If %s is honest it is far from the mesh (strong "
+            "label skew, a much higher learning rate, a healed partition): raise "
+            "limits.clip_factor, or set it to inf where every member is trusted",
             sender,
             s,
             distances[s],

@@ -52,7 +52,7 @@ class PayloadBound:
     scale_floor: float = LimitsConfig.model_fields["payload_scale_floor"].default
     clip: float | None = None
     # The radius factor of :mod:`.clip_radius` (None: no radius from the other senders).
-    clip_factor: float | None = LimitsConfig.model_fields["clip_factor"].default
+    clip_factor: float | None = LimitsConfig.model_fields["clip_factor"].default  # None: off
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> PayloadBound:
@@ -60,7 +60,7 @@ class PayloadBound:
             limits.max_payload_distance,
             limits.payload_scale_floor,
             limits.merge_clip,
-            limits.clip_factor,
+            limits.clip_factor if math.isfinite(limits.clip_factor) else None,
         )
 
     def delta(
