@@ -23,6 +23,7 @@ from gossipd.node.protocols.base import (
     ViewChanged,
 )
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, CreditExceeded, PeerCredit
+from gossipd.node.protocols.ledger import SILENT_PUSHES_PER_PEER
 from gossipd.node.protocols.sumweight import SumWeightGossip
 from gossipd.node.sim.driver import Simulation
 from gossipd.node.sim.spec import SimSpec
@@ -70,6 +71,38 @@ def test_a_net_short_of_the_credit_by_rounding_holds_all_of_it() -> None:
     assert credit.holds_all("sink")
     credit.received("sink", 0, 1e-6)  # a real gap is not rounding
     assert not credit.holds_all("sink")
+
+
+def test_a_sink_that_returns_a_crumb_is_still_named_once_it_has_been_passed_over() -> None:
+    """A net held short of the credit by more than rounding: the sink gives back 0.01 of
+    the third it took, so its room (0.01) is under a tenth of this node's weight and it
+    is passed over for good, yet it no longer holds all the credit. Before, the crumb
+    cleared it and nothing named it again (its weight stayed bounded; its name was
+    missed): now a peer passed over for want of room is counted silent, and a crumb
+    back restarts the count instead of clearing it."""
+    core = _core("a", {"sink", "b"})
+    patience = SILENT_PUSHES_PER_PEER * 2
+    to_sink, to_b, crumbed = 0, 0, False
+    for step in range(4 * patience):
+        for push in core.handle(StepEnded(step, float(step))):
+            assert isinstance(push, Push)
+            core.handle(PushSettled(push.peer, push.sequence, tuple(push.weights)))
+            if push.peer == "b":  # b is honest: it returns what it took
+                to_b += 1
+                net = core.credit.net("b", 0)
+                core.handle(PayloadMerged(_arrival("b", step + 1, net)))
+            else:
+                to_sink += 1
+        if to_sink and not crumbed:
+            assert core.credit.holds_all("sink")
+            core.handle(PayloadMerged(_arrival("sink", 1, 0.01)))  # the crumb
+            assert not core.credit.holds_all("sink") and not core.credit_leaves_room("sink")
+            crumbed, crumbed_at = True, to_b
+        if crumbed and to_b - crumbed_at < patience:
+            assert not core.suspected_sinks(), (step, to_b)
+    assert to_sink == 1  # passed over after its third, crumb or not
+    assert to_b - crumbed_at >= patience
+    assert core.suspected_sinks() == {"sink"}
 
 
 def test_a_peer_brings_at_most_what_it_took_plus_the_credit_and_a_founding_weight() -> None:

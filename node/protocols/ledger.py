@@ -85,8 +85,8 @@ from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
 
-# A peer holding all its credit that gives nothing back while this node settles this many
-# pushes per peer to the others is named a sink (SumWeightLedger.suspected_sinks).
+# A peer passed over for want of credit that gives nothing back while this node settles this
+# many pushes per peer to the others is named a sink (SumWeightLedger.suspected_sinks).
 SILENT_PUSHES_PER_PEER = 25
 
 
@@ -155,7 +155,8 @@ class SumWeightLedger(Reservations, GossipProtocol):
             peer_credit if self.returns_weight_per_peer else math.inf, num_segments
         )
         self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
-        # Peers holding all their credit: this node's pushes settled since, none returned.
+        # Peers passed over for want of credit (Reservations.passed_over): this node's pushes
+        # settled since they were, or since their last merge.
         self._silent: dict[str, int] = {}
         self.cap = WeightCap(max_weight, max(1, math.ceil(initial_weight)))
         self.cut = 0.0  # weight received that did not fit under the cap, since this start
@@ -228,11 +229,12 @@ class SumWeightLedger(Reservations, GossipProtocol):
         )
 
     def suspected_sinks(self) -> frozenset[str]:
-        """Peers suspected of sinking weight: by the sink score (:mod:`.sinks`), or holding
-        all the credit this node gives them (:mod:`.credit`) and giving nothing back while
-        this node settled ``SILENT_PUSHES_PER_PEER`` pushes per peer to others. With the
-        credit on, a sink is stopped by the credit long before its score says so; this
-        only names it (an honest peer pushes to this node well within that many)."""
+        """Peers suspected of sinking weight: by the sink score (:mod:`.sinks`), or passed
+        over for want of the credit this node gives them (:mod:`.credit`) and giving
+        nothing back while this node settled ``SILENT_PUSHES_PER_PEER`` pushes per peer to
+        others. With the credit on, a sink is stopped by the credit long before its score
+        says so; this only names it (an honest peer pushes to this node well within that
+        many)."""
         patience = SILENT_PUSHES_PER_PEER * max(len(self.peers), 1)
         silent = {p for p, n in self._silent.items() if n >= patience and p in self.peers}
         return self.sinks.sinks() | silent
@@ -410,7 +412,10 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 self.weights[action.segment] = action.weight_after
                 merged = True
         if merged:
-            self._silent.pop(sender, None)
+            if self.passed_over(sender):  # a crumb back buys it patience, not its room
+                self._silent[sender] = 0
+            else:
+                self._silent.pop(sender, None)
             self.exchanged.add(sender, received=received, members=self.view.rank_of)
             self.sinks.received(sender, share / len(self.weights))
 

@@ -116,6 +116,12 @@ class Reservations:
             for s in range(len(self.weights))
         )
 
+    def passed_over(self, peer: str) -> bool:
+        """Whether the credit keeps this node's pushes from ``peer``: it holds all of it, or
+        so much that the room left is under ``MIN_ROOM`` (a sink that returned a crumb, or
+        whose net stopped short while this node's weight grew, is passed over as surely)."""
+        return self.credit.on and (self.credit.holds_all(peer) or not self.credit_leaves_room(peer))
+
     def push(
         self, peer: str, amounts: Mapping[int, float], *, everything: bool = False
     ) -> Push | None:
@@ -221,6 +227,6 @@ class Reservations:
             self.sinks.sent(push.peer, taken / len(self.weights))
             for peer in self._silent:
                 self._silent[peer] += 1
-            if self.credit.holds_all(push.peer):
+            if self.passed_over(push.peer):
                 self._silent.setdefault(push.peer, 0)  # at most one per peer with a net kept
         return folds
