@@ -25,8 +25,13 @@ Near consensus, a sender that has just merged with this node is very close, whil
 edge the credit left idle for a few rounds brings an honest payload from where the
 mesh was then: measured against the close one's latest distance alone, it was clipped,
 while the close one's earlier payloads were about as far. This makes honest clips rarer,
-not impossible: a node far from a mesh that has converged (a joiner, a restarted node,
-a healed partition) is still clipped, which is why the clip stays opt-in.
+not impossible: a node far from a mesh that has converged (a restarted node, a healed
+partition) is clipped where the mesh's own senders set the radius, and merged in more
+slowly (where it receives, every other sender is as far, and nothing is clipped). That
+is the trade a robust merge makes, so the clip is on by default (one member with a
+valid certificate is the threat this bounds) and ``inf`` turns it off where every
+member is trusted; what it cost honest sites on the label-skewed jobs is in
+docs/security.md.
 
 A payload farther than the radius is pulled toward our segment along the line between
 them until it is exactly that far, then merged at its full weight: the weights stay

@@ -1,4 +1,4 @@
-"""What one payload may do to the model: a sanity bound by default, a clipped merge on request.
+"""What one payload may do to the model: a sanity bound, a relative clip, a fixed clip on request.
 
 mTLS says who may speak, not that a member is honest: one push of finite 1e30 values
 at weight 1 used to leave every model of the mesh at about 1e29. Honest payloads are
@@ -11,6 +11,9 @@ an estimate of anything:
   ``limits.max_payload_distance`` times ``max(RMS of ours, limits.payload_scale_floor)``
   refuses the whole payload (:class:`PayloadOutOfBounds`), before anything is merged:
   the model stays bit-for-bit as it was and the sender folds its weight back.
+* **relative clip** (``limits.clip_factor``, default 10, ``inf`` off): the radius is set by
+  what the other senders' payloads had (:mod:`.clip_radius`), and a farther segment is
+  pulled in to it as below.
 * **clip** (``limits.merge_clip``, opt-in): a segment farther than ``merge_clip`` times
   that scale is pulled toward ours along the line between them until it is exactly
   that far, then merged at its full weight. The weights stay exact; the values do not:
