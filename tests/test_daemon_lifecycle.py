@@ -233,6 +233,29 @@ def test_merges_between_paced_steps_are_counted(daemons: Any) -> None:
     assert m["gossipd_merges_total"] == merged_segments > 0
 
 
+def test_pulled_segments_are_counted_as_merges_and_their_clips_as_clips() -> None:
+    """A pulling protocol (overlap) merges only what it pulls: its merges, and the clip's
+    pulls-in of them, were left out of gossipd_merges_total, gossipd_merges_clipped_total
+    and summary.json, so a benchmark read 'nothing merged' off a node that merged every
+    round."""
+    from prometheus_client import generate_latest
+
+    from gossipd.node.net.metrics import NodeMetrics
+    from gossipd.node.trainer.report import MergeRecord, PullRecord, StepReport
+
+    metrics = NodeMetrics()
+    report = StepReport(
+        step=7,
+        merged=[MergeRecord("a", 1, (0, 1), ())],
+        pulled=[PullRecord("b", 3, (0, 1, 2), clipped_segments=(2,))],
+    )
+    metrics.record_merges(report)
+    text = generate_latest(metrics.registry).decode()
+    assert "gossipd_merges_total 5.0" in text
+    assert "gossipd_merges_clipped_total 1.0" in text
+    assert (metrics.merged_segments, metrics.clipped_segments) == (5, 1)
+
+
 def test_stock_grpc_tools_work_health_checking_and_reflection(daemons: Any) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc

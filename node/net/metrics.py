@@ -108,7 +108,9 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "Inbound payloads refused, by reason",
         ("reason",),
     ),
-    counter("merges", "gossipd_merges_total", "Segments merged into the local model"),
+    counter(
+        "merges", "gossipd_merges_total", "Segments merged into the local model (pushed or pulled)"
+    ),
     counter(
         "merges_clipped",
         "gossipd_merges_clipped_total",
@@ -309,8 +311,9 @@ class NodeMetrics:
 
     def record_merges(self, report: StepReport) -> None:
         """Merges of a step boundary, or of a wait between steps (a paced trainer's, one
-        that has not started or has finished training: peers still push to it)."""
-        for m in report.merged:
+        that has not started or has finished training: peers still push to it), pushed
+        or pulled (a pulling protocol merges only what it pulls)."""
+        for m in [*report.merged, *report.pulled]:
             self.merged_segments += len(m.merged_segments)
             self.clipped_segments += len(m.clipped_segments)
             self.merges.inc(len(m.merged_segments))

@@ -185,7 +185,12 @@ class Merger:
                 actions = self.core.handle(PullMerged(arrival))
                 self.commit(plan.blends)
                 record = PullRecord(
-                    pull.peer, pull.round, tuple(plan.blends), pulled.nbytes, arrival.transfer_s
+                    pull.peer,
+                    pull.round,
+                    tuple(plan.blends),
+                    pulled.nbytes,
+                    arrival.transfer_s,
+                    clipped_segments=plan.clipped,
                 )
                 return actions, record
         record = PullRecord(pull.peer, pull.round, (), error=error)

@@ -29,7 +29,8 @@ class MergeRecord:
     sequence: int
     merged_segments: tuple[int, ...]
     duplicate_segments: tuple[int, ...]
-    clipped_segments: tuple[int, ...] = ()  # pulled in by limits.merge_clip, then merged
+    # pulled in by the clip (limits.clip_factor, limits.merge_clip), then merged
+    clipped_segments: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class PullRecord:
     nbytes: int = 0
     transfer_s: float = 0.0
     error: str | None = None
+    clipped_segments: tuple[int, ...] = ()  # as a push's (MergeRecord)
 
 
 @dataclass(frozen=True)
