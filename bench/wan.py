@@ -35,7 +35,7 @@ from typing import IO, Any
 from gossipd.bench import consensus
 from gossipd.bench import wan_results as results
 from gossipd.bench.wan_scenarios import DEFAULT_PATH, scenario
-from gossipd.bench.wan_sites import OUTER_GOSSIP, SitesRun, WanSpec, run_sites
+from gossipd.bench.wan_sites import SitesRun, WanSpec, run_sites
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.plot import save_figure
 from gossipd.node.protocols import PROTOCOLS
@@ -267,13 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
         "DiLoCo's outer Nesterov step after it (rows named persyn+outer)",
     )
     p.add_argument(
-        "--gossip-outer",
-        action="store_true",
-        help="sumweight, crossover, pushsum-expgraph and shuffle-exchange take DiLoCo's "
-        "outer Nesterov step (0.7, 0.9) every H (--inner-steps) steps on the change their "
-        "steps and merges made (outer_every_steps; rows named PROTOCOL+outer)",
-    )
-    p.add_argument(
         "--inner-steps",
         type=int,
         default=100,
@@ -364,14 +357,13 @@ def consensus_of(run: SitesRun, spec: WanSpec) -> dict[str, Any] | None:
 
 
 def runs_of(
-    protocols: list[str], codecs: list[str], persyn_outer: bool = False, gossip_outer: bool = False
+    protocols: list[str], codecs: list[str], persyn_outer: bool = False
 ) -> list[tuple[str, str, str]]:
     """(row name, protocol, codec) of every run: each gossip protocol once per codec, a
-    baseline once (it sends no gossip). A protocol taking its outer step is PROTOCOL+outer."""
+    baseline once (it sends no gossip)."""
     out = []
     for protocol in protocols:
-        outer = persyn_outer if protocol == "persyn" else gossip_outer and protocol in OUTER_GOSSIP
-        label = f"{protocol}+outer" if outer else protocol
+        label = "persyn+outer" if protocol == "persyn" and persyn_outer else protocol
         for codec in ["raw"] if protocol in BASELINE_SECTIONS else codecs:
             out.append((label if codec == "raw" else f"{label}+{codec}", protocol, codec))
     return out
@@ -411,13 +403,12 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         weight_balance=args.weight_balance,
         clip_factor=args.clip_factor,
         persyn_outer=args.persyn_outer,
-        gossip_outer=args.gossip_outer,
         site_ranks=site_ranks,
         seed=args.seed,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(names), workdir)
     runs, rows = [], {}
-    for name, protocol, codec in runs_of(names, codecs, args.persyn_outer, args.gossip_outer):
+    for name, protocol, codec in runs_of(names, codecs, args.persyn_outer):
         run_ = run_sites(dataclasses.replace(spec, codec=codec), protocol, name=name)
         runs.append(run_)
         rows[name] = protocol_row(run_, target, args.budget_s)
@@ -453,7 +444,6 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "clip_factor": args.clip_factor,
         "codecs": codecs,
         "persyn_outer": args.persyn_outer,
-        "gossip_outer": args.gossip_outer,
         "site_ranks": list(site_ranks),
         "seed": args.seed,
         "protocols": rows,

@@ -46,10 +46,6 @@ OUTER_LEARNING_RATE, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's, as the diloco baseli
 SEED_STRIDE = 1000  # site i of --seed S seeds its job and gossip with 1000·S + i
 
 
-# The gossip protocols whose [gossip.<protocol>] has outer_every_steps (persyn has its own).
-OUTER_GOSSIP = ("sumweight", "crossover", "pushsum-expgraph", "shuffle-exchange")
-
-
 @dataclass(frozen=True)
 class WanSpec:
     """What every protocol's run shares."""
@@ -68,8 +64,6 @@ class WanSpec:
     codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
     # persyn sites take DiLoCo's outer step (0.7, Nesterov 0.9) every inner_steps steps
     persyn_outer: bool = False
-    # the protocols of OUTER_GOSSIP take the outer step every inner_steps steps
-    gossip_outer: bool = False
     # Ranks of each gossip site (`gossipd node --ranks R`; empty: one each): sites of
     # different speed. The baselines run one rank per site.
     site_ranks: tuple[int, ...] = ()
@@ -143,8 +137,6 @@ def site_toml(
         "link": link,
         "tls": {"insecure": True},
     }
-    if protocol in OUTER_GOSSIP and spec.gossip_outer:
-        tables[f"gossip.{protocol}"] = {"outer_every_steps": spec.inner_steps}
     if protocol == "persyn" and spec.persyn_outer:
         tables["gossip.persyn"] = {
             "average_every_steps": spec.inner_steps,

@@ -232,31 +232,6 @@ def test_the_clipped_share_is_over_every_sites_merged_segments() -> None:
     assert clipped_share([{}, {"merged_segments": 0}]) is None
 
 
-def test_the_gossip_outer_step_reaches_the_protocols_that_have_it_every_h_steps(
-    tmp_path: Path,
-) -> None:
-    spec = WanSpec(
-        scenario=scenario("mixed"),
-        sites=2,
-        job="digits",
-        budget_s=1.0,
-        workdir=tmp_path,
-        gossip_outer=True,
-        inner_steps=50,
-    )
-    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
-
-    def gossip(protocol: str) -> dict[str, Any]:
-        master = addresses[0] if protocol == "diloco" else None
-        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "s", master=master)
-        return tomllib.loads(text)["gossip"]
-
-    for protocol in ("sumweight", "crossover", "pushsum-expgraph", "shuffle-exchange"):
-        assert gossip(protocol)[protocol] == {"outer_every_steps": 50}
-    for protocol in ("persyn", "overlap", "diloco"):
-        assert protocol not in gossip(protocol)
-
-
 def test_a_seed_moves_every_sites_job_and_gossip_seed_apart(tmp_path: Path) -> None:
     spec = WanSpec(
         scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
@@ -285,13 +260,6 @@ def test_each_gossip_protocol_runs_once_per_codec_and_a_baseline_once() -> None:
         ("persyn+outer", "persyn", "raw"),
         ("persyn+outer+int8", "persyn", "int8"),
         ("diloco", "diloco", "raw"),
-    ]
-    protocols = ["sumweight", "persyn", "overlap", "allreduce"]
-    assert runs_of(protocols, ["raw"], gossip_outer=True) == [
-        ("sumweight+outer", "sumweight", "raw"),
-        ("persyn", "persyn", "raw"),  # its own outer step: --persyn-outer
-        ("overlap", "overlap", "raw"),  # pulls: no outer step
-        ("allreduce", "allreduce", "raw"),
     ]
     assert _codecs(" int8 ,raw") == ["int8", "raw"]
     for bad in ("", "zstd", "int8,int8"):

@@ -28,11 +28,11 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, OuterStepSettings
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import derangement
 
 
-class CrossoverSettings(OuterStepSettings):
+class CrossoverSettings(ProtocolSettings):
     """``[gossip.crossover]``"""
 
     round_steps: int = Field(
@@ -46,12 +46,7 @@ class CrossoverGossip(SumWeightLedger):
 
     @classmethod
     def from_settings(cls, common: CoreSettings, own: CrossoverSettings) -> CrossoverGossip:
-        return cls(
-            **common.ledger(),
-            **own.outer(),
-            mesh_seed=common.mesh_seed,
-            round_steps=own.round_steps,
-        )
+        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
 
     def __init__(
         self,

@@ -59,7 +59,6 @@ from gossipd.node.protocols.base import (
     GossipProtocol,
     HandOff,
     Merge,
-    OuterStep,
     PayloadArrived,
     PayloadMerged,
     PeerRestarted,
@@ -121,9 +120,6 @@ class SumWeightLedger(Reservations, GossipProtocol):
         sink_allowance: float = 0.5,
         peer_credit: float = math.inf,
         weight_balance: bool = False,
-        outer_every_steps: int = 0,
-        outer_learning_rate: float = 0.7,
-        outer_momentum: float = 0.9,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
@@ -132,19 +128,15 @@ class SumWeightLedger(Reservations, GossipProtocol):
         (:mod:`.credit`; inf: unbounded); ``weight_balance``: whether pushes are scaled so a
         site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
         a core built bare pushes its paper's shares; on in the daemon's and the
-        simulator's settings); ``outer_every_steps``: an outer step every that many
-        local steps (:class:`~.settings.OuterStepSettings`; 0: none)."""
+        simulator's settings)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        if outer_every_steps < 0:
-            raise ValueError(f"outer_every_steps must be 0 (off) or more, got {outer_every_steps}")
         if not (math.isfinite(initial_weight) and initial_weight >= 0):
             raise ValueError(f"initial_weight must be finite and >= 0, got {initial_weight}")
         self.node_id = node_id
         self.max_in_flight = max_in_flight
-        self.outer = (outer_every_steps, outer_learning_rate, outer_momentum)
         self._rng = rng
         self._seed = seed
         self._planned: tuple[PayloadArrived, list[Merge | Duplicate]] | None = None
@@ -200,11 +192,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 self.hear_receiver(key, event.acked, event.receiver_weights)
                 return list(self.settle(key, event.acked))
             case StepEnded():
-                actions: list[Action] = list(self.on_step(event))
-                every, learning_rate, momentum = self.outer
-                if every and event.step > 0 and event.step % every == 0:
-                    actions.append(OuterStep(event.step // every, learning_rate, momentum))
-                return actions
+                return list(self.on_step(event))
             case ViewChanged():
                 self.set_members(event.members)
                 return []

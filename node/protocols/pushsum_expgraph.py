@@ -28,11 +28,11 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, OuterStepSettings
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import exponential_peer
 
 
-class PushSumExpGraphSettings(OuterStepSettings):
+class PushSumExpGraphSettings(ProtocolSettings):
     """``[gossip.pushsum-expgraph]``"""
 
     round_steps: int = Field(
@@ -49,7 +49,7 @@ class PushSumExpGraph(SumWeightLedger):
 
     @classmethod
     def from_settings(cls, common: CoreSettings, own: PushSumExpGraphSettings) -> PushSumExpGraph:
-        return cls(**common.ledger(), **own.outer(), round_steps=own.round_steps)
+        return cls(**common.ledger(), round_steps=own.round_steps)
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gossipd.node.protocols.credit import DEFAULT_CREDIT
 
@@ -30,35 +30,6 @@ class ProtocolSettings(BaseModel):
 
 class NoSettings(ProtocolSettings):
     """The settings of a protocol that has none of its own."""
-
-
-class OuterStepSettings(ProtocolSettings):
-    """The outer step of a gossip protocol that averages by merges (NoLoCo-style): every
-    ``outer_every_steps`` local steps a site takes DiLoCo's Nesterov step on the change
-    since its last one, which its own steps and every merge made. ``persyn`` has its own
-    (after each whole burst, :mod:`.persyn`)."""
-
-    outer_every_steps: int = Field(
-        0,
-        ge=0,
-        description="local steps between outer steps (DiLoCo's H), 0: none (the default). "
-        "The step is Nesterov SGD on (model at the last outer step − model now): the "
-        "change local training and the merges made, as DiLoCo's all-reduced one",
-    )
-    outer_learning_rate: float = Field(
-        0.7, gt=0, description="the outer step's learning rate (DiLoCo: 0.7)"
-    )
-    outer_momentum: float = Field(
-        0.9, ge=0, lt=1, description="the outer step's Nesterov momentum (DiLoCo: 0.9)"
-    )
-
-    def outer(self) -> dict[str, Any]:
-        """The ledger's arguments for it (:class:`~.ledger.SumWeightLedger`)."""
-        return {
-            "outer_every_steps": self.outer_every_steps,
-            "outer_learning_rate": self.outer_learning_rate,
-            "outer_momentum": self.outer_momentum,
-        }
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, OuterStepSettings
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 from gossipd.node.protocols.topology import shuffled_groups
 
 
-class ShuffleExchangeSettings(OuterStepSettings):
+class ShuffleExchangeSettings(ProtocolSettings):
     """``[gossip.shuffle-exchange]``"""
 
     round_steps: int = Field(
@@ -48,12 +48,7 @@ class ShuffleExchange(SumWeightLedger):
 
     @classmethod
     def from_settings(cls, common: CoreSettings, own: ShuffleExchangeSettings) -> ShuffleExchange:
-        return cls(
-            **common.ledger(),
-            **own.outer(),
-            mesh_seed=common.mesh_seed,
-            round_steps=own.round_steps,
-        )
+        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
 
     def __init__(
         self,

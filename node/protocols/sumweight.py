@@ -22,13 +22,13 @@ from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
 from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, OuterStepSettings
+from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
 
 # Draws from the whole view before a node lists the peers it may push to (random_candidate).
 CANDIDATE_DRAWS = 8
 
 
-class SumWeightSettings(OuterStepSettings):
+class SumWeightSettings(ProtocolSettings):
     """``[gossip.sumweight]``"""
 
     push_probability: float = Field(
@@ -42,7 +42,7 @@ class SumWeightGossip(SumWeightLedger):
 
     @classmethod
     def from_settings(cls, common: CoreSettings, own: SumWeightSettings) -> SumWeightGossip:
-        return cls(**common.ledger(), **own.outer(), push_probability=own.push_probability)
+        return cls(**common.ledger(), push_probability=own.push_probability)
 
     def __init__(
         self,

@@ -105,9 +105,9 @@ class Dispatcher:
         self.outer_steps += 1
         if first:
             log.info(
-                "%s: outer optimizer on (learning rate %g, momentum %g): the model at outer "
-                "round %d is the shared model, and each outer step from now on moves it by "
-                "Nesterov SGD on the change since (%d bytes held for it)",
+                "%s: outer optimizer on (learning rate %g, momentum %g): the model after "
+                "burst %d is the shared model, and an outer step follows every burst whose "
+                "pushes all merged here from now on (%d bytes held for it)",
                 self.core.name,
                 action.learning_rate,
                 action.momentum,
