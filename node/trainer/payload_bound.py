@@ -55,7 +55,7 @@ class PayloadBound:
     scale_floor: float = LimitsConfig.model_fields["payload_scale_floor"].default
     clip: float | None = None
     # The radius factor of :mod:`.clip_radius` (None: no radius from the other senders).
-    clip_factor: float | None = LimitsConfig.model_fields["clip_factor"].default  # None: off
+    clip_factor: float | None = LimitsConfig.model_fields["clip_factor"].default
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> PayloadBound:
