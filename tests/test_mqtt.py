@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import hashes
 
 from gossipd.node.cli.main import main
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.shared import certs
+from gossipd.node.shared.cert_files import load_cert
 from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
@@ -36,11 +40,13 @@ from tests.conftest import (
     wait_counters_grow,
     wait_mesh_live,
     wait_until,
+    write_config,
 )
 from tests.mqttbrokers import ask, broker, publish, send_command, signed_command, wait_message
 
 MESH = "test-mesh"
 NODES = ["a", "b", "c"]
+LOST_OPERATOR = "lost-laptop"  # an operator certificate every node lists as revoked
 
 
 class Mesh:
@@ -83,6 +89,9 @@ def mesh(
     for node_id in [*NODES, "tester", "mallory"]:
         certs.issue(node_id, tls_dir)
     certs.issue("operator", tls_dir, operator=True)
+    # An operator certificate every node has revoked (mqtt.revoked_operators), by fingerprint
+    lost, _ = certs.issue(LOST_OPERATOR, tls_dir, operator=True)
+    revoked = [load_cert(lost).fingerprint(hashes.SHA256()).hex()]
     with broker(request.param, root) as port:
         ports = free_ports(len(NODES))
 
@@ -101,7 +110,11 @@ def mesh(
                     "cert": str(tls_dir / f"{node_id}.pem"),
                     "key": str(tls_dir / f"{node_id}.key"),
                 },
-                mqtt={"broker": f"127.0.0.1:{port}", "keepalive_s": 5},
+                mqtt={
+                    "broker": f"127.0.0.1:{port}",
+                    "keepalive_s": 5,
+                    "revoked_operators": revoked,
+                },
             )
 
         handles: list[DaemonHandle] = []
@@ -298,6 +311,7 @@ def test_commands_no_operator_of_this_mesh_signed_for_this_node_now_are_refused_
             "stale",
             signed_command(mesh.operator, MESH, "a", "pause", issued_at=int(time.time()) - 3600),
         ),
+        ("revoked", signed_command(mesh.tls_dir / f"{LOST_OPERATOR}.pem", MESH, "a", "pause")),
     ]
     # Each would pause a if it were obeyed; every one is answered "ok": false with its reason.
     for reason, body in refused:
@@ -322,6 +336,25 @@ def test_commands_no_operator_of_this_mesh_signed_for_this_node_now_are_refused_
     assert "refused a request from MQTT control: pause (request 'unsigned-1')" in a.log()
     assert "gossipd certs issue NAME --operator" in a.log()  # the fix, in the log
     wait_counters_grow([a], ("step",), 5, "steps on a after the refused pauses")
+
+
+def test_an_operator_revoked_on_sighup_is_refused_from_the_next_command(mesh: Mesh) -> None:
+    """A lost operator key must stop working without restarting the sites: SIGHUP reads
+    mqtt.revoked_operators again, as it reads [tls]."""
+    a = mesh.by_id["a"]
+    bob, _ = certs.issue(f"bob-{mesh.port}", mesh.tls_dir, operator=True)
+    first = send_command(mesh.port, MESH, "a", signed_command(bob, MESH, "a", "resume"))
+    assert first["ok"], first
+    config = tomllib.loads(a.config_path.read_text())
+    fingerprint = load_cert(bob).fingerprint(hashes.SHA256()).hex()
+    config["mqtt"]["revoked_operators"] = [*config["mqtt"]["revoked_operators"], fingerprint]
+    write_config(a.config_path, config)
+    a.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "operator certificate(s) revoked" in a.log(), "a to reload", 30.0)
+    reply = send_command(mesh.port, MESH, "a", signed_command(bob, MESH, "a", "resume"))
+    assert reply["ok"] is False and "refused (revoked)" in reply["detail"], reply
+    again = send_command(mesh.port, MESH, "a", signed_command(mesh.operator, MESH, "a", "resume"))
+    assert again["ok"], again  # the other operators still speak
 
 
 def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: Mesh) -> None:

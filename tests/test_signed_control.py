@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from pydantic import ValidationError
 
 from gossipd.node.shared import certs
 from gossipd.node.shared.cert_files import load_cert, load_key
+from gossipd.node.shared.config import MqttConfig
 from gossipd.node.shared.control_signing import (
     ControlClaim,
     ControlRefused,
@@ -174,6 +177,25 @@ def test_each_command_no_operator_of_this_mesh_signed_for_this_node_now_is_refus
     for reason, data, at in cases:
         assert _refusal(verifier, data, at) == reason, reason
     assert len(verifier.nonces) == 0  # nothing refused was remembered
+
+
+def test_a_revoked_operator_certificate_is_refused_and_the_others_still_obeyed(
+    ca_dir: Path,
+) -> None:
+    """An operator certificate cannot be made to expire early: a lost laptop's key could
+    pause the mesh for the rest of its year. mqtt.revoked_operators lists it by its
+    SHA-256 fingerprint, in either form an operator copies it in."""
+    certs.issue("bob", ca_dir, operator=True)
+    bob = load_cert(ca_dir / "bob.pem")
+    openssl_form = ":".join(f"{b:02X}" for b in bob.fingerprint(hashes.SHA256()))
+    config = MqttConfig(broker="127.0.0.1:1883", revoked_operators=[openssl_form])
+    verifier = _verifier(ca_dir, revoked=config.revoked_operators)
+    with pytest.raises(ControlRefused, match=r"'bob'.*mqtt\.revoked_operators") as refused:
+        verifier.check(_signed(ca_dir / "bob.pem"), NOW)
+    assert refused.value.reason == "revoked"
+    assert verifier.check(_signed(ca_dir / "alice.pem"), NOW) == "alice"  # not revoked
+    with pytest.raises(ValidationError, match="SHA-256 fingerprint"):
+        MqttConfig(broker="127.0.0.1:1883", revoked_operators=["not-a-fingerprint"])
 
 
 def test_a_mesh_without_a_ca_refuses_every_command(ca_dir: Path) -> None:

@@ -111,24 +111,27 @@ async def _serve(site: Site, config_path: Path, core_log: CoreLog) -> None:
     use_for_default_executor(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # A renewed certificate or a new allow-list needs no restart: `kill -HUP` reads
-    # the config's [tls] section and its files again.
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload_tls(config_path, site))
+    # A renewed certificate, a new allow-list or a revoked operator needs no restart:
+    # `kill -HUP` reads the config's [tls] section, its files and
+    # mqtt.revoked_operators again.
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(config_path, site))
     core_log.attach(loop, site.network.rejections, site.metrics)
     await site.run(stop)
 
 
-def _reload_tls(path: Path, site: Site) -> None:
+def _reload(path: Path, site: Site) -> None:
     from gossipd.node.shared.config import load_config
 
     try:
-        tls = load_config(path).tls
+        config = load_config(path)
     except GossipdError as err:
         logging.getLogger("gossipd.node.net.network").warning(
-            "SIGHUP: kept the current certificate: %s", err
+            "SIGHUP: kept the current certificate and revocations: %s", err
         )
         return
-    site.network.reload_tls(tls)
+    site.network.reload_tls(config.tls)
+    if site.mqtt is not None and config.mqtt is not None:
+        site.mqtt.revoke(config.mqtt.revoked_operators)
 
 
 def _exit_code(site: Site) -> int:

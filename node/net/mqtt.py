@@ -25,6 +25,7 @@ import logging
 import random
 import ssl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Protocol
@@ -154,6 +155,19 @@ class MqttAgent:
     def start(self) -> asyncio.Task[None]:
         self.task = asyncio.create_task(self.run(), name="mqtt")
         return self.task
+
+    def revoke(self, fingerprints: Sequence[str]) -> None:
+        """SIGHUP: ``mqtt.revoked_operators`` as the config says now (a lost operator key
+        is refused from the next command on, without a restart)."""
+        if self.verifier is None:
+            return
+        before, self.verifier.revoked = self.verifier.revoked, frozenset(fingerprints)
+        if self.verifier.revoked != before:
+            log.info(
+                "SIGHUP: %d operator certificate(s) revoked (mqtt.revoked_operators); "
+                "commands they sign are refused from now on",
+                len(self.verifier.revoked),
+            )
 
     async def run(self) -> None:
         """Connect, serve, and on any loss of the broker wait (capped, doubling) and again."""
@@ -338,7 +352,13 @@ def _control_verifier(config: NodeConfig) -> ControlVerifier | None:
     else:
         assert config.tls.ca is not None
         ca = load_cert(config.tls.ca)
-    return ControlVerifier(ca, mesh_id=config.mesh_id, node_id=config.node_id, window_s=window_s)
+    return ControlVerifier(
+        ca,
+        mesh_id=config.mesh_id,
+        node_id=config.node_id,
+        window_s=window_s,
+        revoked=config.mqtt.revoked_operators,
+    )
 
 
 def _version() -> str:

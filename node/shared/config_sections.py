@@ -304,6 +304,26 @@ class MqttConfig(_Section):
         description="a signed command issued further than this from the node's clock is "
         "refused (stale); obeyed nonces are remembered this long against replay",
     )
+    revoked_operators: list[str] = Field(
+        default_factory=list,
+        description="SHA-256 fingerprints of operator certificates whose commands are refused "
+        "before they expire (a lost laptop, a colleague who left): the sha256 of gossipd "
+        "certs show, or openssl x509 -fingerprint -sha256 (colons and case do not matter)",
+    )
+
+    @field_validator("revoked_operators")
+    @classmethod
+    def _fingerprints(cls, v: list[str]) -> list[str]:
+        out = []
+        for given in v:
+            fingerprint = given.replace(":", "").strip().lower()
+            if not re.fullmatch(r"[0-9a-f]{64}", fingerprint):
+                raise ValueError(
+                    f"{given!r} is not a SHA-256 fingerprint (64 hex digits, colons allowed); "
+                    "take the sha256 line of gossipd certs show OPERATOR.pem"
+                )
+            out.append(fingerprint)
+        return out
 
     @field_validator("broker")
     @classmethod

@@ -33,7 +33,7 @@ import datetime as dt
 import heapq
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ REASONS = (
     "other_ca",
     "cert_expired",
     "not_operator",
+    "revoked",
     "bad_signature",
     "wrong_mesh",
     "wrong_node",
@@ -210,11 +211,15 @@ class ControlVerifier:
         node_id: str,
         window_s: float,
         max_remembered: int = MAX_REMEMBERED,
+        revoked: Iterable[str] = (),
     ) -> None:
+        """``revoked``: SHA-256 fingerprints (lowercase hex) of operator certificates whose
+        commands are refused although the CA signed them and they have not expired."""
         self.ca = ca
         self.mesh_id = mesh_id
         self.node_id = node_id
         self.window_s = window_s
+        self.revoked = frozenset(revoked)
         self.nonces = NonceWindow(window_s, max_remembered)
 
     def check(self, data: Mapping[str, Any], now_s: float) -> str:
@@ -277,6 +282,14 @@ class ControlVerifier:
                 "not_operator",
                 f"it is signed with {signer!r}, which is not an operator certificate (a "
                 f"site's or the coordinator's cannot sign control); {ISSUE_OPERATOR}",
+            )
+        fingerprint = cert.fingerprint(hashes.SHA256()).hex()
+        if fingerprint in self.revoked:
+            raise ControlRefused(
+                "revoked",
+                f"operator {operator!r}'s certificate (sha256 {fingerprint}) is in "
+                "mqtt.revoked_operators; sign with another operator certificate of this mesh "
+                f"({ISSUE_OPERATOR})",
             )
         return operator
 
