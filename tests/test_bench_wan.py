@@ -39,6 +39,7 @@ from gossipd.bench.wan_results import (
 from gossipd.bench.wan_scenarios import scenario
 from gossipd.bench.wan_sites import WanSpec, site_toml
 from gossipd.node.errors import ConfigError
+from gossipd.node.shared.config_ranks import BASELINE_SECTIONS
 from tests.conftest import left_running
 
 ROOT, WHY_NOT = wan_net.have_root()
@@ -153,16 +154,21 @@ def test_weight_shares_are_each_sites_share_times_the_number_of_sites() -> None:
     assert weight_shares([{}, {"sum_weights": [1.0]}]) is None  # a site wrote nothing
 
 
+def _site_config(spec: WanSpec, protocol: str, index: int = 0) -> dict[str, Any]:
+    """Site ``index``'s config as the bench writes it (a baseline's rendezvous: site 0)."""
+    addresses = [f"127.0.0.1:{9000 + i}" for i in range(spec.sites)]
+    master = addresses[0] if protocol in BASELINE_SECTIONS else None
+    text = site_toml(spec, protocol, index, addresses, 20.0, None, spec.workdir, master=master)
+    return tomllib.loads(text)
+
+
 def test_weight_balance_reaches_the_gossip_sites_configs_and_no_baselines(tmp_path: Path) -> None:
     spec = WanSpec(
         scenario=scenario("mixed"), sites=4, job="digits", budget_s=1.0, workdir=tmp_path
     )
-    addresses = [f"127.0.0.1:{9000 + i}" for i in range(4)]
 
     def gossip_table(spec: WanSpec, protocol: str) -> dict[str, Any]:
-        master = addresses[0] if protocol == "allreduce" else None
-        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "site", master=master)
-        return tomllib.loads(text)["gossip"]
+        return _site_config(spec, protocol)["gossip"]
 
     assert "weight_balance" not in gossip_table(spec, "sumweight")  # the config's default: on
     bare = replace(spec, weight_balance=False)
@@ -176,12 +182,9 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     spec = WanSpec(
         scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
     )
-    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
 
     def gossip_table(spec: WanSpec, protocol: str) -> dict[str, Any]:
-        master = addresses[0] if protocol in ("allreduce", "diloco") else None
-        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "s", master=master)
-        return tomllib.loads(text)["gossip"]
+        return _site_config(spec, protocol)["gossip"]
 
     assert "codec" not in gossip_table(spec, "sumweight")
     int8 = replace(spec, codec="int8")
@@ -190,16 +193,13 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     for baseline in ("allreduce", "diloco"):
         assert "codec" not in gossip_table(int8, baseline)
     outer = replace(spec, persyn_outer=True, inner_steps=30)
-    persyn = tomllib.loads(site_toml(outer, "persyn", 0, addresses, 20.0, None, tmp_path / "s"))[
-        "gossip"
-    ]["persyn"]
+    persyn = gossip_table(outer, "persyn")["persyn"]
     assert persyn == {
         "average_every_steps": 30,
         "outer_learning_rate": 0.7,
         "outer_momentum": 0.9,
     }
-    plain = tomllib.loads(site_toml(spec, "persyn", 0, addresses, 20.0, None, tmp_path / "s"))
-    assert "persyn" not in plain["gossip"]
+    assert "persyn" not in gossip_table(spec, "persyn")
 
 
 def test_a_clip_factor_reaches_the_gossip_sites_limits_as_toml_and_no_baseline(
@@ -208,12 +208,9 @@ def test_a_clip_factor_reaches_the_gossip_sites_limits_as_toml_and_no_baseline(
     spec = WanSpec(
         scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
     )
-    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
 
     def limits(spec: WanSpec, protocol: str) -> dict[str, Any]:
-        master = addresses[0] if protocol == "diloco" else None
-        text = site_toml(spec, protocol, 0, addresses, 20.0, None, tmp_path / "s", master=master)
-        return tomllib.loads(text)["limits"]
+        return _site_config(spec, protocol)["limits"]
 
     assert limits(spec, "sumweight") == {}  # the config's default
     assert limits(replace(spec, clip_factor=4.0), "persyn") == {"clip_factor": 4.0}
@@ -236,12 +233,9 @@ def test_a_seed_moves_every_sites_job_and_gossip_seed_apart(tmp_path: Path) -> N
     spec = WanSpec(
         scenario=scenario("mixed"), sites=2, job="digits", budget_s=1.0, workdir=tmp_path
     )
-    addresses = ["127.0.0.1:9000", "127.0.0.1:9001"]
 
     def seeds(spec: WanSpec, protocol: str, index: int) -> tuple[int, int]:
-        master = addresses[0] if protocol == "diloco" else None
-        text = site_toml(spec, protocol, index, addresses, 20.0, None, tmp_path, master=master)
-        table = tomllib.loads(text)
+        table = _site_config(spec, protocol, index)
         return table["job"]["seed"], table["gossip"]["seed"]
 
     assert seeds(spec, "sumweight", 1) == (1, 1)  # seed 0: the runs measured before it
