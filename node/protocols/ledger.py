@@ -143,6 +143,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.weights: list[float] = [float(initial_weight)] * num_segments
         self.reserved: list[float] = [0.0] * num_segments
         self.in_flight: dict[tuple[str, int], Push] = {}
+        self._to: dict[str, list[Push]] = {}
         self.round = 0
         self.view: View = ranked(frozenset({node_id}))
         self.numberings = Numberings()  # of this node's pushes, per receiver
@@ -299,6 +300,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.weights = weights
         self.reserved = [0.0] * len(weights)
         self.in_flight.clear()
+        self._to.clear()
         self.numberings.clear()
         self.round = int(state.get("round", 0))
         self.windows = Windows.restore(state.get("windows", ()))

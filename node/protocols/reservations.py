@@ -41,6 +41,7 @@ class Reservations:
     weights: list[float]
     reserved: list[float]
     in_flight: dict[tuple[str, int], Push]
+    _to: dict[str, list[Push]]  # in_flight by receiver, in the order sent
     round: int
     numberings: Numberings
     exchanged: ExchangedBook
@@ -87,11 +88,15 @@ class Reservations:
             self.balance.heard(push.peer, s, min(before, self.weight_cap))
 
     def busy_peers(self) -> set[str]:
-        return {peer for peer, _ in self.in_flight}
+        return set(self._to)
 
     def in_flight_to(self, peer: str, segment: int) -> float:
-        """What this node's unsettled pushes to ``peer`` carry of ``segment``."""
-        return sum(p.weights.get(segment, 0.0) for p in self.in_flight.values() if p.peer == peer)
+        """What this node's unsettled pushes to ``peer`` carry of ``segment`` (asked several
+        times per push and per payload: a lookup, not a scan of every push in flight)."""
+        pushes = self._to.get(peer)
+        if not pushes:
+            return 0.0
+        return sum(p.weights.get(segment, 0.0) for p in pushes)
 
     def can_push(self, peer: str) -> bool:
         """A free slot, nothing unacknowledged to ``peer`` already (one per edge), ``peer``
@@ -101,7 +106,7 @@ class Reservations:
             peer != self.node_id
             and len(self.in_flight) < self.max_in_flight
             and not self.sinks.suspected(peer)
-            and all(p != peer for p, _ in self.in_flight)
+            and peer not in self._to
             and self.credit_leaves_room(peer)
         )
 
@@ -146,6 +151,7 @@ class Reservations:
             self.reserved[s] = self.weights[s] if whole else self.reserved[s] + w
         push = Push(peer, sequence, weights, self.round, base)
         self.in_flight[push.key] = push
+        self._to.setdefault(peer, []).append(push)
         self._shares[push.key] = shares
         return push
 
@@ -203,6 +209,11 @@ class Reservations:
         shares = self._shares.pop(key, {})
         if push is None:
             return []
+        to_peer = self._to[push.peer]
+        if len(to_peer) == 1:
+            del self._to[push.peer]
+        else:
+            to_peer[:] = [p for p in to_peer if p is not push]
         acked = set(acked_segments)
         folds = []
         sent = 0.0

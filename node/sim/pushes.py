@@ -15,7 +15,7 @@ clock, links, nodes and counters, declared below.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -193,7 +193,7 @@ class PushSide:
                 rebuilt = rebuilt.numpy()
             self.payload.correct(sender.index, s, values - rebuilt, factor)
 
-    def _would_blend(self, receiver: SimNode, merge: Merge, values: dict[int, Any]) -> bool:
+    def _would_blend(self, receiver: SimNode, merge: Merge, values: Mapping[int, Any]) -> bool:
         if isinstance(self.payload, VectorPayload):
             return True  # finite vectors blend to finite vectors
         mine = self.payload.values(receiver.index, merge.segment)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -146,13 +147,16 @@ class SimNode:
         self.waiting: tuple[float, bool] | None = None
 
 
+NOTHING_KEPT: frozenset[int] = frozenset()
+
+
 class Flight:
     """A push from its snapshot to its settle: what fold-backs and retries need."""
 
     __slots__ = ("attempts", "kept", "merged", "nbytes", "push", "rows", "sender", "sent", "values")
 
     def __init__(
-        self, push: Push, sender: SimNode, values: dict[int, Any], rows: Any, nbytes: int
+        self, push: Push, sender: SimNode, values: Mapping[int, Any], rows: Any, nbytes: int
     ) -> None:
         self.push = push
         self.sender = sender
@@ -160,7 +164,9 @@ class Flight:
         self.rows = rows  # the same snapshot in the mixing tracker, or None
         self.nbytes = nbytes
         self.sent: dict[int, Any] | None = None  # each segment as encoded, with a codec
-        self.kept: set[int] = set()  # segments the receiver kept as copies (error feedback)
+        # Segments the receiver kept as copies (error feedback); one shared empty set until
+        # then: an empty set per push in flight was a tenth of a round's peak.
+        self.kept: AbstractSet[int] = NOTHING_KEPT
         self.attempts = 0
         self.merged = False  # the receiver merged it (whatever became of the acknowledgement)
 
