@@ -143,7 +143,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.weights: list[float] = [float(initial_weight)] * num_segments
         self.reserved: list[float] = [0.0] * num_segments
         self.in_flight: dict[tuple[str, int], Push] = {}
-        self._to: dict[str, list[Push]] = {}
+        self._to: dict[str, tuple[Push, ...]] = {}
         self.round = 0
         self.view: View = ranked(frozenset({node_id}))
         self.numberings = Numberings()  # of this node's pushes, per receiver
@@ -155,7 +155,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.credit = PeerCredit(
             peer_credit if self.returns_weight_per_peer else math.inf, num_segments
         )
-        self._shares: dict[tuple[str, int], dict[int, float]] = {}  # push -> share per segment
+        self._shares: dict[tuple[str, int], tuple[float, ...]] = {}  # push -> share per segment
         # Peers passed over for want of credit (Reservations.passed_over): this node's pushes
         # settled since they were, or since their last merge.
         self._silent: dict[str, int] = {}

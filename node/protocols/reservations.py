@@ -41,7 +41,7 @@ class Reservations:
     weights: list[float]
     reserved: list[float]
     in_flight: dict[tuple[str, int], Push]
-    _to: dict[str, list[Push]]  # in_flight by receiver, in the order sent
+    _to: dict[str, tuple[Push, ...]]  # in_flight by receiver, in the order sent
     round: int
     numberings: Numberings
     exchanged: ExchangedBook
@@ -49,7 +49,7 @@ class Reservations:
     credit: PeerCredit
     balance: WeightBalance
     view: View
-    _shares: dict[tuple[str, int], dict[int, float]]
+    _shares: dict[tuple[str, int], tuple[float, ...]]
     _silent: dict[str, int]
 
     if TYPE_CHECKING:
@@ -143,15 +143,17 @@ class Reservations:
             if w > self.available(s) * (1 + 1e-12):
                 raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")
         sequence, base = self.numberings.next(peer)
-        shares = {
-            s: w / self.available(s) if self.available(s) > 0 else 1.0 for s, w in weights.items()
-        }
+        # Each segment's share of the available weight, in the order of ``weights``: a tuple,
+        # not a dict, since every push of a simulated round is in flight at once.
+        shares = tuple(
+            w / self.available(s) if self.available(s) > 0 else 1.0 for s, w in weights.items()
+        )
         for s, w in weights.items():
             whole = everything and w == asked[s]
             self.reserved[s] = self.weights[s] if whole else self.reserved[s] + w
         push = Push(peer, sequence, weights, self.round, base)
         self.in_flight[push.key] = push
-        self._to.setdefault(peer, []).append(push)
+        self._to[peer] = (*self._to.get(peer, ()), push)
         self._shares[push.key] = shares
         return push
 
@@ -206,14 +208,12 @@ class Reservations:
         Σ w·x would drift every time a peer dies mid-push.
         """
         push = self.in_flight.pop(key, None)
-        shares = self._shares.pop(key, {})
+        shares = self._shares.pop(key, ())
         if push is None:
             return []
-        to_peer = self._to[push.peer]
-        if len(to_peer) == 1:
-            del self._to[push.peer]
-        else:
-            to_peer[:] = [p for p in to_peer if p is not push]
+        to_peer = tuple(p for p in self._to.pop(push.peer) if p is not push)
+        if to_peer:
+            self._to[push.peer] = to_peer
         acked = set(acked_segments)
         folds = []
         sent = 0.0
@@ -234,7 +234,7 @@ class Reservations:
             self.reserved = [0.0] * len(self.reserved)
         if acked & push.weights.keys():
             self.exchanged.add(push.peer, sent=sent, members=self.view.rank_of)
-            taken = sum(f for s, f in shares.items() if s in acked)
+            taken = sum(f for s, f in zip(push.weights, shares, strict=False) if s in acked)
             self.sinks.sent(push.peer, taken / len(self.weights))
             for peer in self._silent:
                 self._silent[peer] += 1

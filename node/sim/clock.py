@@ -25,14 +25,15 @@ class Clock:
     def __init__(self) -> None:
         self.now = 0.0
         self.scheduled = 0  # happenings scheduled so far (what a run reports as events)
-        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._heap: list[tuple[Any, ...]] = []  # (time, order, callback, *arguments)
         self._order = itertools.count()
 
     def at(self, at_s: float, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        """Call ``fn(*args)`` at ``at_s`` (now, if that has passed)."""
+        """Call ``fn(*args)`` at ``at_s`` (now, if that has passed). The arguments go in the
+        entry itself, not a tuple of their own: 56 bytes less per push in flight."""
         when = self.now + max(at_s - self.now, 0.0)
         self.scheduled += 1
-        heapq.heappush(self._heap, (when, next(self._order), fn, args))
+        heapq.heappush(self._heap, (when, next(self._order), fn, *args))
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -41,6 +42,6 @@ class Clock:
         """Run every happening in time order, those it schedules included, until none is left."""
         heap, pop = self._heap, heapq.heappop
         while heap:
-            when, _, fn, args = pop(heap)
-            self.now = when
-            fn(*args)
+            entry = pop(heap)
+            self.now = entry[0]
+            entry[2](*entry[3:])
