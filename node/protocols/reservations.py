@@ -114,12 +114,13 @@ class Reservations:
         """Whether ``peer``'s credit admits at least ``MIN_ROOM`` of this node's available
         weight in some segment: a push cut to less than that moves nearly nothing for a
         whole payload's bytes, so the protocol picks another peer (or waits) instead."""
-        if not self.credit.on:
+        credit = self.credit
+        if not credit.on:
             return True
-        return any(
-            self.credit.room(peer, s, self.in_flight_to(peer, s)) >= MIN_ROOM * self.available(s)
-            for s in range(len(self.weights))
-        )
+        for s, (weight, reserved) in enumerate(zip(self.weights, self.reserved, strict=True)):
+            if credit.room(peer, s, self.in_flight_to(peer, s)) >= MIN_ROOM * (weight - reserved):
+                return True
+        return False
 
     def passed_over(self, peer: str) -> bool:
         """Whether the credit keeps this node's pushes from ``peer``: it holds all of it, or

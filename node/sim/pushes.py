@@ -149,7 +149,9 @@ class PushSide:
             # and a leaving node merges nothing new (it still acknowledges duplicates).
             if receiver.leaving and merges:
                 self.refused += 1
-            elif all(self._would_blend(receiver, m, values) for m in merges):
+            elif isinstance(self.payload, VectorPayload) or all(
+                self._would_blend(receiver, m, values) for m in merges
+            ):
                 for m in merges:
                     self.payload.blend(receiver.index, m.segment, values[m.segment], m.alpha)
                     if self.tracker is not None:
@@ -194,8 +196,8 @@ class PushSide:
             self.payload.correct(sender.index, s, values - rebuilt, factor)
 
     def _would_blend(self, receiver: SimNode, merge: Merge, values: Mapping[int, Any]) -> bool:
-        if isinstance(self.payload, VectorPayload):
-            return True  # finite vectors blend to finite vectors
+        """Whether a blend stays finite (a vector payload's always does: finite vectors blend
+        to finite vectors, so :meth:`_deliver` does not ask)."""
         mine = self.payload.values(receiver.index, merge.segment)
         other = np.asarray(values[merge.segment], dtype=float)
         return bool(np.isfinite((1.0 - merge.alpha) * mine + merge.alpha * other).all())
