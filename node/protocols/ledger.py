@@ -414,6 +414,7 @@ class SumWeightLedger(Reservations, GossipProtocol):
                 self.weights[action.segment] = action.weight_after
                 merged = True
         if merged:
+            self.windows.share(sender)
             if self.passed_over(sender):  # a crumb back buys it patience, not its room
                 self._silent[sender] = 0
             else:

@@ -27,7 +27,7 @@ unmerged.
 from __future__ import annotations
 
 import functools
-import itertools
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +45,9 @@ SEQUENCE_AHEAD = 1024
 # node restarts or drops out of its view, and has one push in flight to it, so
 # only the newest two ever matter; the rest bounds what a lying sender can open.
 NUMBERINGS_KEPT = 4
+# Shared windows remembered for new receivers to point at (see Windows.share); beyond this,
+# the oldest is let go (the receivers that point at it keep it).
+SHARED_KEPT = 1024
 
 Numbering = tuple[str, int, int]  # (sender, incarnation, base)
 
@@ -94,6 +97,7 @@ class Window:
         "highest",
         "incarnation",
         "previous",
+        "shared",
     )
 
     def __init__(
@@ -112,6 +116,7 @@ class Window:
         self._older: dict[int, int] | None = None  # earlier sequences' masks, oldest first
         self._pairs = 0
         self.previous: Window | None = None  # the sender's next older numbering, if kept
+        self.shared = False  # held by several receivers (Windows.share): never written again
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Window):
@@ -157,6 +162,8 @@ class Window:
         """True the first time a pair is offered; False for a repeat or anything too old."""
         if not self.is_new(sequence, segment):
             return False
+        if self.shared:
+            raise RuntimeError("a shared de-duplication window was written: copy it first")
         self.highest = sequence if self.highest is None else max(self.highest, sequence)
         bit = 1 << segment
         if sequence == self._newest:
@@ -201,6 +208,27 @@ class Window:
     def state(self) -> dict[str, Any]:
         return {"order": self.pairs(), "forgotten": self.forgotten_up_to, "high": self.highest}
 
+    def alike(self) -> tuple[int, int, int, int | None, int | None, int] | None:
+        """What makes this window what it is, when that fits in a key (one sequence
+        remembered, no older numbering linked): windows alike in it are interchangeable."""
+        if self._older is not None or self.previous is not None:
+            return None
+        return (
+            self.incarnation,
+            self.base,
+            self.forgotten_up_to,
+            self.highest,
+            self._newest,
+            self._mask,
+        )
+
+    def copy(self) -> Window:
+        """A window of its own, alike in every field but ``previous`` and ``shared``."""
+        twin = Window(self.base, self.incarnation, self.forgotten_up_to, self.highest)
+        twin._newest, twin._mask, twin._pairs = self._newest, self._mask, self._pairs
+        twin._older = dict(self._older) if self._older is not None else None
+        return twin
+
     @classmethod
     def restore(cls, state: Mapping[str, Any], incarnation: int = 0) -> Window:
         window = cls(int(state.get("base", 1)), incarnation, state["forgotten"])
@@ -215,13 +243,23 @@ def _empty(base: int) -> Window:
     return Window(base)
 
 
+# Windows held by several receivers, by what makes them alike (Window.alike), oldest first.
+_SHARED: dict[tuple[int, int, int, int | None, int | None, int], Window] = {}
+_SHARED_LOCK = threading.Lock()  # replicas of one process merge on threads of their own
+
+
 class Windows:
     """A receiver's side: one :class:`Window` per sender numbering it merged from.
 
     One dict entry per sender, its newest numbering's window, which links to the older
     ones kept (a sender has more than one only after this node restarted or left its
     view): a dict keyed by (sender, incarnation, base) and a scan of it to open a window
-    made opening one O(senders), 5% of a simulated run."""
+    made opening one O(senders), 5% of a simulated run.
+
+    Windows alike in every field are held once (:meth:`share`), and copied before one is
+    written: in a large crossover mesh nearly every sender pushes to a receiver once, so
+    most windows remember one sequence of one segment, over 100 bytes each; a simulated node
+    of a million-node mesh merges from about 80 senders in 20 rounds."""
 
     def __init__(self) -> None:
         self._newest: dict[str, Window] = {}
@@ -238,11 +276,17 @@ class Windows:
             window = window.previous
 
     def _relink(self, sender: str, windows: list[Window]) -> None:
-        """``sender``'s windows become ``windows``, newest first."""
-        for window, older in itertools.zip_longest(windows, windows[1:]):
-            window.previous = older
-        if windows:
-            self._newest[sender] = windows[0]
+        """``sender``'s windows become ``windows``, newest first (a shared one that must
+        link to another is copied first)."""
+        older: Window | None = None
+        for window in reversed(windows):
+            if window.previous is not older:
+                if window.shared:
+                    window = window.copy()
+                window.previous = older
+            older = window
+        if older is not None:
+            self._newest[sender] = older
         else:
             self._newest.pop(sender, None)
 
@@ -280,7 +324,29 @@ class Windows:
             closed = {id(w) for w in mine[: max(0, len(mine) + 1 - NUMBERINGS_KEPT)]}
             window = Window(base, incarnation)
             self._relink(sender, [window, *(w for w in kept if id(w) not in closed)])
+        elif window.shared:  # about to be written: this receiver's own copy
+            shared, window = window, window.copy()
+            self._relink(sender, [window if w is shared else w for w in self._chain(sender)])
         return window
+
+    def share(self, sender: str) -> None:
+        """Point at a window alike in every field instead of ``sender``'s, if there is one
+        (call after writing it); otherwise offer it to the receivers that follow."""
+        window = self._newest.get(sender)
+        if window is None or window.shared:
+            return
+        key = window.alike()
+        if key is None:
+            return
+        with _SHARED_LOCK:
+            twin = _SHARED.get(key)
+            if twin is None:
+                window.shared = True
+                if len(_SHARED) >= SHARED_KEPT:
+                    del _SHARED[next(iter(_SHARED))]
+                _SHARED[key] = window
+        if twin is not None:
+            self._newest[sender] = twin
 
     def of(self, sender: str) -> list[Window]:
         """``sender``'s windows, newest numbering first."""
