@@ -126,6 +126,10 @@ class Daemon:
                         "max_pushes_in_flight": MAX_IN_FLIGHT,
                         "progress_timeout_s": 5.0,
                     },
+                    # A peer the failure detector suspects leaves the core's view: a
+                    # ViewChanged no other driver sees, so other pushes (a loaded run once
+                    # ended with the same Σw over other weights). Not what this compares.
+                    "membership": {"suspect_after_failures": 1000},
                     "metrics": {"listen": None},
                     "tls": {
                         "ca": str(pki / certs.CA_CERT_FILE),
