@@ -19,6 +19,8 @@ import torch
 
 from gossipd.node.errors import GossipdError, MeshMismatch
 from gossipd.node.launch.localmesh import free_ports
+from gossipd.node.net import pushsender
+from gossipd.node.net.shaping import LinkShaper
 from gossipd.node.net.transport import Identity, OutcomeUnknown, PeerClient
 from gossipd.node.protocols.base import Push
 from gossipd.node.shared.tls import Credentials
@@ -243,9 +245,13 @@ def test_a_batch_that_is_not_one_whole_push_is_refused(receiver: DaemonHandle, c
     assert _weight(receiver) == pytest.approx(before, abs=1e-12)
 
 
-def _client(receiver: DaemonHandle, fingerprint: str = PLAN.fingerprint) -> PeerClient:
+def _client(
+    receiver: DaemonHandle, fingerprint: str = PLAN.fingerprint, shaper: LinkShaper | None = None
+) -> PeerClient:
     identity = Identity("test-mesh", SENDER, "127.0.0.1:1", INCARNATION, fingerprint, "sumweight")
-    return PeerClient(receiver.address, identity, tls=Credentials(insecure=True), streams=1)
+    return PeerClient(
+        receiver.address, identity, tls=Credentials(insecure=True), streams=1, shaper=shaper
+    )
 
 
 def _outbound(sequence: int, weight: float) -> OutboundPush:
@@ -285,6 +291,48 @@ def test_the_nodes_client_reuses_its_stream_and_hears_a_refusal_as_one(
     assert idle_streams == 1, "three pushes, one after another, share one stream"
     assert isinstance(refusal, MeshMismatch) and not isinstance(refusal, OutcomeUnknown)
     assert _weight(receiver) == pytest.approx(before + 0.5, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("rate_bytes_s", "messages"),
+    [(0.0, 1), (1e6, 4)],
+    ids=["latency only: one message", "a capped rate: open, header, chunk, end"],
+)
+def test_a_small_push_over_a_shaped_link_is_batched_unless_the_rate_is_paced(
+    receiver: DaemonHandle, monkeypatch: pytest.MonkeyPatch, rate_bytes_s: float, messages: int
+) -> None:
+    """``[link]`` latency waits once per push, so it leaves a small push whole in one
+    message, as an unshaped node sends it; the wide-area bench injects its latency this
+    way, and sending four messages there put three messages' framing, flow control and
+    packets on every push that no deployment pays. Only a capped rate, paced chunk by
+    chunk, needs the frames apart."""
+    fed: list[int] = []
+    feed = pushsender.PushSender._feed
+
+    async def counting(queue: Any, frames: AsyncIterator[bytes], progressed: Any) -> None:
+        async def counted() -> AsyncIterator[bytes]:
+            async for frame in frames:
+                fed[-1] += 1
+                yield frame
+
+        fed.append(0)
+        await feed(queue, counted(), progressed)
+
+    monkeypatch.setattr(pushsender.PushSender, "_feed", staticmethod(counting))
+    before = _weight(receiver)
+
+    async def push() -> list[Ack]:
+        shaper = LinkShaper(latency_s=0.01, rate_bytes_s=rate_bytes_s)
+        client = _client(receiver, shaper=shaper)
+        try:
+            return await client.push(_outbound(next(_sequence), 0.25), 30.0)
+        finally:
+            await client.close()
+
+    acks = asyncio.run(push())
+    assert [a.duplicate for a in acks] == [False]
+    assert fed == [messages]
+    assert _weight(receiver) == pytest.approx(before + 0.25, abs=1e-12)
 
 
 def test_a_refused_push_leaves_no_task_of_its_stream_behind(receiver: DaemonHandle) -> None:

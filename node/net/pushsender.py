@@ -178,8 +178,8 @@ class PushSender:
 
     def _small(self, out: OutboundPush, group: list[int]) -> bool:
         """Whether ``group`` of the push goes as one message (under ``COALESCE_BYTES``)."""
-        if self.shaper is not None:
-            return False  # shaping paces chunk by chunk
+        if self.shaper is not None and self.shaper.rate_bytes_s:
+            return False  # a capped rate paces chunk by chunk; latency alone waits once
         return sum(out.snapshot[i].nbytes for i in group) <= COALESCE_BYTES
 
     async def frames(
