@@ -11,9 +11,10 @@
 #   certs/coordinator/ca.pem, coordinator.pem, coordinator.key   the same for the
 #                                        coordinator: a coordinator certificate
 #                                        (gossipd certs issue --coordinator), never a site's
-#   certs/operator/operator.pem, operator.key   the operator's certificate (gossipd certs
-#                                        issue --operator): it signs control commands
-#                                        (gossipd control); mounted read-only into a one-off
+#   certs/operator/ca.pem, operator.pem, operator.key   the operator's certificate
+#                                        (gossipd certs issue --operator): it signs control
+#                                        commands (gossipd control), which checks the sites'
+#                                        signed replies against ca.pem; mounted read-only into a one-off
 #                                        `compose run` only, never into a site or the
 #                                        coordinator (docs/containers.md)
 #   .env                                 GOSSIPD_UID=<your uid>: the image's user then owns
@@ -52,12 +53,10 @@ for site in "${sites[@]}"; do
     *) gossipd certs issue "$site" --dir "$ca_dir" ;;
   esac
   mkdir -p "$site_dir"
-  # The site gets the CA certificate, its own certificate and key; the CA dir keeps
-  # neither the site's key nor its certificate. The operator only signs commands (no
-  # TLS to a site), so it needs no CA certificate.
-  if [ "$site" != "$operator" ]; then
-    cp "$ca_dir/ca.pem" "$site_dir/"
-  fi
+  # Each gets the CA certificate, its own certificate and key; the CA dir keeps
+  # neither the key nor the certificate. The operator checks the sites' signed replies
+  # against the CA certificate.
+  cp "$ca_dir/ca.pem" "$site_dir/"
   mv "$ca_dir/$site.pem" "$ca_dir/$site.key" "$site_dir/"
   if [ "$(id -u)" -eq 0 ]; then
     # root owns everything; the image's user cannot read a root-owned 0600 key (the

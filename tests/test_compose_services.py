@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from gossipd.node.cli.control import signed_payload
+from gossipd.node.cli.control import mesh_ca, signed_payload
 from gossipd.node.cli.main import build_parser
 from gossipd.node.launch.localmesh import free_ports, stop_process
 from gossipd.node.shared.cert_files import load_cert
@@ -305,7 +305,11 @@ def test_the_docs_control_command_is_signed_so_that_every_site_obeys_it(
     assert f"did not answer within {args.timeout_s:g} s" in page
     args.cert = host_dir / args.cert.relative_to(target)
     args.key = host_dir / args.key.relative_to(target)
-    payload = json.loads(signed_payload(args, "docs-r1"))
+    signed, _ = signed_payload(args, "docs-r1")
+    payload = json.loads(signed)
+    # The replies are checked against the ca.pem the script puts beside the operator's
+    # certificate: the sites' own CA.
+    assert mesh_ca(args) == load_cert(host_dir / "ca.pem")
     for name in BASE_SITES:
         config = _site_config(sites[name])
         assert config.mqtt is not None and config.mqtt.control_requires_signature, name

@@ -140,9 +140,10 @@ def test_the_script_issues_an_operator_certificate_of_the_mesh_ca_in_its_own_dir
     certs: Path,
 ) -> None:
     """Sites obey only control commands signed by an operator certificate of their CA, so
-    the default run issues one, in a directory of its own that no service mounts."""
+    the default run issues one, in a directory of its own that no service mounts, beside
+    the CA certificate that gossipd control checks the sites' signed replies against."""
     directory = certs / "certs" / OPERATOR
-    assert sorted(os.listdir(directory)) == [f"{OPERATOR}.key", f"{OPERATOR}.pem"]
+    assert sorted(os.listdir(directory)) == ["ca.pem", f"{OPERATOR}.key", f"{OPERATOR}.pem"]
     info = describe(directory / f"{OPERATOR}.pem")
     assert info["role"] == "operator" and info["subject"] == f"CN={OPERATOR}", info
     assert info["issuer"] == describe(certs / "certs" / "ca" / "ca.pem")["subject"], info

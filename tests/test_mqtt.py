@@ -9,6 +9,7 @@ end. The tests of one broker share its mesh and run in file order.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -16,11 +17,12 @@ import socket
 import threading
 import time
 import tomllib
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import pytest
 from cryptography.hazmat.primitives import hashes
 
@@ -28,6 +30,7 @@ from gossipd.node.cli.main import main
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.shared import certs
 from gossipd.node.shared.cert_files import load_cert
+from gossipd.node.shared.control_signing import ReplyClaim, ReplyVerifier, sign_reply
 from gossipd.node.shared.tls import Credentials
 from tests.conftest import (
     DaemonHandle,
@@ -193,6 +196,94 @@ def test_signed_pause_resume_and_checkpoint_take_effect_and_are_answered(
     assert checkpoint.exists()
 
 
+def _forge_replies(
+    port: int, forge: Callable[[dict[str, Any]], list[tuple[str, dict[str, Any]]]]
+) -> Future[None]:
+    """A client of the broker that, at the first control command it sees, publishes the
+    replies ``forge`` makes of it: (node id, reply) pairs. Anyone who may publish on the
+    broker can do this; returns once it is subscribed."""
+    subscribed = threading.Event()
+
+    async def run() -> None:
+        control = f"gossipd/{MESH}/control/#"
+        async with aiomqtt.Client("127.0.0.1", port) as client:
+            await client.subscribe(control, qos=1)
+            subscribed.set()
+            async with asyncio.timeout(60.0):
+                async for message in client.messages:
+                    if message.topic.matches(control):  # amqtt also sends retained others
+                        for node_id, body in forge(json.loads(bytes(message.payload or b""))):
+                            topic = f"gossipd/{MESH}/reply/{node_id}"
+                            await client.publish(topic, json.dumps(body).encode(), qos=1)
+                        return
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(asyncio.run, run())
+    pool.shutdown(wait=False)
+    if not subscribed.wait(30.0):
+        raise AssertionError(
+            f"the forger did not subscribe: {future.done() and future.exception()}"
+        )
+    return future
+
+
+def _forged(command: dict[str, Any], node_id: str, ok: bool, signer: Path | None) -> dict[str, Any]:
+    claim = ReplyClaim(
+        mesh_id=MESH,
+        node_id=node_id,
+        command=command["command"],
+        request_id=command["request_id"],
+        nonce=command["nonce"],
+        ok=ok,
+        detail="training pauses" if ok else "refused (stale): forged",
+    )
+    if signer is None:
+        return claim.payload()
+    return sign_reply(claim, signer.read_bytes(), signer.with_suffix(".key").read_bytes())
+
+
+def test_gossipd_control_believes_only_replies_the_site_signed_for_this_command(
+    mesh: Mesh, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Anyone who can publish on the broker can write reply/NODE_ID. Forged replies, even
+    one signed by a valid site certificate of this mesh (mallory's) or the operator's,
+    must not tell the operator that a site obeyed: a site that never answers (ghost) is
+    reported as not answering, and a site that refused (c, to a revoked operator) as
+    refusing, whatever came first on its topic."""
+    tls = mesh.tls_dir
+    forger = _forge_replies(
+        mesh.port,
+        lambda cmd: [
+            ("ghost", _forged(cmd, "ghost", True, None)),
+            ("ghost", _forged(cmd, "ghost", True, tls / "mallory.pem")),
+            ("ghost", _forged(cmd, "ghost", True, mesh.operator)),
+        ],
+    )
+    assert mesh.control("pause", "--node", "ghost", "--timeout-s", "10") == 1
+    forger.result(30.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "ghost: a reply was ignored, unverified (unsigned): it carries no signature: a site "
+        "without TLS (tls.insecure) has no key to sign with, and anyone who can publish on the "
+        "broker could have written it",
+        "ghost: a reply was ignored, unverified (wrong_node): it came on 'ghost''s reply topic "
+        "saying it is from 'ghost', signed by 'mallory''s certificate: one site cannot answer "
+        "for another",
+        "ghost: a reply was ignored, unverified (not_a_site): it is signed with 'CN=operator', "
+        "which names no site (an operator's or the coordinator's certificate)",
+        "ghost: no verified reply within 10 s (is it connected to the broker?)",
+    ], out
+
+    c = mesh.by_id["c"]
+    forger = _forge_replies(mesh.port, lambda cmd: [("c", _forged(cmd, "c", True, None))])
+    lost = tls / f"{LOST_OPERATOR}.pem"
+    assert mesh.control("pause", "--node", "c", cert=lost) == 1
+    forger.result(30.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("c: REFUSED: refused (revoked)"), out
+    wait_counters_grow([c], ("step",), 5, "steps on c: it was not paused")
+
+
 class FakeListener:
     """A TCP port that accepts connections and counts them (and never speaks gossip)."""
 
@@ -325,7 +416,8 @@ def test_commands_no_operator_of_this_mesh_signed_for_this_node_now_are_refused_
     other = tmp_path / "other-ca"
     certs.init_ca(other, mesh_id=MESH)
     foreign, _ = certs.issue("operator", other, operator=True)
-    assert mesh.control("pause", "--node", "a", cert=foreign) == 1
+    ca = str(mesh.tls_dir / certs.CA_CERT_FILE)  # the CA beside it is the other one
+    assert mesh.control("pause", "--node", "a", "--ca", ca, cert=foreign) == 1
     assert capsys.readouterr().out.startswith("a: REFUSED: refused (other_ca)")
 
     reasons = [r for r, _ in refused] + ["replay", "other_ca"]
@@ -340,7 +432,8 @@ def test_commands_no_operator_of_this_mesh_signed_for_this_node_now_are_refused_
 
 def test_an_operator_revoked_on_sighup_is_refused_from_the_next_command(mesh: Mesh) -> None:
     """A lost operator key must stop working without restarting the sites: SIGHUP reads
-    mqtt.revoked_operators again, as it reads [tls]."""
+    mqtt.revoked_operators again, as it reads [tls]; a site whose own certificate was
+    rotated by the same SIGHUP signs its replies with the new one."""
     a = mesh.by_id["a"]
     bob, _ = certs.issue(f"bob-{mesh.port}", mesh.tls_dir, operator=True)
     first = send_command(mesh.port, MESH, "a", signed_command(bob, MESH, "a", "resume"))
@@ -349,12 +442,23 @@ def test_an_operator_revoked_on_sighup_is_refused_from_the_next_command(mesh: Me
     fingerprint = load_cert(bob).fingerprint(hashes.SHA256()).hex()
     config["mqtt"]["revoked_operators"] = [*config["mqtt"]["revoked_operators"], fingerprint]
     write_config(a.config_path, config)
+    renewed, _ = certs.issue("a", mesh.tls_dir, renew=True)
     a.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "operator certificate(s) revoked" in a.log(), "a to reload", 30.0)
     reply = send_command(mesh.port, MESH, "a", signed_command(bob, MESH, "a", "resume"))
     assert reply["ok"] is False and "refused (revoked)" in reply["detail"], reply
-    again = send_command(mesh.port, MESH, "a", signed_command(mesh.operator, MESH, "a", "resume"))
+    command = signed_command(mesh.operator, MESH, "a", "resume")
+    again = send_command(mesh.port, MESH, "a", command)
     assert again["ok"], again  # the other operators still speak
+    assert again["cert"] == renewed.read_text()
+    verifier = ReplyVerifier(
+        load_cert(mesh.tls_dir / certs.CA_CERT_FILE),
+        mesh_id=MESH,
+        command="resume",
+        request_id=command["request_id"],
+        nonce=command["nonce"],
+    )
+    assert verifier.check("a", again, time.time()).ok
 
 
 def test_leave_on_command_hands_the_weight_off_and_the_mesh_keeps_its_sum(mesh: Mesh) -> None:

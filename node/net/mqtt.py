@@ -21,11 +21,12 @@ without it; a lost connection is retried with capped exponential backoff.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Protocol
@@ -41,13 +42,19 @@ from gossipd.node.net.mqtt_messages import (
     Topics,
     parse_command,
     parse_presence,
-    reply_payload,
 )
 from gossipd.node.shared import certs
 from gossipd.node.shared.cert_files import load_cert
 from gossipd.node.shared.config import MqttConfig, NodeConfig
-from gossipd.node.shared.control_signing import ControlRefused, ControlVerifier
+from gossipd.node.shared.control_signing import (
+    MAX_DETAIL_CHARS,
+    ControlRefused,
+    ControlVerifier,
+    ReplyClaim,
+    sign_reply,
+)
 from gossipd.node.shared.rejections import RejectionLog
+from gossipd.node.shared.tls import Material
 
 log = logging.getLogger(__name__)
 FIRST_RETRY_S = 0.5
@@ -129,9 +136,12 @@ class MqttAgent:
         peers: Presences,
         controls: Controls,
         metrics: NodeMetrics,
+        material: Callable[[], Material | None] = lambda: None,
     ) -> None:
         """``peers`` takes another node's presence as a candidate; ``address`` and
-        ``incarnation`` are this node's, as its handshake gives them."""
+        ``incarnation`` are this node's, as its handshake gives them; ``material`` its TLS
+        certificate and key as they are now (SIGHUP may rotate them), which sign its
+        replies (None in plaintext: replies go unsigned)."""
         assert config.mqtt is not None
         self.config = config.mqtt
         self.login = BrokerLogin.from_config(config.mqtt)
@@ -143,6 +153,7 @@ class MqttAgent:
         self.peers = peers
         self.controls = controls
         self.metrics = metrics
+        self.material = material
         self.verifier = _control_verifier(config)
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.rng = random.Random(config.gossip.seed ^ 0x3A77)
@@ -310,8 +321,21 @@ class MqttAgent:
     async def _reply(
         self, client: aiomqtt.Client, command: Command, *, ok: bool, detail: str
     ) -> None:
-        body = reply_payload(command.request_id, self.topics.node_id, command.command, ok, detail)
-        await client.publish(self.topics.reply(), body, qos=1)
+        """Answer on ``reply/NODE_ID``, signed with this node's TLS key over the command's
+        request id and nonce, so nobody else on the broker can answer for it."""
+        nonce = command.body.get("nonce")
+        claim = ReplyClaim(
+            mesh_id=self.topics.mesh_id,
+            node_id=self.topics.node_id,
+            command=command.command,
+            request_id=command.request_id,
+            nonce=nonce if isinstance(nonce, str) and nonce.isprintable() else "",
+            ok=ok,
+            detail=detail[:MAX_DETAIL_CHARS],
+        )
+        mine = self.material()
+        body = claim.payload() if mine is None else sign_reply(claim, mine.cert, mine.key)
+        await client.publish(self.topics.reply(), json.dumps(body).encode(), qos=1)
 
     # -- leaving ------------------------------------------------------------------------
     async def close(self) -> None:

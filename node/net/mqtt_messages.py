@@ -174,15 +174,3 @@ def parse_command(payload: bytes) -> Command:
         known = ", ".join(COMMANDS)
         raise Junk("unknown_command", f"command {command!r:.60}; known: {known}", request_id)
     return Command(command, request_id, data)
-
-
-def reply_payload(request_id: str, node_id: str, command: str, ok: bool, detail: str) -> bytes:
-    return json.dumps(
-        {
-            "request_id": request_id,
-            "node_id": node_id,
-            "command": command,
-            "ok": ok,
-            "detail": detail,
-        }
-    ).encode()

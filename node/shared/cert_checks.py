@@ -59,7 +59,9 @@ def _coordinator_name_of_cert(cert: x509.Certificate) -> str | None:
     return next((n for n in _common_names(cert) if NODE_ID_RE.fullmatch(n)), None)
 
 
-def _node_id_of_cert(cert: x509.Certificate) -> str | None:
+def node_id_of_cert(cert: x509.Certificate) -> str | None:
+    """The node id a site certificate names; None for a CA's, an operator's or the
+    coordinator's (they never speak for a site)."""
     dns = _dns_names(cert)
     if COORDINATOR_DNS_NAME in dns or operator_name_of(cert) is not None:
         return None  # the coordinator's and operators' certificates never speak for a site
@@ -78,7 +80,7 @@ def node_id_of(cert_pem: bytes) -> str | None:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError as err:
         raise CertificateError(f"peer certificate is not PEM: {err}") from err
-    return _node_id_of_cert(cert)
+    return node_id_of_cert(cert)
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         "file": str(path),
         "subject": cert.subject.rfc4514_string(),
         "issuer": cert.issuer.rfc4514_string(),
-        "node_id": None if is_ca(cert) else _node_id_of_cert(cert),
+        "node_id": None if is_ca(cert) else node_id_of_cert(cert),
         "coordinator": _coordinator_name_of_cert(cert),
         "role": _role(cert),
         "dns_names": dns_names,
@@ -116,7 +118,7 @@ def _role(cert: x509.Certificate) -> str | None:
         return "operator"
     if _coordinator_name_of_cert(cert) is not None:
         return "coordinator"
-    return "site" if _node_id_of_cert(cert) is not None else None
+    return "site" if node_id_of_cert(cert) is not None else None
 
 
 def _check_time(cert: x509.Certificate, path: Path, now: dt.datetime) -> None:
@@ -175,4 +177,4 @@ def check_pair(
             f"{key_path} does not match {cert_path} (key does not match the certificate); "
             "use the .key written next to that .pem"
         )
-    return (_coordinator_name_of_cert if coordinator else _node_id_of_cert)(site_cert)
+    return (_coordinator_name_of_cert if coordinator else node_id_of_cert)(site_cert)

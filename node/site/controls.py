@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from gossipd.node.net.metrics import NodeMetrics
 from gossipd.node.net.mqtt import MqttAgent, Presences
 from gossipd.node.shared.config import NodeConfig
+from gossipd.node.shared.tls import Material
 
 
 class Checkpoints(Protocol):
@@ -70,6 +72,7 @@ def start_mqtt(
     peers: Presences,
     controls: SiteControls,
     metrics: NodeMetrics,
+    material: Callable[[], Material | None],
 ) -> MqttAgent | None:
     """The site's MQTT agent, started; None when ``[mqtt]`` is not set."""
     if config.mqtt is None:
@@ -81,6 +84,7 @@ def start_mqtt(
         peers=peers,
         controls=controls,
         metrics=metrics,
+        material=material,
     )
     agent.start()
     return agent

@@ -258,6 +258,7 @@ class Site:
                 peers=self.network.peering,
                 controls=SiteControls(self.loop_thread.resumed, self.replica, self, stop),
                 metrics=self.metrics,
+                material=lambda: self.network.tls.material,
             )
             self._stop_from_thread = (asyncio.get_running_loop(), stop)
             self.loop_thread.start()
