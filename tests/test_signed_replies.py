@@ -24,11 +24,14 @@ from gossipd.node.shared.control_signing import (
 
 MESH = "m1"
 NONCE = "0123456789abcdef0123456789abcdef"
+# When the certificates were issued (valid for a year from then): set by ``ca_dir``, since
+# the suite may collect this module minutes before the fixture runs.
 NOW = time.time()
 
 
 @pytest.fixture(scope="module")
 def ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    global NOW
     directory = tmp_path_factory.mktemp("replies") / "ca"
     certs.init_ca(directory, mesh_id=MESH)
     for site in ("site-a", "site-b"):
@@ -37,6 +40,7 @@ def ca_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     other = directory.parent / "other"
     certs.init_ca(other, mesh_id=MESH)
     certs.issue("site-a", other)  # the same name from another CA
+    NOW = time.time()
     return directory
 
 
@@ -62,7 +66,7 @@ def _verifier(ca_dir: Path, **change: str) -> ReplyVerifier:
     return ReplyVerifier(load_cert(ca_dir / "ca.pem"), **{**fields, **change})
 
 
-def _unverified(ca_dir: Path, data: dict[str, Any], topic: str = "site-a", at: float = NOW) -> str:
+def _unverified(ca_dir: Path, data: dict[str, Any], topic: str, at: float) -> str:
     with pytest.raises(ReplyUnverified) as unverified:
         _verifier(ca_dir).check(topic, data, at)
     assert str(unverified.value).startswith(f"unverified ({unverified.value.reason}): ")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import aiomqtt
 
@@ -54,7 +54,9 @@ from gossipd.node.shared.control_signing import (
     sign_reply,
 )
 from gossipd.node.shared.rejections import RejectionLog
-from gossipd.node.shared.tls import Material
+
+if TYPE_CHECKING:
+    from gossipd.node.shared.tls import Material  # its grpc stays out of gossipd certs
 
 log = logging.getLogger(__name__)
 FIRST_RETRY_S = 0.5
