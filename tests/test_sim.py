@@ -97,11 +97,12 @@ def test_mixing_tracker_reproduces_every_merge_exactly() -> None:
     """P_k applied to the initial vectors gives the current vectors: the tracked product
     is the map the cores' pushes made, not an approximation of it."""
     sim = Simulation(SimSpec(protocol=ALL[0], nodes=24, rounds=6, predict=True))
+    payload = sim.payload
+    initial = payload.x[:24].copy()  # type: ignore[attr-defined]
     sim.run()
     assert sim.tracker is not None
-    payload = sim.payload
     for s, part in enumerate(payload.slices):  # type: ignore[attr-defined]
-        rebuilt = sim.tracker.p[s] @ payload.initial[:, part]  # type: ignore[attr-defined]
+        rebuilt = sim.tracker.p[s] @ initial[:, part]
         np.testing.assert_allclose(rebuilt, payload.x[:24, part], rtol=0, atol=1e-12)  # type: ignore[attr-defined]
 
 

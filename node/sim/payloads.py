@@ -95,19 +95,18 @@ class VectorPayload:
         for i in range(nodes):
             rng = np.random.default_rng(shared_seed("sim-vector", seed, i))
             self.x[i] = 1.0 + rng.standard_normal(dim)
+        self.nodes = nodes  # the founders, whose first vectors x̄ is the mean of
         self.mean0 = self.x[:nodes].mean(axis=0)
         self.norm0 = float(np.linalg.norm(self.mean0))
-        self.initial = self.x[:nodes].copy()
 
     def start_from(self, initial: np.ndarray) -> None:
         """Given initial vectors (one row per node) instead of seeded ones."""
-        nodes, dim = len(self.initial), self.x.shape[1]
+        nodes, dim = self.nodes, self.x.shape[1]
         if initial.shape != (nodes, dim):
             raise GossipdError(f"initial vectors have shape {initial.shape}, need {(nodes, dim)}")
         self.x[:nodes] = initial
         self.mean0 = initial.mean(axis=0)
         self.norm0 = float(np.linalg.norm(self.mean0))
-        self.initial = initial.copy()
 
     def add_node(self, index: int, bootstrap_from: int | None) -> None:
         """A joiner pulls a live node's model before it trains (it holds weight 0)."""
