@@ -59,6 +59,9 @@ def test_a_bad_presence_is_junk_with_its_reason(change: dict[str, Any], reason: 
         (json.dumps({"command": "pause"}).encode(), "bad_field"),
         (json.dumps({"command": ["pause"], "request_id": "r"}).encode(), "bad_field"),
         (json.dumps({"command": "pause", "request_id": "r" * 200}).encode(), "bad_field"),
+        # It goes back in a signed reply's one-line field (test_signed_replies.py).
+        (json.dumps({"command": "pause", "request_id": "r1\nn\nok\nd"}).encode(), "bad_field"),
+        (json.dumps({"command": "pause", "request_id": "r 1"}).encode(), "bad_field"),
         (json.dumps({"command": "format-disk", "request_id": "r"}).encode(), "unknown_command"),
     ],
 )
@@ -66,6 +69,8 @@ def test_a_bad_command_is_junk_with_its_reason(payload: bytes, reason: str) -> N
     with pytest.raises(Junk) as caught:
         parse_command(payload)
     assert caught.value.reason == reason
+    if reason == "bad_field":
+        assert caught.value.request_id is None  # not answered: no reply to carry it
 
 
 def test_an_unknown_command_can_still_be_answered() -> None:

@@ -151,3 +151,21 @@ def test_each_reply_that_is_not_this_sites_answer_to_this_command_is_not_believe
     ]
     for reason, data, topic, at in cases:
         assert _unverified(ca_dir, data, topic, at) == reason, (reason, topic)
+
+
+def test_no_reply_is_signed_whose_bytes_could_be_cut_into_another(ca_dir: Path) -> None:
+    """A site answers junk commands too, and the request id is the sender's. One holding
+    line feeds would put a refusal's signature over bytes that also read as an "ok" to
+    another command (its request id, its nonce): a reply that verifies. Nodes take no
+    such request id (test_mqtt_messages.py), and a reply cannot be built with one."""
+    refusal = {**_claim().payload(), "ok": False, "detail": "refused (unsigned): ..."}
+    recut = {**refusal, "request_id": f"r1\n{NONCE}\nok\ntraining pauses", "nonce": ""}
+    with pytest.raises(ValueError, match="line feed"):
+        ReplyClaim(**recut)
+    # What the signature would have covered, read as another reply: the same bytes.
+    forged = _claim(detail="training pauses\n\nrefused\nrefused (unsigned): ...")
+    assert forged.canonical() == (
+        b"gossipd-control-reply-v1\nm1\nsite-a\npause\n"
+        + recut["request_id"].encode()
+        + b"\n\nrefused\nrefused (unsigned): ...\n"
+    )

@@ -138,7 +138,7 @@ class MqttAgent:
         peers: Presences,
         controls: Controls,
         metrics: NodeMetrics,
-        material: Callable[[], Material | None] = lambda: None,
+        material: Callable[[], Material | None],
     ) -> None:
         """``peers`` takes another node's presence as a candidate; ``address`` and
         ``incarnation`` are this node's, as its handshake gives them; ``material`` its TLS

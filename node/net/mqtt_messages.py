@@ -28,6 +28,9 @@ from gossipd.node.shared.control_signing import COMMANDS
 
 MAX_PAYLOAD_BYTES = 4096
 MAX_REQUEST_ID = 128
+# A request id goes back in the signed reply's one-line field: no line feed, nothing a
+# reply's bytes could be re-cut at (control_signing's reply form).
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{0,{MAX_REQUEST_ID}}}")
 _ID = re.compile(r"[A-Za-z0-9._-]+")
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}")
 REASONS = (
@@ -161,10 +164,10 @@ def parse_presence(topics: Topics, topic_node: str, payload: bytes) -> Presence 
 def parse_command(payload: bytes) -> Command:
     data = _object(payload)
     request_id = data.get("request_id")
-    if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID:
+    if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id):
         raise Junk(
             "bad_field",
-            f"request_id must be a string of at most {MAX_REQUEST_ID} characters, "
+            f"request_id must be at most {MAX_REQUEST_ID} of [A-Za-z0-9._:-], "
             f"got {request_id!r:.60}",
         )
     command = data.get("command")

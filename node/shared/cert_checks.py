@@ -60,8 +60,8 @@ def _coordinator_name_of_cert(cert: x509.Certificate) -> str | None:
 
 
 def node_id_of_cert(cert: x509.Certificate) -> str | None:
-    """The node id a site certificate names; None for a CA's, an operator's or the
-    coordinator's (they never speak for a site)."""
+    """The node id a site certificate names; None for an operator's or the coordinator's
+    (they never speak for a site) and for one that names no valid node id (a CA's)."""
     dns = _dns_names(cert)
     if COORDINATOR_DNS_NAME in dns or operator_name_of(cert) is not None:
         return None  # the coordinator's and operators' certificates never speak for a site

@@ -384,6 +384,15 @@ class ReplyClaim:
     ok: bool
     detail: str
 
+    def __post_init__(self) -> None:
+        # A line feed in one of the seven one-line fields would let other fields be cut
+        # from the same bytes: a reply "refused" to a request id holding "\nNONCE\nok"
+        # would verify as an "ok" to that nonce's command.
+        lines = (self.mesh_id, self.node_id, self.command, self.request_id, self.nonce)
+        bad = next((v for v in lines if not isinstance(v, str) or "\n" in v), None)
+        if bad is not None:
+            raise ValueError(f"a reply's one-line field holds a line feed: {bad!r:.60}")
+
     def canonical(self) -> bytes:
         """The bytes the site signs (the block above)."""
         lines = (
