@@ -263,9 +263,9 @@ def test_gossipd_control_believes_only_replies_the_site_signed_for_this_command(
     forger.result(30.0)
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        "ghost: a reply was ignored, unverified (unsigned): it carries no signature: a site "
-        "without TLS (tls.insecure) has no key to sign with, and anyone who can publish on the "
-        "broker could have written it",
+        "ghost: a reply was ignored, unverified (unsigned): it carries no signature (a site "
+        "without TLS, tls.insecure, has no key to sign with, and one older than signed replies "
+        "signs none), so anyone who can publish on the broker could have written it",
         "ghost: a reply was ignored, unverified (wrong_node): it came on 'ghost''s reply topic "
         "saying it is from 'ghost', signed by 'mallory''s certificate: one site cannot answer "
         "for another",

@@ -238,8 +238,9 @@ def add_control_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "control",
         help="send a signed pause/resume/checkpoint/leave to sites over MQTT",
         description="Sign COMMAND with an operator certificate, publish it on the mesh's MQTT "
-        "control topic and print every site's reply; exit 1 if a site refused or did not "
-        "answer within --timeout-s.",
+        "control topic and print every site's reply, believing only replies the site signed "
+        "(checked against the mesh CA, --ca); exit 1 if a site refused or gave no such reply "
+        "within --timeout-s.",
     )
     p.add_argument("command", metavar="COMMAND", choices=COMMANDS, help=", ".join(COMMANDS))
     p.add_argument("--broker", required=True, help="HOST:PORT of the mesh's MQTT broker")

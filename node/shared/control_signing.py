@@ -457,8 +457,9 @@ class ReplyVerifier:
         if "signature" not in data and "cert" not in data:
             raise ReplyUnverified(
                 "unsigned",
-                "it carries no signature: a site without TLS (tls.insecure) has no key to "
-                "sign with, and anyone who can publish on the broker could have written it",
+                "it carries no signature (a site without TLS, tls.insecure, has no key to "
+                "sign with, and one older than signed replies signs none), so anyone who can "
+                "publish on the broker could have written it",
             )
         claim = _reply_claim(data)
         pem, signature = data.get("cert"), data.get("signature")
