@@ -34,7 +34,7 @@ import datetime as dt
 import heapq
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -109,7 +109,7 @@ class ControlClaim:
             str(self.issued_at),
             self.nonce,
         )
-        return "".join(f"{line}\n" for line in lines).encode()
+        return _lines(lines)
 
 
 def _first_bad_field(claim: ControlClaim) -> str | None:
@@ -151,19 +151,58 @@ def _parse(data: Mapping[str, Any]) -> tuple[ControlClaim, x509.Certificate, byt
         issued_at=data.get("issued_at"),
         nonce=data.get("nonce"),
     )
+    cert, signature = _cert_and_signature(data, lambda why: ControlRefused("bad_field", why))
+    return claim, cert, signature
+
+
+def _lines(lines: Iterable[str]) -> bytes:
+    """The signed bytes of a command or a reply: each field on its own line."""
+    return "".join(f"{line}\n" for line in lines).encode()
+
+
+def _cert_and_signature(
+    data: Mapping[str, Any], bad_field: Callable[[str], GossipdError]
+) -> tuple[x509.Certificate, bytes]:
+    """The certificate (PEM) and signature (base64 DER) a signed message carries; what
+    ``bad_field`` makes of the reason when either is malformed."""
     pem, signature = data.get("cert"), data.get("signature")
     if not isinstance(pem, str) or len(pem) > MAX_CERT_CHARS:
-        raise ControlRefused("bad_field", f"cert must be a PEM certificate, got {pem!r:.60}")
+        raise bad_field(f"cert must be a PEM certificate, got {pem!r:.60}")
     try:
         cert = x509.load_pem_x509_certificate(pem.encode())
     except ValueError as err:
-        raise ControlRefused("bad_field", f"cert is not a PEM certificate: {err}") from None
+        raise bad_field(f"cert is not a PEM certificate: {err}") from None
     if not isinstance(signature, str):
-        raise ControlRefused("bad_field", f"signature must be base64, got {signature!r:.60}")
+        raise bad_field(f"signature must be base64, got {signature!r:.60}")
     try:
-        return claim, cert, base64.b64decode(signature, validate=True)
+        return cert, base64.b64decode(signature, validate=True)
     except binascii.Error as err:
-        raise ControlRefused("bad_field", f"signature is not base64: {err}") from None
+        raise bad_field(f"signature is not base64: {err}") from None
+
+
+def _verifies(cert: x509.Certificate, signature: bytes, message: bytes) -> bool:
+    """Whether ``signature`` is ``cert``'s key's ECDSA (SHA-256) signature of ``message``."""
+    key = cert.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        return False
+    try:
+        key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _valid_at(cert: x509.Certificate, now_s: float) -> bool:
+    now = dt.datetime.fromtimestamp(now_s, dt.UTC)
+    return cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
 
 
 class NonceWindow:
@@ -242,36 +281,28 @@ class ControlVerifier:
             )
         claim, cert, signature = _parse(data)
         operator = self._check_signer(cert, now_s)
-        key = cert.public_key()
-        try:
-            if not isinstance(key, ec.EllipticCurvePublicKey):
-                raise InvalidSignature
-            key.verify(signature, claim.canonical(), ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature:
+        if not _verifies(cert, signature, claim.canonical()):
             raise ControlRefused(
                 "bad_signature",
                 f"the signature does not verify with operator {operator!r}'s certificate over "
                 "the command's fields (altered on the way, or other bytes signed); sign the "
                 "form of docs/mqtt.md, or send it with gossipd control",
-            ) from None
+            )
         self._check_claim(claim, operator, now_s)
         return operator
 
     def _check_signer(self, cert: x509.Certificate, now_s: float) -> str:
         assert self.ca is not None
         signer = cert.subject.rfc4514_string()
-        try:
-            cert.verify_directly_issued_by(self.ca)
-        except (ValueError, TypeError, InvalidSignature):
+        if not _issued_by(cert, self.ca):
             raise ControlRefused(
                 "other_ca",
                 f"its certificate {signer!r} (issuer {cert.issuer.rfc4514_string()!r}) is not "
                 f"signed by this mesh's CA {self.ca.subject.rfc4514_string()!r}; sign with an "
                 f"operator certificate of this mesh: {ISSUE_OPERATOR}",
-            ) from None
-        now = dt.datetime.fromtimestamp(now_s, dt.UTC)
+            )
         start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-        if not start <= now <= end:
+        if not _valid_at(cert, now_s):
             raise ControlRefused(
                 "cert_expired",
                 f"the certificate {signer!r} is valid from {start.isoformat()} to "
@@ -405,7 +436,7 @@ class ReplyClaim:
             "ok" if self.ok else "refused",
             self.detail,
         )
-        return "".join(f"{line}\n" for line in lines).encode()
+        return _lines(lines)
 
     def payload(self) -> dict[str, Any]:
         """The reply unsigned (a site without TLS has no key to sign it with)."""
@@ -462,16 +493,7 @@ class ReplyVerifier:
                 "publish on the broker could have written it",
             )
         claim = _reply_claim(data)
-        pem, signature = data.get("cert"), data.get("signature")
-        if not isinstance(pem, str) or len(pem) > MAX_CERT_CHARS:
-            raise ReplyUnverified("bad_field", f"cert must be a PEM certificate, got {pem!r:.60}")
-        if not isinstance(signature, str):
-            raise ReplyUnverified("bad_field", f"signature must be base64, got {signature!r:.60}")
-        try:
-            cert = x509.load_pem_x509_certificate(pem.encode())
-            signed = base64.b64decode(signature, validate=True)
-        except (ValueError, binascii.Error) as err:
-            raise ReplyUnverified("bad_field", f"cert or signature unreadable: {err}") from None
+        cert, signed = _cert_and_signature(data, lambda why: ReplyUnverified("bad_field", why))
         signer = self._signer(cert, now_s)
         if signer != node_id or claim.node_id != node_id:
             raise ReplyUnverified(
@@ -479,17 +501,12 @@ class ReplyVerifier:
                 f"it came on {node_id!r}'s reply topic saying it is from {claim.node_id!r}, "
                 f"signed by {signer!r}'s certificate: one site cannot answer for another",
             )
-        key = cert.public_key()
-        try:
-            if not isinstance(key, ec.EllipticCurvePublicKey):
-                raise InvalidSignature
-            key.verify(signed, claim.canonical(), ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature:
+        if not _verifies(cert, signed, claim.canonical()):
             raise ReplyUnverified(
                 "bad_signature",
                 f"the signature does not verify with {signer!r}'s certificate over the "
                 "reply's fields (altered on the way)",
-            ) from None
+            )
         asked = (self.mesh_id, self.command, self.request_id, self.nonce)
         answered = (claim.mesh_id, claim.command, claim.request_id, claim.nonce)
         if answered != asked:
@@ -503,16 +520,13 @@ class ReplyVerifier:
 
     def _signer(self, cert: x509.Certificate, now_s: float) -> str:
         subject = cert.subject.rfc4514_string()
-        try:
-            cert.verify_directly_issued_by(self.ca)
-        except (ValueError, TypeError, InvalidSignature):
+        if not _issued_by(cert, self.ca):
             raise ReplyUnverified(
                 "other_ca",
                 f"its certificate {subject!r} is not signed by the mesh CA "
                 f"{self.ca.subject.rfc4514_string()!r} given with --ca",
-            ) from None
-        now = dt.datetime.fromtimestamp(now_s, dt.UTC)
-        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+            )
+        if not _valid_at(cert, now_s):
             raise ReplyUnverified(
                 "cert_expired",
                 f"its certificate {subject!r} is valid from "
