@@ -97,6 +97,22 @@ def test_the_factor_shrinks_only_outside_the_band_and_never_past_its_least() -> 
     assert WeightBalance(1, enabled=False).factor(0, 0.0) == 1.0
 
 
+@pytest.mark.parametrize("crumb", [1e-300, 1e-12])
+def test_a_share_of_crumbs_moves_the_factor_as_far_as_its_range_and_no_error(crumb: float) -> None:
+    """Peers reporting crumbs (a mesh a sink drained, or liars): the share is about 1e-300
+    and the mean held 1, so the factor's exponent was 1e298 and ``math.exp`` raised
+    OverflowError in the trainer's push: a pushsum-expgraph site stopped so, before the
+    credit, once a sink had drained its mesh. Now the push goes, at the largest factor."""
+    balance = WeightBalance(1, enabled=True)
+    for peer in range(REPORTERS):
+        balance.heard(f"p{peer}", 0, crumb)
+    balance.factors[0] = LEAST_FACTOR
+    assert balance.factor(0, crumb) == pytest.approx(1.0)  # the mean held, about 1, is far over
+    for peer in range(REPORTERS):
+        balance.heard(f"p{peer}", 0, 1e300)  # clamped to the lie room: the share stays finite
+    assert LEAST_FACTOR <= balance.factor(0, crumb) <= 1.0
+
+
 def test_a_leaving_node_hands_off_everything_whatever_its_factor() -> None:
     h, _ = _two_speeds("sumweight", True)
     fast, slow = h.ids
@@ -130,7 +146,8 @@ def test_what_a_peer_reports_is_its_weight_before_the_push() -> None:
     """A report is the receiver's weight after the merge less what the push brought,
     clamped to the weight cap: 1e30 and inf count as the cap, a negative report as 0,
     NaN as nothing."""
-    h = Harness("pushsum-expgraph", 4, segments=1)
+    # The credit off: only this core pushes, so nothing comes back along its edges.
+    h = Harness("pushsum-expgraph", 4, segments=1, peer_credit=math.inf)
     core = h.cores[h.ids[0]]
     cap = core.weight_cap
     for step, reported in enumerate((1.5, 1e30, math.inf, -5.0, math.nan)):

@@ -32,7 +32,7 @@ hundredth of their size.
 
 On by default in every protocol with weights (``gossip.weight_balance``). The per-peer
 credit (:mod:`.credit`) bounds what one peer holds of this node's weight, not how
-weight follows speed across many sites, and the directed protocols have no credit.
+weight follows speed across many sites.
 What a peer could do to it, and what bounds that (the ledger's ``hear_receiver``):
 
 * Lie in its acknowledgements. Each report in the share's mean is clamped to a
@@ -57,6 +57,7 @@ AVERAGE_PUSHES = 50  # the held weight is averaged over about this many pushes
 DEAD_BAND = 0.3  # a mean within this fraction of the share leaves the factor alone
 GAIN = 0.05  # per push, the factor changes by exp(GAIN × how far the mean is from the share)
 LEAST_FACTOR = 0.01  # a site 100 times faster than the slowest is balanced; faster, nearly
+MOST_EXPONENT = -math.log(LEAST_FACTOR)  # one push never moves a factor further than this
 # The share averages the latest reports of this many peers, the most recent reporters: a
 # sample of the mesh, and what bounds the balance's memory in a simulated million nodes.
 REPORTERS = 8
@@ -120,6 +121,10 @@ class WeightBalance:
         share = self.share(segment, held)
         off = (mean - share) / share if share > 0 else 0.0
         if abs(off) > DEAD_BAND:
-            moved = self.factors[segment] * math.exp(GAIN * off)
+            # Clamped to the widest move the factor's range allows: a share of 1e-300 (a
+            # mesh a sink drained, or peers reporting crumbs) overflowed exp and stopped
+            # the site's trainer.
+            exponent = max(-MOST_EXPONENT, min(MOST_EXPONENT, GAIN * off))
+            moved = self.factors[segment] * math.exp(exponent)
             self.factors[segment] = min(1.0, max(LEAST_FACTOR, moved))
         return self.factors[segment]
