@@ -38,12 +38,16 @@ T = TypeVar("T")
 
 
 class Member(ABC):
-    """A member with a valid certificate for ``node_id``; subclasses decide how it misbehaves."""
+    """A member with a valid certificate for ``node_id``, speaking ``protocol`` as the mesh
+    does (a daemon refuses a member of another); subclasses decide how it misbehaves."""
 
-    def __init__(self, node_id: str, tls: Credentials, *, incarnation: int = 1) -> None:
+    def __init__(
+        self, node_id: str, tls: Credentials, *, incarnation: int = 1, protocol: str = "sumweight"
+    ) -> None:
         self.node_id = node_id
         self.tls = tls
         self.incarnation = incarnation
+        self.protocol = protocol
         plan = synthetic_plan()
         self.fingerprint = plan.fingerprint
         self.numel = plan.segments[0].numel
@@ -75,7 +79,7 @@ class Member(ABC):
                 node=self.info(),
                 fingerprint=self.fingerprint,
                 step=0,
-                protocol="sumweight",
+                protocol=self.protocol,
             )
 
         async def peers(request: pb.PeersRequest, context: Any) -> pb.PeersReply:
@@ -114,7 +118,7 @@ class Member(ABC):
             mesh_id=MESH,
             node=self.info(),
             fingerprint=self.fingerprint,
-            protocol="sumweight",
+            protocol=self.protocol,
         )
 
         async def call() -> None:

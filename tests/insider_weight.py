@@ -30,12 +30,18 @@ class WeightInsider(Member):
     push, so the honest sites keep their weight among themselves) and can push any weight."""
 
     def __init__(
-        self, node_id: str, tls: Credentials, *, incarnation: int = 1, sink: bool = True
+        self,
+        node_id: str,
+        tls: Credentials,
+        *,
+        incarnation: int = 1,
+        sink: bool = True,
+        protocol: str = "sumweight",
     ) -> None:
         self.sink = sink
         self.pushes_taken: Counter[str] = Counter()  # pushes acknowledged, by sender
         self.weight_taken: Counter[str] = Counter()  # Σ sum-weight they carried, by sender
-        super().__init__(node_id, tls, incarnation=incarnation)
+        super().__init__(node_id, tls, incarnation=incarnation, protocol=protocol)
 
     async def on_push(self, request_iterator: Any, context: Any) -> pb.PushReply:
         if not self.sink:

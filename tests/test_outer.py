@@ -116,26 +116,27 @@ def _burst(nodes: int, heard: dict[int, str] | None = None, steps: int = 40) -> 
 
 
 def test_each_sub_round_goes_once_the_last_one_merged_and_the_outer_step_after() -> None:
-    # N = 4, n0 of rank 0: sub-round 0 to n1 at the burst (step 10), sub-round 1 to n2 the
-    # step after n3's sub-round-0 push merged, the outer step the step after n2's merged.
-    heard = {12: "n3", 15: "n2", 23: "n3", 24: "n2"}
+    # N = 4, n0 of rank 0. Burst 1 (odd: backward) sends sub-round 0 to n3 at step 10 and
+    # sub-round 1 to n2 the step after n1's sub-round-0 push merged, the outer step the
+    # step after n2's merged; burst 2 (forward) the same to n1 and n2, paced by n3 and n2.
+    heard = {12: "n1", 15: "n2", 23: "n3", 24: "n2"}
     assert _burst(4, heard, steps=39) == [
-        (10, "n1"),
+        (10, "n3"),
         (13, "n2"),
         (16, "outer"),
         (20, "n1"),
         (24, "n2"),
         (25, "outer"),
-        (30, "n1"),
+        (30, "n3"),
         (34, "n2"),  # nothing merged: each sub-round waits W = ⌊(K′ − 1)/R⌋ = 4 steps,
     ]  # and no outer step on a burst whose pushes did not all merge here: a plain average
-    # n1 pushes to n2 and n3, never to n0: its pushes here pace no sub-round.
-    assert _burst(4, {11: "n1", 12: "n1"}, steps=19) == [(10, "n1"), (14, "n2")]
+    # In a backward burst n3 pushes to n2 and n1, never to n0: its pushes pace no sub-round.
+    assert _burst(4, {11: "n3", 12: "n3"}, steps=19) == [(10, "n3"), (14, "n2")]
     # N = 8: R = 3 sub-rounds of W = 3 steps at most; the outer step once all merged.
-    assert _burst(8, steps=19) == [(10, "n1"), (13, "n2"), (16, "n4")]
-    assert _burst(8, {10: "n7", 11: "n6", 12: "n4"}, steps=19) == [
-        (10, "n1"),
-        (11, "n2"),
+    assert _burst(8, steps=19) == [(10, "n7"), (13, "n6"), (16, "n4")]
+    assert _burst(8, {10: "n1", 11: "n2", 12: "n4"}, steps=19) == [
+        (10, "n7"),
+        (11, "n6"),
         (12, "n4"),
         (13, "outer"),
     ]
@@ -216,12 +217,13 @@ def test_a_site_that_merges_a_later_burst_catches_up_and_keeps_its_own_period_af
             arrival = PayloadArrived("n3", 1, step, late, {0: 0.5, 1: 0.5})
             core.handle(arrival)
             core.handle(PayloadMerged(arrival))
-    assert [(s, p) for s, p in pushes.items() if p[0] == "n1"] == [
-        (10, ("n1", 1)),
+    # Sub-round 0 goes to n3 in a burst of odd round (backward), to n1 in an even one.
+    assert [(s, p) for s, p in pushes.items() if p[0] != "n2"] == [
+        (10, ("n3", 1)),
         (20, ("n1", 2)),
-        (24, ("n1", 5)),  # caught up: sub-round 0 of burst 5 at once
+        (24, ("n3", 5)),  # caught up: sub-round 0 of burst 5 at once
         (34, ("n1", 6)),  # then every K′ steps from there, as n3 does
-        (44, ("n1", 7)),
+        (44, ("n3", 7)),
     ]
 
 

@@ -105,15 +105,18 @@ def test_crossover_round_steps_push_only_at_round_starts() -> None:
 # Push-sum on the exponential graph; shuffle-exchange groups; PerSyn bursts
 # ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 3, 5, 12, 16, 33])
-def test_pushsum_expgraph_pushes_half_to_rank_plus_power_of_two(n: int) -> None:
+def test_pushsum_expgraph_pushes_half_to_rank_plus_then_minus_power_of_two(n: int) -> None:
+    """Forward in even cycles of m iterations, backward in odd ones, and every half push
+    fits the protocol's default credit whole (so the average stays exact)."""
     h = Harness("pushsum-expgraph", n, segments=2)
     m = ceil_log2(n)
-    for k in range(2 * m + 1):
+    for k in range(4 * m + 1):
         pushes = h.step(k)
         assert len(pushes) == n
+        sign = -1 if (k // m) % 2 else 1
         for i, node in enumerate(h.ids):
             (push,) = [p for sender, p in pushes if sender == node]
-            assert push.peer == h.ids[(i + 2 ** (k % m)) % n]
+            assert push.peer == h.ids[(i + sign * 2 ** (k % m)) % n]
             assert push.weights == {0: 0.5, 1: 0.5}
         h.exchange()
 

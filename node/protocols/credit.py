@@ -29,8 +29,9 @@ take`` absorbs what the two books disagree by after a restart from a checkpoint.
 Honest peers do hit ``take``: the net weight of one edge is a random walk (weight can
 go round a cycle of three sites for ever). Then this node pushes to another peer, or
 pushes less: the simulator measures what that costs the mixing (tests/test_credit_sim.py).
-A protocol that pushes along a fixed directed graph returns nothing along an edge, so
-every honest edge would run out: it keeps no book (``take`` and ``bring`` are inf).
+The protocols of the exponential graph (:mod:`.pushsum_expgraph`, :mod:`.persyn`) turn
+its direction every cycle, so weight comes back along every edge it left by; their
+default credit is :data:`HALF_PUSH_CREDIT`, the half push their exact average needs.
 
 Pure: no clock, no I/O; the simulator drives it through the same cores.
 """
@@ -51,6 +52,10 @@ NETS_KEPT = 1024
 # limits.peer_credit's default: a sink ends with at most a third of each honest site's
 # founding weight, so the honest sites keep two thirds of theirs.
 DEFAULT_CREDIT = 1 / 3
+# Its default for the protocols that average exactly along the exponential graph
+# (pushsum-expgraph, persyn): a half push at weight 1 is 1/2 along one edge, and one cut
+# to 1/3 no longer averages (64 nodes: 0.11 after two persyn bursts instead of 2.5e-16).
+HALF_PUSH_CREDIT = 1 / 2
 # What a leaving site owns that it did not take: a founding member's weight.
 FOUNDING_WEIGHT = 1.0
 # A net this close to the credit (relatively) holds all of it: sums of pushes cut to the
@@ -76,7 +81,7 @@ class PeerCredit:
     on: bool = field(init=False)  # whether there is a book: read at every push and payload
 
     def __post_init__(self) -> None:
-        if not self.take > 0:  # inf: no book (a directed protocol, or the credit off)
+        if not self.take > 0:  # inf: no book (the credit off)
             raise ValueError(f"peer credit must be > 0, got {self.take}")
         if not self.nets:
             self.nets = [{} for _ in range(self.segments)]
@@ -139,7 +144,9 @@ class PeerCredit:
         return all(nets.get(peer, 0.0) >= least for nets in self.nets)
 
     def state(self) -> dict[str, list[float]]:
-        peers = dict.fromkeys(p for nets in self.nets for p in nets)
+        """Every peer's nets, but those all 0 (weight that went back along its edge): the
+        same book :meth:`restore` rebuilds."""
+        peers = dict.fromkeys(p for nets in self.nets for p, net in nets.items() if net)
         return {p: [nets.get(p, 0.0) for nets in self.nets] for p in peers}
 
     def restore(self, nets: Mapping[str, Any]) -> None:

@@ -77,7 +77,7 @@ from gossipd.node.protocols.base import (
     ViewChanged,
     ranked,
 )
-from gossipd.node.protocols.credit import PeerCredit
+from gossipd.node.protocols.credit import DEFAULT_CREDIT, PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.reservations import Reservations
 from gossipd.node.protocols.sequences import DEDUP_WINDOW, Numberings, Windows
@@ -99,12 +99,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
     merging, is handled here identically for every protocol.
     """
 
-    # Whether an honest peer returns, over time, about the weight it takes from this node
-    # (the sink watch assumes it). True where a node picks its peers at random or swaps
-    # with a whole group; a protocol that pushes along a fixed directed graph sends each
-    # out-neighbour weight that comes back only by way of other nodes, so every honest
-    # out-neighbour would look like a sink: it sets this False and has no sink watch.
-    returns_weight_per_peer: ClassVar[bool] = True
+    # limits.peer_credit when it is not set: what a protocol's honest pushes need along one
+    # edge, and no more (:mod:`.credit`).
+    default_peer_credit: ClassVar[float] = DEFAULT_CREDIT
 
     def __init__(
         self,
@@ -118,14 +115,15 @@ class SumWeightLedger(Reservations, GossipProtocol):
         max_weight: float | None = math.inf,
         sink_bound: float = 6.0,
         sink_allowance: float = 0.5,
-        peer_credit: float = math.inf,
+        peer_credit: float | None = math.inf,
         weight_balance: bool = False,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
         ``sink_bound`` and ``sink_allowance``: when a peer is suspected of sinking weight
         (:mod:`.sinks`); ``peer_credit``: the most of this node's weight a peer may hold
-        (:mod:`.credit`; inf: unbounded); ``weight_balance``: whether pushes are scaled so a
+        (:mod:`.credit`; inf: unbounded; None: the protocol's :attr:`default_peer_credit`,
+        the daemon's default); ``weight_balance``: whether pushes are scaled so a
         site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
         a core built bare pushes its paper's shares; on in the daemon's and the
         simulator's settings)."""
@@ -149,12 +147,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.numberings = Numberings()  # of this node's pushes, per receiver
         self.windows = Windows()  # what this node merged, per sender numbering
         self.exchanged = ExchangedBook()
-        self.sinks = SinkWatch(
-            sink_bound if self.returns_weight_per_peer else math.inf, sink_allowance
-        )
-        self.credit = PeerCredit(
-            peer_credit if self.returns_weight_per_peer else math.inf, num_segments
-        )
+        self.sinks = SinkWatch(sink_bound, sink_allowance)
+        credit = self.default_peer_credit if peer_credit is None else peer_credit
+        self.credit = PeerCredit(credit, num_segments)
         self._shares: dict[tuple[str, int], tuple[float, ...]] = {}  # push -> share per segment
         # Peers passed over for want of credit (Reservations.passed_over): this node's pushes
         # settled since they were, or since their last merge.
@@ -237,8 +232,16 @@ class SumWeightLedger(Reservations, GossipProtocol):
         says so; this only names it (an honest peer pushes to this node well within that
         many)."""
         patience = SILENT_PUSHES_PER_PEER * max(len(self.peers), 1)
-        silent = {p for p, n in self._silent.items() if n >= patience and p in self.peers}
+        silent = {p for p, n in self._silent.items() if n >= patience and self.exchanges_with(p)}
         return self.sinks.sinks() | silent
+
+    def exchanges_with(self, peer: str) -> bool:
+        """Whether this node and ``peer`` push to each other in the current view: every two
+        members do, unless the protocol pushes along a graph. A peer that does not cannot
+        give weight back, so its silence is not held against it (:meth:`suspected_sinks`):
+        on the exponential graph, a join that shifted the ranks left honest peers holding
+        this node's credit with no edge back, and named them sinks."""
+        return peer in self.peers
 
     def receipts(self, sender: str, sequences: int | None = None) -> list[Receipts]:
         # Limited before the pairs are listed: a whole window is 4,096 sequences of every

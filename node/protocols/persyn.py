@@ -70,9 +70,15 @@ from gossipd.node.protocols.base import (
     TimerFired,
     TrainingEnded,
 )
+from gossipd.node.protocols.credit import HALF_PUSH_CREDIT
 from gossipd.node.protocols.ledger import SumWeightLedger
 from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
-from gossipd.node.protocols.topology import ceil_log2, exponential_peer
+from gossipd.node.protocols.topology import (
+    ceil_log2,
+    cycle_backward,
+    exponential_neighbours,
+    exponential_peer,
+)
 
 DEFAULT_STEP_TIME_S = 0.1
 # Weight of the newest step time in the moving average: a few steps settle it, and
@@ -140,9 +146,7 @@ def burst_start(round_: int, average_every_steps: int, epoch_steps: int = 0) -> 
 
 class PerSyn(SumWeightLedger):
     name = "persyn"
-    # Pushes go along the exponential graph: rank i sends to i + 2^k and hears from
-    # i - 2^k, so an honest out-neighbour returns nothing directly (see the ledger).
-    returns_weight_per_peer = False
+    default_peer_credit = HALF_PUSH_CREDIT  # its exact average needs whole half pushes
     Settings = PerSynSettings
 
     @classmethod
@@ -190,16 +194,21 @@ class PerSyn(SumWeightLedger):
         self._outer_round = 0  # the round of the last outer step
 
     def exchange(self, sub_round: int) -> list[Push]:
-        """Sub-round ``sub_round`` of a burst: half of everything to rank + 2^sub_round."""
+        """Sub-round ``sub_round`` of this round's burst: half of everything to rank ±
+        2^sub_round."""
         n = len(self.view.members)
         if n < 2 or sub_round >= ceil_log2(n):
             return []
         rank = self.view.rank_of[self.node_id]
-        peer = self.view.members[exponential_peer(rank, n, sub_round)]
+        backward = cycle_backward(self.round)
+        peer = self.view.members[exponential_peer(rank, n, sub_round, backward)]
         if not self.can_push(peer):
             return []  # busy: the weight stays here this sub-round
         push = self.push_share(peer, 0.5)
         return [push] if push else []
+
+    def exchanges_with(self, peer: str) -> bool:
+        return exponential_neighbours(self.view, self.node_id, peer)
 
     def handle(self, event: Event) -> list[Action]:
         actions = super().handle(event)
@@ -224,8 +233,9 @@ class PerSyn(SumWeightLedger):
             if start - (self._step + self._lead) > self._half_period:
                 self._lead = start - 1 - self._step  # the burst starts at the next step
         me = self.view.rank_of[self.node_id]
+        backward = cycle_backward(payload.round)  # the direction its sender's burst went
         for sub_round in range(ceil_log2(n)):
-            if exponential_peer(rank, n, sub_round) == me:
+            if exponential_peer(rank, n, sub_round, backward) == me:
                 self._heard_at[sub_round] = self._step + self._lead
 
     def _position(self, step: int) -> tuple[int, int]:

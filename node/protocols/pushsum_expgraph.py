@@ -2,7 +2,16 @@
 
 At iteration k = step // round_steps (one push per iteration, at the step that
 starts it), the node of rank i pushes half its mass, every segment, to rank
-(i + 2^(k mod m)) mod N, with m = ⌈log2 N⌉ and ranks taken from the current view.
+(i ± 2^(k mod m)) mod N, with m = ⌈log2 N⌉ and ranks taken from the current view:
++ in cycle c = k // m when c is even, − when it is odd.
+
+Why the turn (not in SGP): along a graph that only goes forward, an honest
+out-neighbour never sends weight back, so a member that takes every push and returns
+nothing (a sink) looks like any honest peer and takes the mesh's weight. Turning the
+direction every cycle sends weight back along every edge it took, so the per-peer
+credit and the sink watch of the ledger apply as they do to the undirected protocols;
+each cycle is still the same product of m matrices (see
+:func:`~gossipd.node.protocols.topology.exponential_peer`).
 
 Why the ceiling: SGP writes log2 N because it assumes N is a power of two; then
 the shifts are 1, 2, …, N/2 and this is exactly the directed exponential graph,
@@ -27,9 +36,15 @@ from typing import Any
 from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
+from gossipd.node.protocols.credit import HALF_PUSH_CREDIT
 from gossipd.node.protocols.ledger import SumWeightLedger
 from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
-from gossipd.node.protocols.topology import exponential_peer
+from gossipd.node.protocols.topology import (
+    ceil_log2,
+    cycle_backward,
+    exponential_neighbours,
+    exponential_peer,
+)
 
 
 class PushSumExpGraphSettings(ProtocolSettings):
@@ -42,9 +57,7 @@ class PushSumExpGraphSettings(ProtocolSettings):
 
 class PushSumExpGraph(SumWeightLedger):
     name = "pushsum-expgraph"
-    # Pushes go along the exponential graph: rank i sends to i + 2^k and hears from
-    # i - 2^k, so an honest out-neighbour returns nothing directly (see the ledger).
-    returns_weight_per_peer = False
+    default_peer_credit = HALF_PUSH_CREDIT  # its exact average needs whole half pushes
     Settings = PushSumExpGraphSettings
 
     @classmethod
@@ -71,7 +84,11 @@ class PushSumExpGraph(SumWeightLedger):
         if n < 2:
             return None
         rank = self.view.rank_of[self.node_id]
-        return self.view.members[exponential_peer(rank, n, self.round)]
+        backward = cycle_backward(self.round // ceil_log2(n))
+        return self.view.members[exponential_peer(rank, n, self.round, backward)]
+
+    def exchanges_with(self, peer: str) -> bool:
+        return exponential_neighbours(self.view, self.node_id, peer)
 
     def on_step(self, event: StepEnded) -> Iterable[Push]:
         self.round = event.step // self.round_steps

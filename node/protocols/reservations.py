@@ -57,6 +57,8 @@ class Reservations:
         @property
         def peers(self) -> AbstractSet[str]: ...
 
+        def exchanges_with(self, peer: str) -> bool: ...
+
         @property
         def rng(self) -> random.Random: ...
 
@@ -238,7 +240,8 @@ class Reservations:
             taken = sum(f for s, f in zip(push.weights, shares, strict=False) if s in acked)
             self.sinks.sent(push.peer, taken / len(self.weights))
             for peer in self._silent:
-                self._silent[peer] += 1
+                if self.exchanges_with(peer):  # silence counts only where weight could come
+                    self._silent[peer] += 1
             if self.passed_over(push.peer):
                 self._silent.setdefault(push.peer, 0)  # at most one per peer with a net kept
         return folds

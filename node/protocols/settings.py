@@ -19,8 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gossipd.node.protocols.credit import DEFAULT_CREDIT
-
 
 class ProtocolSettings(BaseModel):
     """A protocol's own settings, one ``[gossip.<protocol>]`` table: unknown keys are refused."""
@@ -48,7 +46,7 @@ class CoreSettings:
     max_weight: float | None = None  # None: the number of founding members (largest view)
     sink_bound: float = 6.0
     sink_allowance: float = 0.5
-    peer_credit: float = DEFAULT_CREDIT  # limits.peer_credit
+    peer_credit: float | None = None  # limits.peer_credit; None: the protocol's default
     weight_balance: bool = True
     # A coordinator schedules this node's pulls (a core that schedules asks it with
     # AskPeer, and schedules alone while it cannot answer); False: decentralized.

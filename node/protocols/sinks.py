@@ -55,7 +55,7 @@ class SinkWatch:
     scores: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.bound > 0:  # inf: no peer is ever suspected (a directed protocol)
+        if not self.bound > 0:  # inf: no peer is ever suspected
             raise ValueError(f"sink bound must be > 0, got {self.bound}")
         if not 0 <= self.allowance < 1:
             raise ValueError(f"sink allowance must be in [0, 1), got {self.allowance}")

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from gossipd.node.protocols.base import shared_seed
+from gossipd.node.protocols.base import View, shared_seed
 
 # One round's maps for every segment, for several rounds in flight at once (a
 # simulator's nodes are not all in the same round). A map of 10,000 ranks is a
@@ -71,16 +71,42 @@ def ceil_log2(n: int) -> int:
     return (n - 1).bit_length()
 
 
-def exponential_peer(rank: int, n: int, k: int) -> int:
-    """Rank (rank + 2^(k mod m)) mod n, m = ⌈log2 n⌉: the directed exponential graph.
+def exponential_peer(rank: int, n: int, k: int, backward: bool = False) -> int:
+    """Rank (rank ± 2^(k mod m)) mod n, m = ⌈log2 n⌉: the exponential graph, forward
+    (+) or ``backward`` (−).
 
     The shifts 1, 2, …, 2^(m−1) are all below n, so there is never a self-edge,
     and sums of distinct shifts reach every offset 0..2^m − 1 ⊇ 0..n − 1, so any
-    m consecutive iterations carry every node's mass to every other node.
+    m consecutive iterations carry every node's mass to every other node. That holds
+    whatever the sign of each shift: two subsets of signed shifts first differ at some
+    2^j, and differ by 2^j times an odd number, never a multiple of 2^m, so the m
+    iterations of a cycle reach every offset once even if the direction turns within
+    them. Hence the protocols turn it every cycle (:func:`cycle_backward`): the edge
+    i → i + 2^k of one cycle is i + 2^k → i in the next, so a peer's weight comes back
+    to it along the edge it left by, and a peer that never sends any back is a sink
+    (:mod:`.sinks`), as with the undirected protocols.
     """
     if n < 2:
         raise ValueError(f"an exponential graph needs at least 2 ranks, got {n}")
-    return (rank + (1 << (k % ceil_log2(n)))) % n
+    shift = 1 << (k % ceil_log2(n))
+    return (rank - shift if backward else rank + shift) % n
+
+
+def exponential_neighbours(view: View, a: str, b: str) -> bool:
+    """Whether members ``a`` and ``b`` of ``view`` are joined by an edge of its exponential
+    graph (one is the other ± a power of two below the number of members, modulo it): the
+    pairs that push to each other, one way in one cycle, the other in the next."""
+    if a not in view.rank_of or b not in view.rank_of or a == b:
+        return False
+    n = len(view.members)
+    d = (view.rank_of[b] - view.rank_of[a]) % n
+    return d & (d - 1) == 0 or (n - d) & (n - d - 1) == 0
+
+
+def cycle_backward(cycle: int) -> bool:
+    """Whether the exponential graph's ``cycle``-th cycle (m iterations, or one burst of
+    sub-rounds) runs backward: every other one does."""
+    return cycle % 2 == 1
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gossipd.node.protocols.credit import DEFAULT_CREDIT
-
 
 def check_address(value: str) -> str:
     """``value`` if it is HOST:PORT with a port in 0..65535 (the coordinator's config and
@@ -75,13 +73,14 @@ class LimitsConfig(_Section):
         lt=1,
         description="drift allowed per exchange in the sink score (higher: slower to suspect)",
     )
-    peer_credit: float = Field(
-        DEFAULT_CREDIT,
+    peer_credit: float | None = Field(
+        None,
         gt=0,
         description="the most sum-weight (per segment) one peer may hold of this node's, net: "
         "pushes are cut to it, so a sink takes at most this from each site; a peer may bring "
         "at most what it took plus this plus 1 (a leaving site's own weight), more is refused "
-        "(OverCredit); inf: unbounded",
+        "(OverCredit); unset: 1/3, or 1/2 for pushsum-expgraph and persyn (their exact "
+        "average needs whole half pushes); inf: unbounded",
     )
     max_inbound_pushes: int = Field(
         128, ge=1, description="inbound push streams at once (a push uses up to 4)"

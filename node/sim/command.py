@@ -20,7 +20,6 @@ from pydantic import ValidationError
 
 from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import PROTOCOLS, protocol_settings, settings_class
-from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.settings import explain
 from gossipd.node.sim.output import Progress, plot_result, print_table
 from gossipd.node.sim.scenarios import SCENARIOS, load_scenario, parse_fault
@@ -108,8 +107,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--peer-credit",
         "the most of a node's weight one peer may hold, net, per segment (the daemon's "
-        "limits.peer_credit, default 1/3); inf: the protocols' shares as published",
-        {"type": float, "default": DEFAULT_CREDIT},
+        "limits.peer_credit); inf: the protocols' shares as published",
+        {"type": float, "default": None},
+        shown_default="the protocol's: 1/3, or 1/2 for pushsum-expgraph and persyn",
     ),
     Flag(
         "--codec",

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from gossipd.node.protocols import CoreSettings, settings_class
 from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
-from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.topology import ceil_log2
 from gossipd.node.sim import memory
 from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
@@ -42,7 +41,8 @@ class SimSpec:
     round_steps: int = 1  # also the protocol's round_steps, if it has one and options do not
     max_in_flight: int = 0  # 0: enough for one round of any protocol, max(4, S, ⌈√N⌉ + 2)
     weight_balance: bool = True  # pushes scaled so a site's weight does not follow its speed
-    peer_credit: float = DEFAULT_CREDIT  # the most of a node's weight one peer may hold
+    # The most of a node's weight one peer may hold; None: the protocol's default.
+    peer_credit: float | None = None
     codec: str = "raw"  # how pushed segments travel (gossip.codec)
     error_feedback: bool = False  # differences from shared copies (gossip.error_feedback)
     feedback_peers: int = 8  # peers whose copies a node keeps (gossip.feedback_peers)
