@@ -254,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the config's, 10)",
     )
     p.add_argument(
+        "--peer-credit",
+        type=float,
+        default=None,
+        help="limits.peer_credit of every gossip site, over 0; inf turns the credit off "
+        "(default: the protocol's, 1/3, or 1/2 for pushsum-expgraph and persyn)",
+    )
+    p.add_argument(
         "--codecs",
         default="raw",
         help="comma-separated gossip.codec values each gossip protocol runs with, in order; "
@@ -385,6 +392,10 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         raise ConfigError(
             f"--clip-factor {args.clip_factor:g}: give a factor over 0, or inf for no clip"
         )
+    if args.peer_credit is not None and not args.peer_credit > 0:
+        raise ConfigError(
+            f"--peer-credit {args.peer_credit:g}: give a credit over 0, or inf for no credit"
+        )
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
     site_ranks = _site_ranks(args.site_ranks, args.sites)
@@ -402,6 +413,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         cpu_share=args.cpu_share,
         weight_balance=args.weight_balance,
         clip_factor=args.clip_factor,
+        peer_credit=args.peer_credit,
         persyn_outer=args.persyn_outer,
         site_ranks=site_ranks,
         seed=args.seed,
@@ -442,6 +454,7 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         "cpu_share": args.cpu_share,
         "weight_balance": args.weight_balance,
         "clip_factor": args.clip_factor,
+        "peer_credit": args.peer_credit,
         "codecs": codecs,
         "persyn_outer": args.persyn_outer,
         "site_ranks": list(site_ranks),

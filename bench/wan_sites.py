@@ -61,6 +61,7 @@ class WanSpec:
     cpu_share: float | None = None  # [gossip] cpu_share of the gossip sites; None: default
     weight_balance: bool = True  # [gossip] weight_balance of the gossip sites
     clip_factor: float | None = None  # [limits] clip_factor of the gossip sites; None: default
+    peer_credit: float | None = None  # [limits] peer_credit of the gossip sites; None: default
     codec: str = "raw"  # [gossip] codec of the gossip sites; a lossy one with error feedback
     # persyn sites take DiLoCo's outer step (0.7, Nesterov 0.9) every inner_steps steps
     persyn_outer: bool = False
@@ -131,7 +132,7 @@ def site_toml(
                 else {}
             ),
         },
-        "limits": {} if spec.clip_factor is None or baseline else {"clip_factor": spec.clip_factor},
+        "limits": {} if baseline else _limits(spec),
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
         "link": link,
@@ -153,6 +154,12 @@ def site_toml(
     for name, values in tables.items():
         lines += ["", f"[{name}]", *_toml_keys(values)]
     return "\n".join(lines) + "\n"
+
+
+def _limits(spec: WanSpec) -> dict[str, float]:
+    """The [limits] a gossip site runs with: what the bench was told, the rest default."""
+    given = {"clip_factor": spec.clip_factor, "peer_credit": spec.peer_credit}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def _site_job(

@@ -39,6 +39,7 @@ from gossipd.bench.wan_results import (
 from gossipd.bench.wan_scenarios import scenario
 from gossipd.bench.wan_sites import WanSpec, site_toml
 from gossipd.node.errors import ConfigError
+from gossipd.node.shared.config import parse_config
 from gossipd.node.shared.config_ranks import BASELINE_SECTIONS
 from tests.conftest import left_running
 
@@ -202,7 +203,7 @@ def test_a_lossy_codec_reaches_the_gossip_sites_with_error_feedback_and_no_basel
     assert "persyn" not in gossip_table(spec, "persyn")
 
 
-def test_a_clip_factor_reaches_the_gossip_sites_limits_as_toml_and_no_baseline(
+def test_a_clip_factor_or_credit_reaches_the_gossip_sites_limits_and_no_baseline(
     tmp_path: Path,
 ) -> None:
     spec = WanSpec(
@@ -217,6 +218,11 @@ def test_a_clip_factor_reaches_the_gossip_sites_limits_as_toml_and_no_baseline(
     off = replace(spec, clip_factor=math.inf)
     assert limits(off, "crossover") == {"clip_factor": math.inf}  # TOML's inf, not JSON's
     assert limits(off, "diloco") == {}
+    both = replace(off, peer_credit=1 / 3)
+    assert limits(both, "persyn") == {"clip_factor": math.inf, "peer_credit": 1 / 3}
+    assert limits(both, "allreduce") == {}
+    config = parse_config(_site_config(both, "persyn"), "site.toml")  # as the site reads it
+    assert (config.limits.peer_credit, config.limits.clip_factor) == (1 / 3, math.inf)
 
 
 def test_the_clipped_share_is_over_every_sites_merged_segments() -> None:
