@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from gossipd.node.protocols import CoreSettings, build
-from gossipd.node.protocols.base import StepEnded, ViewChanged
+from gossipd.node.protocols.base import StepEnded, ViewChanged, ranked
 from gossipd.node.protocols.topology import (
     ceil_log2,
     derangement,
+    exponential_neighbours,
     exponential_peer,
     second_singular_value,
     shuffled_groups,
@@ -128,9 +129,43 @@ def test_ceil_log2(n: int, m: int) -> None:
 def test_exponential_graph_has_no_self_edges_and_is_a_permutation_each_iteration() -> None:
     for n in range(2, 70):
         for k in range(2 * ceil_log2(n)):
-            targets = [exponential_peer(i, n, k) for i in range(n)]
-            assert sorted(targets) == list(range(n))
-            assert all(t != i for i, t in enumerate(targets))
+            for backward in (False, True):
+                targets = [exponential_peer(i, n, k, backward) for i in range(n)]
+                assert sorted(targets) == list(range(n))
+                assert all(t != i for i, t in enumerate(targets))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 12, 16, 33])
+def test_neighbours_are_the_pairs_an_iteration_joins_either_way(n: int) -> None:
+    """What a node may expect weight back from: exactly the ranks it pushes to or hears
+    from in some iteration, forward or backward, and no other."""
+    view = ranked(frozenset(f"r{i:02d}" for i in range(n)))
+    edges = {
+        frozenset((i, exponential_peer(i, n, k, backward)))
+        for i in range(n)
+        for k in range(ceil_log2(n))
+        for backward in (False, True)
+    }
+    for i in range(n):
+        for j in range(n):
+            joined = exponential_neighbours(view, view.members[i], view.members[j])
+            assert joined == (frozenset((i, j)) in edges), (i, j)
+    assert not exponential_neighbours(view, "r00", "not-a-member")
+
+
+def test_every_cycle_of_either_direction_averages_exactly() -> None:
+    """The m matrices of a cycle multiply to J/N for N a power of two, whichever way each
+    iteration goes: why turning the direction every cycle costs no exactness."""
+    for n in (2, 4, 8, 16):
+        m = ceil_log2(n)
+        for signs in itertools.product((False, True), repeat=m):
+            mix = np.eye(n)
+            for k, backward in enumerate(signs):
+                step = np.eye(n) / 2
+                for i in range(n):
+                    step[exponential_peer(i, n, k, backward), i] += 0.5
+                mix = step @ mix
+            np.testing.assert_allclose(mix, np.full((n, n), 1 / n), atol=1e-15)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 16, 50, 101])
