@@ -28,7 +28,8 @@ take`` absorbs what the two books disagree by after a restart from a checkpoint.
 
 Honest peers do hit ``take``: the net weight of one edge is a random walk (weight can
 go round a cycle of three sites for ever). Then this node pushes to another peer, or
-pushes less: the simulator measures what that costs the mixing (tests/test_credit_sim.py).
+pushes less: what that costs the mixing, measured on the simulator, is in docs/security.md
+("What it costs honest sites").
 The protocols of the exponential graph (:mod:`.pushsum_expgraph`, :mod:`.persyn`) turn
 its direction every cycle, so weight comes back along every edge it left by; their
 default credit is :data:`HALF_PUSH_CREDIT`, the half push their exact average needs.
