@@ -203,12 +203,13 @@ def test_over_links_too_slow_for_a_burst_the_outer_step_never_amplifies_disagree
 
 def test_a_site_that_merges_a_later_burst_catches_up_and_keeps_its_own_period_after() -> None:
     """n0 at step 23 of round 2 (K′ = 10) merges n3's sub-round-0 push of round 5: its
-    burst 5 starts at the next step, its own next one K′ steps after that; a round past
-    MAX_ROUND (a member's lie, which would overflow the uint64 round) moves nothing."""
+    burst 2 first sends its last sub-round (at its deadline, step 24), then burst 5 starts
+    at the next step, its own next one K′ steps after that; a round past MAX_ROUND (a
+    member's lie, which would overflow the uint64 round) moves nothing."""
     core = build("persyn", CoreSettings("n0", 2, options={"average_every_steps": 10}))
     core.handle(ViewChanged(frozenset(f"n{i}" for i in range(4))))
     pushes = {}
-    for step in range(1, 45):
+    for step in range(1, 46):
         for action in core.handle(StepEnded(step, float(step))):
             pushes[step] = (action.peer, core.round)
             core.handle(PushSettled(action.peer, action.sequence, (0, 1)))
@@ -217,14 +218,38 @@ def test_a_site_that_merges_a_later_burst_catches_up_and_keeps_its_own_period_af
             arrival = PayloadArrived("n3", 1, step, late, {0: 0.5, 1: 0.5})
             core.handle(arrival)
             core.handle(PayloadMerged(arrival))
+    assert pushes[24] == ("n2", 2)  # burst 2's sub-round 1, not cut off by the catch-up
     # Sub-round 0 goes to n3 in a burst of odd round (backward), to n1 in an even one.
     assert [(s, p) for s, p in pushes.items() if p[0] != "n2"] == [
         (10, ("n3", 1)),
         (20, ("n1", 2)),
-        (24, ("n3", 5)),  # caught up: sub-round 0 of burst 5 at once
-        (34, ("n1", 6)),  # then every K′ steps from there, as n3 does
-        (44, ("n3", 7)),
+        (25, ("n3", 5)),  # caught up: sub-round 0 of burst 5 once burst 2 was done
+        (35, ("n1", 6)),  # then every K′ steps from there, as n3 does
+        (45, ("n3", 7)),
     ]
+
+
+@pytest.mark.parametrize("times", [(1, 2, 3, 4), (1, 1.5, 2, 3, 4, 6, 8, 12)])
+def test_slow_sites_send_every_sub_round_and_keep_a_share_of_the_weight(
+    times: tuple[float, ...],
+) -> None:
+    """Bursts back to back (K′ = ⌈log2 N⌉) and sites 4-12 times slower than the fastest:
+    a slow site is caught up with a later burst at nearly every step. Cut off there, it
+    sent sub-round 0 only, in the direction its faster neighbours reach it in, and two
+    slow neighbours pushed only to each other: they held nearly all the weight (shares
+    0.01-1.81 and 0.02-2.72 of fair). Its burst now sends its sub-rounds first."""
+    n = len(times)
+    scenario = Scenario(
+        name="ladder",
+        description="sites of different speeds",
+        step_time_s=times,
+        latency_s=((0.005,) * n,) * n,
+        bandwidth_bytes_per_s=((1.25e9,) * n,) * n,
+    )
+    spec = SimSpec(protocol="persyn", nodes=n, rounds=1200, segments=4, scenario=scenario)
+    result = Simulation(spec).run()
+    shares = result.weight_shares
+    assert min(shares) > 0.5 and max(shares) < 2.0, shares  # measured 0.72-1.44 at worst
 
 
 def test_a_slower_site_takes_every_outer_step_the_fast_ones_take() -> None:

@@ -20,11 +20,12 @@ bursts never meet again (a 2-rank mnist1d site beside single-rank ones: the oute
 then averaged whatever had arrived, and the mesh diverged to NaN). So a node that merges
 a push of a later round whose start is more than half a period past its own count
 catches up: it moves its count (t above is its step plus a lead that only grows) to the
-start of that round, and its burst begins at the next step. A peer less ahead is paired
+start of that round, and its burst begins at the next step, or once its own burst under
+way has sent its sub-rounds (see :meth:`PerSyn._catch_up`). A peer less ahead is paired
 with as it is (its pushes count for this node's next burst). The fastest site sets the
 pace; a slower one takes fewer local steps between averages, as its compute allows. A
 burst that starts while another is under way (an epoch end two steps after a K′
-multiple, a catch-up) restarts the sub-rounds at 0: the earlier burst's remaining
+multiple, a catch-up past its deadlines) restarts the sub-rounds at 0: the earlier burst's remaining
 sub-rounds are dropped, not queued. With E = 0 bursts come every K′ steps only, and the
 round is t // K′.
 
@@ -185,6 +186,10 @@ class PerSyn(SumWeightLedger):
         self._last_step_at_s: float | None = None
         self._step = 0  # the latest local step
         self._lead = 0  # steps added to it by catching up with later rounds (grows only)
+        # The latest round seen ahead of this node's, not yet caught up with, the step it
+        # was first seen at, and per sub-round the round of a push of it merged here.
+        self._later, self._later_at = 0, 0
+        self._later_heard: dict[int, int] = {}
         self._burst = 0  # the round of the burst under way
         self._sent = 0  # its sub-rounds gone (sent, or skipped while the peer was busy)
         # Per sub-round j, the step (lead included) at which the push of rank − 2^j last
@@ -225,18 +230,44 @@ class PerSyn(SumWeightLedger):
         rank = self.view.rank_of.get(payload.sender)
         if n < 2 or rank is None:
             return
-        if self._position(self._step)[0] < payload.round <= MAX_ROUND:
-            start = burst_start(payload.round, self.average_every_steps, self.epoch_steps)
-            # A peer less than half a period ahead is paired with as it is (below); caught
-            # up with, sites of one speed would leapfrog each other by their jitter and
-            # burst more often than configured (a 2-rank digits pair: 40 bursts for 34).
-            if start - (self._step + self._lead) > self._half_period:
-                self._lead = start - 1 - self._step  # the burst starts at the next step
+        ahead = self._position(self._step)[0] < payload.round <= MAX_ROUND
+        if ahead and payload.round > self._later:
+            self._later_at = self._step if not self._later else self._later_at
+            self._later = payload.round  # caught up with at a step (_catch_up)
         me = self.view.rank_of[self.node_id]
         backward = cycle_backward(payload.round)  # the direction its sender's burst went
         for sub_round in range(ceil_log2(n)):
             if exponential_peer(rank, n, sub_round, backward) == me:
                 self._heard_at[sub_round] = self._step + self._lead
+                if ahead:
+                    self._later_heard[sub_round] = payload.round
+
+    def _catch_up(self, step: int, sub_rounds: int, wait: int) -> None:
+        """Move this node's count to the start of the latest later round seen, so that its
+        burst begins at this step, once the burst under way has sent every sub-round (or
+        the deadlines of all of them have passed since the later round was seen).
+
+        Not at once: a site several times slower than its peers is caught up at nearly
+        every step, and cut off there it only ever sent sub-round 0, in the direction of
+        the burst it caught up with, which is the direction its faster neighbours reach it
+        in. Two such neighbours then pushed only to each other and held nearly all the
+        weight (simulated, 4 sites of 1-4 s a step, bursts back to back: 0.01-1.81 of their
+        share)."""
+        later = self._later
+        if not later:
+            return
+        if self._burst and self._sent < sub_rounds and step - self._later_at < sub_rounds * wait:
+            return  # its burst under way sends its sub-rounds first
+        heard, self._later, self._later_heard = self._later_heard, 0, {}
+        start = burst_start(later, self.average_every_steps, self.epoch_steps)
+        # A peer less than half a period ahead is paired with as it is (below); caught up
+        # with, sites of one speed would leapfrog each other by their jitter and burst
+        # more often than configured (a 2-rank digits pair: 40 bursts for 34).
+        if start - (step + self._lead) > self._half_period:
+            self._lead = start - step
+            for sub_round, round_ in heard.items():  # its pushes count for the burst begun
+                if round_ >= later:
+                    self._heard_at[sub_round] = step + self._lead
 
     def _position(self, step: int) -> tuple[int, int]:
         """(round, steps into it) at local step ``step``, caught-up rounds included."""
@@ -245,13 +276,14 @@ class PerSyn(SumWeightLedger):
     def on_step(self, event: StepEnded) -> Iterable[Action]:
         self._observe_step_time(event.time_s)
         self._step = event.step
+        sub_rounds = ceil_log2(len(self.view.members))
+        wait = max(1, (self.average_every_steps - 1) // max(sub_rounds, 1))
+        self._catch_up(event.step, sub_rounds, wait)
         self.round, steps_in = self._position(event.step)
         if self.round == 0:
             return []  # the first burst comes after K′ (or E) steps of local training
         if self.round != self._burst:  # a burst starts (one under way is dropped)
             self._burst, self._sent = self.round, 0
-        sub_rounds = ceil_log2(len(self.view.members))
-        wait = max(1, (self.average_every_steps - 1) // max(sub_rounds, 1))
         j = self._sent
         # Sub-round j (or, once all went, the outer step) is due when the push of
         # sub-round j − 1 from rank − 2^(j−1) has merged here during this burst or in
