@@ -19,7 +19,7 @@ import grpc
 
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
-from tests.conftest import DaemonHandle, scrape_metrics, status_of, wait_until
+from tests.conftest import DaemonHandle, check_alive, scrape_metrics, status_of, wait_until
 from tests.insider import Member
 
 TOLERANCE = 1e-9
@@ -92,6 +92,21 @@ def wait_accounted(mesh: list[DaemonHandle], expected: Callable[[], float]) -> t
 
     wait_until(accounted, f"the honest Σw to account for the founding weight: {seen[-3:]}", 30.0)
     return seen[-1][0], seen[-1][2]
+
+
+def wait_named(mesh: list[DaemonHandle], sink: str) -> None:
+    """Every honest site suspects ``sink`` (its gauge) and names it in its INFO log, which
+    is what an operator reads, whichever path (a settle, a merge, a step boundary) took
+    it over the bound."""
+    wait_until(
+        lambda: all(metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
+        "every honest site to suspect the sink",
+        120.0,
+        lambda: check_alive(mesh),
+    )
+    named = f"peer {sink} took this node's weight and gave none back"
+    for h in mesh:
+        wait_until(lambda h=h: named in h.log(), f"{h.node_id} to log the sink", 30.0)
 
 
 def metric(h: DaemonHandle, name: str) -> float:

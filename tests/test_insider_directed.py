@@ -26,9 +26,9 @@ import pytest
 
 from gossipd.node.protocols.credit import FOUNDING_WEIGHT, HALF_PUSH_CREDIT
 from gossipd.node.shared.tls import Credentials
-from tests.conftest import DaemonHandle, check_alive, status_of, stop_all, wait_until
+from tests.conftest import DaemonHandle, status_of, stop_all
 from tests.insider import ack_rate
-from tests.insider_weight import WeightInsider, metric, wait_accounted
+from tests.insider_weight import WeightInsider, wait_accounted, wait_named
 from tests.tls_mesh import CLIENT, Pki, start_tls_mesh
 
 IDS = ["a", "b", "c"]
@@ -75,15 +75,7 @@ def test_a_sink_takes_at_most_the_credit_of_each_site_and_is_named(
     with WeightInsider(INSIDER, tls, protocol=protocol) as insider:
         for h in mesh:
             insider.introduce_to(h.address)
-        wait_until(
-            lambda: all(metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
-            "every honest site to suspect the sink",
-            120.0,
-            lambda: check_alive(mesh),
-        )
-        named = f"peer {INSIDER} took this node's weight and gave none back"
-        for h in mesh:
-            wait_until(lambda h=h: named in h.log(), f"{h.node_id} to log the sink", 30.0)
+        wait_named(mesh, INSIDER)
         after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
         taken = dict(insider.weight_taken)
         assert set(taken) == set(IDS), taken  # each site pushed to it: all are in-neighbours

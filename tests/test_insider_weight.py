@@ -33,12 +33,10 @@ from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.payload_bound import RADIUS_FLOOR
 from tests.conftest import (
     DaemonHandle,
-    check_alive,
     status_of,
-    wait_until,
 )
 from tests.insider import ack_rate, acked
-from tests.insider_weight import WeightInsider, metric, wait_accounted
+from tests.insider_weight import WeightInsider, metric, wait_accounted, wait_named
 from tests.tls_mesh import Pki, insider_mesh_fixtures
 
 IDS = ["a", "b", "c"]
@@ -66,17 +64,7 @@ def _sink(mesh: list[DaemonHandle], insider: WeightInsider, before: float, found
     sink took, at least two thirds of the founding weight."""
     started = time.monotonic()
     acked_at_join = acked(mesh)
-    wait_until(
-        lambda: all(metric(h, "gossipd_weight_sinks") == 1.0 for h in mesh),
-        "every honest site to suspect the sink",
-        120.0,
-        lambda: check_alive(mesh),
-    )
-    # The operator reads INFO logs: each site names the sink there, whichever path (a
-    # settle, a merge, a step boundary) took its score over the bound.
-    named = f"peer {INSIDER} took this node's weight and gave none back"
-    for h in mesh:
-        wait_until(lambda h=h: named in h.log(), f"{h.node_id} to log the sink", 30.0)
+    wait_named(mesh, INSIDER)
     during = (acked(mesh) - acked_at_join) / (time.monotonic() - started)
     after = ack_rate(mesh, PROGRESS, "after the sink was suspected", WINDOW_TIMEOUT_S)
     taken = dict(insider.weight_taken)
