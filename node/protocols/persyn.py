@@ -223,9 +223,10 @@ class PerSyn(SumWeightLedger):
 
     def _heard_from(self, payload: PayloadArrived) -> None:
         """Note when the sub-round whose shift leads from ``payload``'s sender to this node
-        last merged here, and catch up with the payload's round if it is later than this
-        node's. By the step, not the round: over a link slower than a burst, the push
-        of sub-round 1 lands in the next burst, and is still what the outer step needs."""
+        last merged here, and the payload's round if it is later than this node's, to
+        catch up with (:meth:`_catch_up`). By the step, not the round: over a link slower
+        than a burst, the push of sub-round 1 lands in the next burst, and is still what
+        the outer step needs."""
         n = len(self.view.members)
         rank = self.view.rank_of.get(payload.sender)
         if n < 2 or rank is None:
@@ -260,9 +261,10 @@ class PerSyn(SumWeightLedger):
             return  # its burst under way sends its sub-rounds first
         heard, self._later, self._later_heard = self._later_heard, 0, {}
         start = burst_start(later, self.average_every_steps, self.epoch_steps)
-        # A peer less than half a period ahead is paired with as it is (below); caught up
-        # with, sites of one speed would leapfrog each other by their jitter and burst
-        # more often than configured (a 2-rank digits pair: 40 bursts for 34).
+        # A peer less than half a period ahead is paired with as it is (on_step's since);
+        # caught up with, sites of one speed would leapfrog each other by their jitter and
+        # burst more often than configured (a 2-rank digits pair: 40 bursts for 34). The
+        # later round is not checkpointed: after a restart the next later push brings it.
         if start - (step + self._lead) > self._half_period:
             self._lead = start - step
             for sub_round, round_ in heard.items():  # its pushes count for the burst begun
