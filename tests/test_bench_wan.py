@@ -7,6 +7,7 @@ where those are missing; the loopback run works everywhere.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from gossipd.bench import wan_net
-from gossipd.bench.wan import _codecs, _site_ranks, add_speedups, runs_of
+from gossipd.bench.wan import _codecs, _site_ranks, add_speedups, build_parser, run, runs_of
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
@@ -273,6 +274,19 @@ def test_site_ranks_are_one_whole_number_per_site() -> None:
     for bad in ("2,1,1", "2,1,1,1,1", "0,1,1,1", "two,1,1,1", "2,,1,1"):
         with pytest.raises(ConfigError, match=r"--site-ranks .* 4 whole numbers"):
             _site_ranks(bad, 4)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--peer-credit", "0"), ("--peer-credit", "-1"), ("--clip-factor", "0")]
+)
+def test_a_credit_or_clip_factor_not_over_0_is_refused_before_anything_starts(
+    tmp_path: Path, flag: str, value: str
+) -> None:
+    work = tmp_path / "work"
+    args = build_parser().parse_args(["--scenario", "mixed", "--workdir", str(work), flag, value])
+    with pytest.raises(ConfigError, match=f"{flag} {value}: give"):
+        run(args, io.StringIO())
+    assert not work.exists()
 
 
 # -- real runs ---------------------------------------------------------------------------
