@@ -119,9 +119,13 @@ def coordinator_process(config: dict[str, Any], workdir: Path) -> Iterator[dict[
         stop_process(proc, 15.0)
 
 
-def _codec_from_environment() -> dict[str, Any]:
+def _gossip_from_environment() -> dict[str, Any]:
     codec = os.environ.get("GOSSIPD_TEST_CODEC", "raw")
-    return {} if codec == "raw" else {"codec": codec, "error_feedback": True}
+    protocol = os.environ.get("GOSSIPD_TEST_PROTOCOL", "")
+    return {
+        **({} if codec == "raw" else {"codec": codec, "error_feedback": True}),
+        **({"protocol": protocol} if protocol else {}),
+    }
 
 
 def write_node_config(
@@ -138,6 +142,8 @@ def write_node_config(
     ``GOSSIPD_TEST_CODEC=int8`` (or another lossy codec) in the environment runs every such
     daemon with that codec and error feedback: the fault suites' checks of the sum of
     weights, run again with compression on (docs/protocols/index.md, "Compressed gossip").
+    ``GOSSIPD_TEST_PROTOCOL=persyn`` (or another) does the same with that protocol, where a
+    test names none; tests whose hand-made peers speak sum-weight are refused then.
     """
     full: dict[str, Any] = {
         "mesh_id": "test-mesh",
@@ -150,7 +156,7 @@ def write_node_config(
             "eval_every_steps": 0,
             "max_steps_per_s": TEST_STEPS_PER_S,
         },
-        "gossip": {"push_probability": 0.0, "cpu_share": 1.0, **_codec_from_environment()},
+        "gossip": {"push_probability": 0.0, "cpu_share": 1.0, **_gossip_from_environment()},
         "checkpoint": {"every_steps": 0},
         # Plaintext unless a test gives certificates: TLS has its own tests, and a
         # user's paths (demo, mesh up) default to it.
