@@ -12,8 +12,6 @@ number of pushes.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from gossipd.node.protocols.sinks import SinkWatch
@@ -48,7 +46,13 @@ CHURN = HOMOGENEOUS.with_faults(
         ("pushsum-expgraph", 8, CHURN),
         ("persyn", 8, CHURN),
     ],
-    ids=["sumweight-4", "sumweight-8-churn", "crossover-6-churn", "expgraph-8-churn", "persyn-8"],
+    ids=[
+        "sumweight-4",
+        "sumweight-8-churn",
+        "crossover-6-churn",
+        "expgraph-8-churn",
+        "persyn-8-churn",
+    ],
 )
 def test_no_honest_peer_is_suspected_over_thousands_of_rounds(protocol, nodes, scenario):
     highest = {"score": 0.0}
@@ -97,8 +101,15 @@ def test_the_exponential_graph_averages_exactly_within_its_default_credit(protoc
     has (1/3) a half push is cut and the average is not exact: why their default differs."""
     errors = {}
     for credit in (None, 1 / 3):
-        spec = SimSpec(protocol=protocol, nodes=16, rounds=40, segments=2, dim=8)
-        spec = replace(spec, peer_credit=credit, weight_balance=False)
+        spec = SimSpec(
+            protocol=protocol,
+            nodes=16,
+            rounds=40,
+            segments=2,
+            dim=8,
+            peer_credit=credit,
+            weight_balance=False,
+        )
         result = Simulation(spec).run()
         errors[credit] = result.errors
         assert result.refused == 0

@@ -233,7 +233,8 @@ class PerSyn(SumWeightLedger):
             return
         ahead = self._position(self._step)[0] < payload.round <= MAX_ROUND
         if ahead and payload.round > self._later:
-            self._later_at = self._step if not self._later else self._later_at
+            if not self._later:
+                self._later_at = self._step
             self._later = payload.round  # caught up with at a step (_catch_up)
         me = self.view.rank_of[self.node_id]
         backward = cycle_backward(payload.round)  # the direction its sender's burst went
