@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,6 +138,35 @@ def test_a_site_of_several_ranks_counts_one_shard_per_rank_before_anything_start
     check_spec(MeshSpec(nodes=3, ranks=2, job="shakespeare", job_options={"partition": "genre"}))
 
 
+def test_a_site_scarce_in_data_holds_an_equal_start_of_each_of_its_plays() -> None:
+    _, encoded = encoded_plays()
+    for i in (0, 3):
+        full = build_job(JobSpec("shakespeare", shard_index=i, num_shards=4, options=TINY))
+        job = build_job(
+            JobSpec(
+                "shakespeare", shard_index=i, num_shards=4, options=TINY | {"train_chars": 10_000}
+            )
+        )
+        assert job.plays == full.plays
+        each = 10_000 // len(job.plays)
+        names = [p.name for p in shakespeare_plays()]
+        expected = [encoded[names.index(name)][:each] for name in job.plays]
+        assert torch.equal(job.train_x.text, torch.from_numpy(np.concatenate(expected)))
+        # a window and its targets lie inside one play's part
+        assert len(job.train_x) == len(job.plays) * (each - TINY["context"])
+        assert torch.equal(job.test_x, full.test_x)
+
+
+def test_too_few_characters_for_the_site_holding_most_plays_is_refused_before_a_start() -> None:
+    # of 4 sites, site 0 holds 10 plays and site 3 nine: 320 characters give site 3 35 a
+    # play (more than a window of 32) but site 0 only 32, so the mesh is refused whole.
+    options = TINY | {"train_chars": 320}
+    message = "option 'train_chars' = 320 leaves each of the 10 plays a site holds 32 characters"
+    with pytest.raises(JobError, match=re.escape(message)):
+        check_spec(MeshSpec(nodes=4, job="shakespeare", job_options=options))
+    check_spec(MeshSpec(nodes=4, job="shakespeare", job_options=TINY | {"train_chars": 330}))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -145,6 +175,8 @@ def test_a_site_of_several_ranks_counts_one_shard_per_rank_before_anything_start
         ({"context": 1024}, "option 'context' must be at most 512, got 1024"),
         ({"partition": "act"}, "option 'partition' must be 'play' or 'genre', got 'act'"),
         ({"heads": 4}, "job 'shakespeare' has no option(s) heads"),
+        ({"train_chars": 0}, "option 'train_chars' must be a positive int, got 0"),
+        ({"train_chars": "10k"}, "option 'train_chars' must be a positive int, got '10k'"),
     ],
 )
 def test_a_bad_option_is_a_clear_error(options: dict[str, object], message: str) -> None:

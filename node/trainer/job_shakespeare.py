@@ -17,7 +17,7 @@ import functools
 import importlib.util
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -239,7 +239,10 @@ class ShakespeareJob(SupervisedJob):
     """Predict the next character of Shakespeare's plays; each site trains on its own plays.
 
     Options: ``layers`` (2), ``width`` (64, a multiple of 16), ``context`` (64 characters,
-    at most 512), ``partition`` ("play", the default, or "genre": see :func:`site_plays`).
+    at most 512), ``partition`` ("play", the default, or "genre": see :func:`site_plays`),
+    ``train_chars`` (unset: every held play's training text; N: a site scarce in data, which
+    trains on N characters, an equal part from the start of each held play's training
+    text; alone it overfits, which is where averaging with other sites pays most).
     A sample is a window starting at any character of the first 90% of a held play. The
     validation sample, the same on every site, is 512 characters from the held-out last
     10% of every play, in windows of ``context``; ``test_loss`` is nats per character.
@@ -251,7 +254,10 @@ class ShakespeareJob(SupervisedJob):
     DEFAULT_BATCH = 32
 
     def __init__(self, spec: JobSpec) -> None:
-        opts = job_options(spec, {"layers": 2, "width": 64, "context": 64, "partition": "play"})
+        opts = job_options(
+            spec,
+            {"layers": 2, "width": 64, "context": 64, "partition": "play", "train_chars": None},
+        )
         self.spec = spec
         layers = positive_int(spec, "layers", opts["layers"])
         width = positive_int(spec, "width", opts["width"])
@@ -266,13 +272,21 @@ class ShakespeareJob(SupervisedJob):
                 f"job 'shakespeare' option 'context' must be at most {MAX_CONTEXT}, got {context}"
             )
         check_partition(opts["partition"])  # before the corpus is parsed
+        train_chars = opts["train_chars"]
+        if train_chars is not None:
+            train_chars = positive_int(spec, "train_chars", train_chars)
         plays = shakespeare_plays()
         held = site_plays(plays, spec, opts["partition"])
         vocab, encoded = encoded_plays()
         self.vocab = vocab
         self.plays = tuple(plays[i].name for i in held)
 
-        text, starts = _training_text([encoded[i] for i in held], context)
+        parts = [encoded[i][: _cut(len(encoded[i]))] for i in held]
+        if train_chars is not None:
+            parts = _scarce(
+                parts, train_chars, context, _most_plays(plays, spec, opts["partition"])
+            )
+        text, starts = _training_text(parts, context)
         self.train_x = TextWindows(text, starts, context, shift=0)
         self.train_y = TextWindows(text, starts, context, shift=1)
         windows = _validation_windows(encoded, context)
@@ -285,12 +299,36 @@ class ShakespeareJob(SupervisedJob):
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
 
 
+def _most_plays(plays: tuple[Play, ...], spec: JobSpec, partition: object) -> int:
+    """The most plays any site of the mesh holds: ``train_chars`` is checked against it, so
+    the check made on one shard before a mesh starts holds for every site."""
+    return max(
+        len(site_plays(plays, replace(spec, shard_index=i), partition))
+        for i in range(spec.num_shards)
+    )
+
+
+def _scarce(
+    parts: list[np.ndarray], train_chars: int, context: int, most_plays: int
+) -> list[np.ndarray]:
+    """The first ``train_chars // len(parts)`` characters of each play's training text: an
+    equal part of each, so the site's mix of plays (and casts) is kept, only smaller."""
+    if train_chars // most_plays <= context:
+        raise JobError(
+            f"job 'shakespeare' option 'train_chars' = {train_chars} leaves each of the "
+            f"{most_plays} plays a site holds {train_chars // most_plays} characters, not "
+            f"more than one window of context {context}; give at least "
+            f"{(context + 1) * most_plays}"
+        )
+    each = train_chars // len(parts)
+    return [codes[:each] for codes in parts]
+
+
 def _training_text(parts: list[np.ndarray], context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the held plays' training text, one tensor; the start of every window of ``context``
     characters and its next character that lies inside one play)."""
     texts, starts, offset = [], [], 0
-    for codes in parts:
-        train = codes[: _cut(len(codes))]
+    for train in parts:
         texts.append(train)
         starts.append(np.arange(offset, offset + len(train) - context))
         offset += len(train)
