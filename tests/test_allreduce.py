@@ -32,6 +32,7 @@ from tests.conftest import wait_until, write_config
 
 COLLECTIVE_TIMEOUT_S = 10.0
 EXIT_SLACK_S = 30.0  # start-up of the failure path and diagnosis on a loaded machine
+INNER_STEPS = 5  # the DiLoCo fault test's local steps between outer steps
 
 
 def site_config(
@@ -285,7 +286,7 @@ def test_a_hung_diloco_site_ends_the_others_at_the_outer_steps_timeout(
     outer steps: a site stopped (SIGSTOP) mid-run holds the next outer step's all-reduce,
     and after collective_timeout_s the others exit 1 naming it (its heartbeats stopped)."""
     world = 3
-    procs = group(world, "diloco", diloco={"inner_steps": 5})
+    procs = group(world, "diloco", diloco={"inner_steps": INNER_STEPS})
     wait_all_training(tmp_path, procs)
     procs[2].send_signal(signal.SIGSTOP)
     try:
@@ -298,10 +299,14 @@ def test_a_hung_diloco_site_ends_the_others_at_the_outer_steps_timeout(
             assert summary(tmp_path, i)["training_done"] is False
     finally:
         procs[2].kill()  # a stopped process takes no SIGTERM
-    # Both stopped in the same outer step's all-reduce, after its 5 inner steps (each holds
-    # its own inner steps' model then: the shared one never came).
+    # Both stopped in an outer step's all-reduce, after its 5 inner steps (each holds its
+    # own inner steps' model then: the shared one never came). As in DDP's test above, the
+    # victim may leave one all-reduce half done: complete on one survivor, which trains 5
+    # more inner steps and waits in the next (seen once in CI: 70 and 65), so they may part
+    # by that one outer step, never more.
     ends = [summary(tmp_path, i)["steps"] for i in (0, 1)]
-    assert ends[0] == ends[1] and ends[0] % 5 == 0, ends
+    assert all(end % INNER_STEPS == 0 for end in ends), ends
+    assert abs(ends[0] - ends[1]) <= INNER_STEPS, ends
 
 
 def test_sigterm_on_one_site_stops_every_site_at_one_step(tmp_path: Path, group: Any) -> None:
