@@ -72,6 +72,41 @@ class TrainingPlan:
         )
 
 
+class EvaluationCadence:
+    """When a site evaluates: every ``every`` steps (0: never). Once its protocol takes
+    outer steps (``persyn`` with its outer optimizer), at the first outer step at or past
+    each multiple, as the DiLoCo baseline does: between outer steps a site holds only its
+    own inner steps' model, and the shared one, the model the mesh is training, exists
+    there. If no outer step comes for a whole period past a multiple, at the next multiple
+    anyway: a site whose bursts stay partial (an in-neighbour that never pushes, such as a
+    sink) takes none, and was never evaluated again (measured: beside a sink, a site that
+    took 2 outer steps in 6,000 was evaluated once, its peers 24 times), which left its
+    ``gossipd_eval`` silent."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.evaluated_at = 0  # the step of the last evaluation on the cadence
+        self.outer_seen = 0  # outer steps taken by the last step boundary
+        self.outer_at = 0  # the step of the latest of them
+
+    def due(self, step: int, outer_steps: int) -> bool:
+        every = self.every
+        took_outer = outer_steps > self.outer_seen
+        if took_outer:
+            self.outer_seen, self.outer_at = outer_steps, step
+        if not every:
+            return False
+        if not outer_steps:
+            due = step % every == 0
+        elif step % every == 0 and self.outer_at <= step - every:
+            due = True  # none in the period that ends here: the outer steps stopped
+        else:
+            due = took_outer and step // every > self.evaluated_at // every
+        if due:
+            self.evaluated_at = step
+        return due
+
+
 class TrainingLoop(threading.Thread):
     """The trainer thread: steps, merges at step boundaries, evaluates, checkpoints."""
 
@@ -109,8 +144,7 @@ class TrainingLoop(threading.Thread):
         self.resumed.set()
         self.stepped = False
         self.error: BaseException | None = None
-        self.evaluated_at = 0  # the step of the last evaluation on the cadence
-        self.outer_seen = 0  # the replica's outer steps at the last step boundary
+        self.cadence = EvaluationCadence(plan.eval_every_steps)
 
     def run(self) -> None:
         adopt_thread_count()
@@ -167,7 +201,7 @@ class TrainingLoop(threading.Thread):
             report = replica.step(loss)
         host.record(report, time.perf_counter() - t0, loss)
         step = replica.steps
-        if self._evaluation_due(step):
+        if self.cadence.due(step, replica.outer_steps):
             host.evaluate()
         if plan.checkpoint_every_steps and step % plan.checkpoint_every_steps == 0:
             host.periodic_checkpoint()
@@ -179,24 +213,6 @@ class TrainingLoop(threading.Thread):
             replica.finish_training()
             host.write_summary(training_done=True)
             self.finished.set()
-
-    def _evaluation_due(self, step: int) -> bool:
-        """Every ``eval_every_steps`` steps; once the protocol takes outer steps (``persyn``
-        with its outer optimizer), at the first outer step at or past each multiple, as
-        the DiLoCo baseline does: between outer steps a site holds only its own inner
-        steps' model, and the shared one, the model the mesh is training, exists there."""
-        every = self.plan.eval_every_steps
-        outer = self.replica.outer_steps
-        took_outer, self.outer_seen = outer > self.outer_seen, outer
-        if not every:
-            return False
-        if outer:
-            due = took_outer and step // every > self.evaluated_at // every
-        else:
-            due = step % every == 0
-        if due:
-            self.evaluated_at = step
-        return due
 
     def _pace(self, until: float) -> None:
         """Wait out the rest of a paced step, merging what arrives meanwhile.

@@ -1,0 +1,43 @@
+"""When a site evaluates (``EvaluationCadence``): on the plain cadence, at outer steps once
+they come, and on the cadence again when they stop."""
+
+from __future__ import annotations
+
+from gossipd.node.trainer.trainer_loop import EvaluationCadence
+
+
+def evaluations(every: int, outer_at: set[int], steps: int) -> list[int]:
+    """The steps a cadence evaluates at, given the steps an outer step was taken at."""
+    cadence, outer, out = EvaluationCadence(every), 0, []
+    for step in range(1, steps + 1):
+        outer += step in outer_at
+        if cadence.due(step, outer):
+            out.append(step)
+    return out
+
+
+def test_without_outer_steps_every_multiple() -> None:
+    assert evaluations(100, set(), 350) == [100, 200, 300]
+    assert evaluations(0, set(), 350) == []
+
+
+def test_at_the_first_outer_step_at_or_past_each_multiple() -> None:
+    # outer steps every 30 steps from step 10: 10, 40, ..., 100, 130, ..., 190, 220, ...
+    outer_at = set(range(10, 400, 30))
+    assert evaluations(100, outer_at, 400) == [100, 220, 310]
+
+
+def test_when_outer_steps_stop_the_plain_cadence_takes_over_after_a_whole_period() -> None:
+    # A site whose bursts stay partial from step 150 on (a sink among its in-neighbours):
+    # its last outer step was at 130, after the evaluation at 100; none comes at or past
+    # 200, and at 300, none having come in the period that ends there, it evaluates its
+    # own model, and at every multiple after.
+    outer_at = {10, 40, 70, 100, 130}
+    assert evaluations(100, outer_at, 500) == [100, 300, 400, 500]
+
+
+def test_outer_steps_that_come_back_are_waited_for_again() -> None:
+    # none in (100, 200], (200, 300] or (300, 400]: on the cadence at 200, 300 and 400; back
+    # at 410 and 440, so 500 waits for the next, which does not come by 600
+    outer_at = {10, 100, 410, 440}
+    assert evaluations(100, outer_at, 600) == [100, 200, 300, 400, 600]
