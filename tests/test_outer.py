@@ -36,6 +36,7 @@ from gossipd.node.sim import SimResult, SimSpec
 from gossipd.node.sim.driver import Simulation
 from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.trainer.outer import OuterNesterov
+from tests.daemons import scrape_metrics
 
 
 def _averages(n: int, dim: int = 7) -> list[torch.Tensor]:
@@ -313,8 +314,14 @@ def test_two_daemons_run_persyn_with_an_outer_step_and_keep_their_weight(tmp_pat
             mesh.start(i)
         asyncio.run(mesh.wait_ready())
         states = asyncio.run(mesh.wait_settled(180.0))
+        # What an operator watches for the outer steps (summary.json has them only at exit).
+        outer = [
+            scrape_metrics(json.loads(p.read_text())["metrics_port"])["gossipd_outer_steps_total"]
+            for p in sorted(tmp_path.rglob("node.json"))
+        ]
         codes = [mesh.stop(i) for i in sorted(mesh.procs)]
     assert codes == [0, 0]
+    assert len(outer) == 2 and min(outer) >= 2, outer
     assert sum(s["sum_weights"][0] for s in states) == pytest.approx(2.0, abs=1e-12)
     logs = [p.read_text() for p in sorted(tmp_path.rglob("node.log"))]
     assert len(logs) == 2

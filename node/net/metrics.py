@@ -221,6 +221,13 @@ NODE_METRICS: tuple[MetricDef, ...] = (
     ),
     gauge("eval_metric", "gossipd_eval", "Latest evaluation metrics of the job", ("metric",)),
     counter(
+        "outer_steps",
+        "gossipd_outer_steps_total",
+        "persyn's outer optimizer: outer steps taken, one per burst whose pushes all merged "
+        "here (the first burst's recording included); a site whose rate falls below its "
+        "peers' has an in-neighbour whose pushes do not arrive",
+    ),
+    counter(
         "checkpoint_failures",
         "gossipd_checkpoint_failures_total",
         "Checkpoint writes that failed (disk full, read-only, I/O error); the previous "

@@ -72,6 +72,7 @@ class Site:
         self.replica = Replica.from_config(config, self.job.model)
         self.rank_env = rank_env
         self._broadcasts_counted = 0
+        self._outer_counted = 0
         self.ranks = _lead_ranks(config, rank_env, self.job, self.replica)
         self.metrics = NodeMetrics()
         self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
@@ -132,6 +133,9 @@ class Site:
         world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
         samples = getattr(self.job, "batch_size", 0) * world
         self.metrics.record_step(report, step_time_s, loss, samples)
+        outer = self.replica.outer_steps
+        self.metrics.outer_steps.inc(outer - self._outer_counted)
+        self._outer_counted = outer
         if self.ranks is not None:
             self.metrics.rank_broadcasts.inc(self.ranks.broadcasts - self._broadcasts_counted)
             self._broadcasts_counted = self.ranks.broadcasts
