@@ -29,15 +29,22 @@ def test_at_the_first_outer_step_at_or_past_each_multiple() -> None:
 
 def test_when_outer_steps_stop_the_plain_cadence_takes_over_after_a_whole_period() -> None:
     # A site whose bursts stay partial from step 150 on (a sink among its in-neighbours):
-    # its last outer step was at 130, after the evaluation at 100; none comes at or past
-    # 200, and at 300, none having come in the period that ends there, it evaluates its
-    # own model, and at every multiple after.
+    # its last outer step was at 130, 30 steps after the one before, after the evaluation
+    # at 100; none comes at or past 200, and at 300, more than a whole period since the
+    # last, it evaluates its own model, and at every multiple after.
     outer_at = {10, 40, 70, 100, 130}
     assert evaluations(100, outer_at, 500) == [100, 300, 400, 500]
 
 
 def test_outer_steps_that_come_back_are_waited_for_again() -> None:
-    # none in (100, 200], (200, 300] or (300, 400]: on the cadence at 200, 300 and 400; back
-    # at 410 and 440, so 500 waits for the next, which does not come by 600
+    # 90 steps apart, then none for 180 (at 280) and more: on the cadence at 300 and 400;
+    # back at 410 and 440 (30 apart), so 500 waits for the next, which does not come by 600
     outer_at = {10, 100, 410, 440}
-    assert evaluations(100, outer_at, 600) == [100, 200, 300, 400, 600]
+    assert evaluations(100, outer_at, 600) == [100, 300, 400, 600]
+
+
+def test_outer_steps_further_apart_than_the_cadence_are_still_waited_for() -> None:
+    # DiLoCo over gossip at H = 200 with evaluations every 100 steps: the site's own inner
+    # model in between is not what the mesh trains, and is not evaluated.
+    outer_at = {200, 400, 600, 800}
+    assert evaluations(100, outer_at, 850) == [100, 200, 400, 600, 800]

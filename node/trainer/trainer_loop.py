@@ -77,29 +77,31 @@ class EvaluationCadence:
     outer steps (``persyn`` with its outer optimizer), at the first outer step at or past
     each multiple, as the DiLoCo baseline does: between outer steps a site holds only its
     own inner steps' model, and the shared one, the model the mesh is training, exists
-    there. If no outer step comes for a whole period past a multiple, at the next multiple
-    anyway: a site whose bursts stay partial (an in-neighbour that never pushes, such as a
-    sink) takes none, and was never evaluated again (measured: beside a sink, a site that
-    took 2 outer steps in 6,000 was evaluated once, its peers 24 times), which left its
-    ``gossipd_eval`` silent."""
+    there. Once the outer steps stop (none for twice the last gap between two of them, and
+    for a whole ``every``), at each multiple again: a site whose bursts stay partial (an
+    in-neighbour that never pushes, such as a sink) takes none, and was never evaluated
+    again (measured: beside a sink, a site that took 2 outer steps in 6,000 was evaluated
+    once, its peers 24 times), which left its ``gossipd_eval`` silent."""
 
     def __init__(self, every: int) -> None:
         self.every = every
         self.evaluated_at = 0  # the step of the last evaluation on the cadence
         self.outer_seen = 0  # outer steps taken by the last step boundary
         self.outer_at = 0  # the step of the latest of them
+        self.gap = 0  # steps between the latest two
 
     def due(self, step: int, outer_steps: int) -> bool:
         every = self.every
         took_outer = outer_steps > self.outer_seen
         if took_outer:
+            self.gap = step - self.outer_at if self.outer_seen else 0
             self.outer_seen, self.outer_at = outer_steps, step
         if not every:
             return False
         if not outer_steps:
             due = step % every == 0
-        elif step % every == 0 and self.outer_at <= step - every:
-            due = True  # none in the period that ends here: the outer steps stopped
+        elif step % every == 0 and step - self.outer_at > max(every, 2 * self.gap):
+            due = True  # the outer steps stopped
         else:
             due = took_outer and step // every > self.evaluated_at // every
         if due:
