@@ -29,6 +29,7 @@ from tests.bulk_lane_mesh import (
     seeded_values,
 )
 from tests.outsider import MESH, PushOutcome, push_frames
+from tests.outsider import push_sync as outsider_push_sync
 
 _tokens = itertools.count()
 
@@ -175,20 +176,9 @@ async def push_on(
 
 
 def push_sync(lane: Lane, frames: list[bytes]) -> PushOutcome:
-    """``frames`` in one PushSegments call with grpc's sync API, for a push refused
-    before its last frame is written: grpc.aio's client reports such a refusal as
-    ``INTERNAL: Internal error from Core`` when a write loses the race with the
-    server's end of the stream (grpc/grpc#36066)."""
+    """``frames`` in one plaintext PushSegments call by :func:`tests.outsider.push_sync`."""
     assert lane.tls.insecure, "the sync helper speaks plaintext only"
-    with grpc.insecure_channel(lane.handle.address) as channel:
-        rpc = channel.stream_unary(
-            PUSH_SEGMENTS, request_serializer=None, response_deserializer=pb.PushReply.FromString
-        )
-        try:
-            reply = rpc(iter(frames), timeout=PUSH_TIMEOUT_S)
-        except grpc.RpcError as err:
-            return PushOutcome(err.code(), (), err.details() or "")
-    return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
+    return outsider_push_sync(lane.handle.address, frames, PUSH_TIMEOUT_S)
 
 
 def timed_push(

@@ -245,15 +245,30 @@ async def send_push(
     return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
 
 
+def push_sync(address: str, frames: list[bytes], timeout_s: float = 20.0) -> PushOutcome:
+    """``frames`` in one plaintext PushSegments call with grpc's sync API.
+
+    For a push the daemon may refuse before its last frame is written: grpc.aio's client
+    then reports ``INTERNAL: Internal error from Core`` instead of the daemon's status
+    whenever one of its writes loses the race with the end of the stream
+    (grpc/grpc#36066); the sync client reports the status the daemon sent.
+    """
+    with grpc.insecure_channel(address) as channel:
+        rpc = channel.stream_unary(
+            "/gossipd.v1.Gossip/PushSegments",
+            request_serializer=None,
+            response_deserializer=pb.PushReply.FromString,
+        )
+        try:
+            reply = rpc(iter(frames), timeout=timeout_s)
+        except grpc.RpcError as err:
+            return PushOutcome(err.code(), (), err.details() or "")
+    return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
+
+
 def push_as(address: str, *, timeout_s: float = 20.0, **frame_fields: Any) -> PushOutcome:
     """One push built by :func:`push_frames` from ``frame_fields``, sent to ``address``."""
-    frames = push_frames(**frame_fields)
-
-    async def call() -> PushOutcome:
-        async with grpc.aio.insecure_channel(address) as channel:
-            return await send_push(channel, frames, timeout_s)
-
-    return asyncio.run(call())
+    return push_sync(address, push_frames(**frame_fields), timeout_s)
 
 
 def flood_pushes(
