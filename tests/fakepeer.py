@@ -39,7 +39,6 @@ from tests.outsider import (
     synthetic_plan,
     true_identity,
 )
-from tests.outsider import send_push as _push  # the name tests/insider.py imports
 from tests.outsider_tls import (
     call_tls,
     handshake_tls,
@@ -53,7 +52,6 @@ __all__ = [
     "MESH",
     "FakePeer",
     "PushOutcome",
-    "_push",
     "call_tls",
     "dead_address",
     "exchange_handler",

@@ -233,6 +233,9 @@ def push_frames(
 async def send_push(
     channel: grpc.aio.Channel, frames: list[bytes], timeout_s: float
 ) -> PushOutcome:
+    """One push on a grpc.aio channel, for floods that need many in flight: a push refused
+    before its last frame may read ``INTERNAL`` here (see :func:`push_on`), so a flood's
+    outcomes say what merged, not why the rest did not."""
     rpc = channel.stream_unary(
         "/gossipd.v1.Gossip/PushSegments",
         request_serializer=lambda b: b,
@@ -245,25 +248,30 @@ async def send_push(
     return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
 
 
-def push_sync(address: str, frames: list[bytes], timeout_s: float = 20.0) -> PushOutcome:
-    """``frames`` in one plaintext PushSegments call with grpc's sync API.
+def push_on(channel: grpc.Channel, frames: list[bytes], timeout_s: float = 20.0) -> PushOutcome:
+    """``frames`` in one PushSegments call on a channel of grpc's sync API.
 
     For a push the daemon may refuse before its last frame is written: grpc.aio's client
     then reports ``INTERNAL: Internal error from Core`` instead of the daemon's status
     whenever one of its writes loses the race with the end of the stream
     (grpc/grpc#36066); the sync client reports the status the daemon sent.
     """
-    with grpc.insecure_channel(address) as channel:
-        rpc = channel.stream_unary(
-            "/gossipd.v1.Gossip/PushSegments",
-            request_serializer=None,
-            response_deserializer=pb.PushReply.FromString,
-        )
-        try:
-            reply = rpc(iter(frames), timeout=timeout_s)
-        except grpc.RpcError as err:
-            return PushOutcome(err.code(), (), err.details() or "")
+    rpc = channel.stream_unary(
+        "/gossipd.v1.Gossip/PushSegments",
+        request_serializer=None,
+        response_deserializer=pb.PushReply.FromString,
+    )
+    try:
+        reply = rpc(iter(frames), timeout=timeout_s)
+    except grpc.RpcError as err:
+        return PushOutcome(err.code(), (), err.details() or "")
     return PushOutcome(grpc.StatusCode.OK, tuple(a.result for a in reply.acks))
+
+
+def push_sync(address: str, frames: list[bytes], timeout_s: float = 20.0) -> PushOutcome:
+    """:func:`push_on` over a plaintext channel of its own."""
+    with grpc.insecure_channel(address) as channel:
+        return push_on(channel, frames, timeout_s)
 
 
 def push_as(address: str, *, timeout_s: float = 20.0, **frame_fields: Any) -> PushOutcome:

@@ -15,13 +15,15 @@ from typing import Any
 
 import grpc
 
+from gossipd.node.shared import certs
+from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.outsider import (
     MESH,
     PushOutcome,
     handshake_request,
     push_frames,
-    send_push,
+    push_on,
     unary_call,
 )
 
@@ -59,17 +61,26 @@ def handshake_tls(
     return call_tls(tls, address, "Handshake", request, pb.HandshakeReply, timeout_s=timeout_s)
 
 
+def sync_channel(tls: Credentials, address: str) -> grpc.Channel:
+    """A channel of grpc's sync API presenting ``tls``'s certificate (any site of the mesh
+    may answer), or plaintext for insecure credentials: :func:`tests.outsider.push_on`
+    needs one."""
+    if tls.insecure:
+        return grpc.insecure_channel(address)
+    material = tls.material
+    assert material is not None
+    credentials = grpc.ssl_channel_credentials(material.ca, material.key, material.cert)
+    return grpc.secure_channel(
+        address, credentials, options=[("grpc.ssl_target_name_override", certs.MESH_DNS_NAME)]
+    )
+
+
 def push_tls(
-    tls: Any, address: str, *, timeout_s: float = 20.0, **frame_fields: Any
+    tls: Credentials, address: str, *, timeout_s: float = 20.0, **frame_fields: Any
 ) -> PushOutcome:
     """One push built by :func:`push_frames` from ``frame_fields``, presenting ``tls``."""
-    frames = push_frames(**frame_fields)
-
-    async def call() -> PushOutcome:
-        async with tls.channel(address, [], None) as channel:
-            return await send_push(channel, frames, timeout_s)
-
-    return asyncio.run(call())
+    with sync_channel(tls, address) as channel:
+        return push_on(channel, push_frames(**frame_fields), timeout_s)
 
 
 def leave_tls(
