@@ -216,18 +216,48 @@ def restart_daemon(handle: DaemonHandle) -> DaemonHandle:
     return answering(replace(handle, proc=proc))
 
 
-def left_running(workdir: Path) -> list[int]:
-    """Processes whose command line names the run's files (its sites)."""
-    found = []
+def _processes() -> Iterator[Path]:
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(workdir).encode() in cmdline:
-                found.append(int(entry.name))
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            yield entry
+
+
+def _open_files(entry: Path) -> list[str]:
+    """What a process's descriptors point at (``pipe:[N]`` for a pipe); [] once it is gone."""
+    try:
+        return [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+    except OSError:
+        return []
+
+
+def left_running(workdir: Path) -> list[int]:
+    """Processes of the run's sites: their command line names the run's files (a spawned
+    executable) or one of their descriptors is open on them (a forked site, whose command
+    line is the fork server's, writes its log there)."""
+    root = str(workdir)
+    found = []
+    for entry in _processes():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if root.encode() in cmdline or any(f.startswith(root) for f in _open_files(entry)):
+            found.append(int(entry.name))
     return found
+
+
+def pipe_holders(fileno: int) -> list[str]:
+    """Every other process holding the pipe behind ``fileno``, as "pid: command line (state)":
+    why reading it to its end did not end."""
+    target = f"pipe:[{os.fstat(fileno).st_ino}]"
+    held = []
+    for entry in _processes():
+        if target in _open_files(entry):
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                held.append(f"{entry.name}: {cmdline[:200]} ({state})")
+    return held
 
 
 def kill_hard(handle: DaemonHandle) -> None:

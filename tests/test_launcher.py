@@ -27,7 +27,7 @@ from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.trainer import checkpoint
-from tests.conftest import left_running
+from tests.daemons import left_running, pipe_holders
 
 
 class FlakyProxy:
@@ -172,8 +172,18 @@ def test_sigterm_to_mesh_up_stops_its_nodes_and_the_mesh_keeps_its_weight(tmp_pa
         while not all(p.exists() for p in stepping):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)  # a poll of the nodes' files, bounded above
+        running = left_running(workdir)
+        assert len(running) >= 2, f"the check after SIGTERM must see the 2 nodes: {running}"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired as late:
+            holders = pipe_holders(proc.stderr.fileno())  # type: ignore[union-attr]
+            raise AssertionError(
+                f"no end of output 120 s after SIGTERM; launcher {proc.pid} "
+                f"{'exited ' + str(proc.poll()) if proc.poll() is not None else 'running'}; "
+                f"its stderr held by {holders}; stderr so far: {late.stderr!r}"
+            ) from late
     finally:
         if proc.poll() is None:
             proc.kill()
