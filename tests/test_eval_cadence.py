@@ -48,3 +48,18 @@ def test_outer_steps_further_apart_than_the_cadence_are_still_waited_for() -> No
     # model in between is not what the mesh trains, and is not evaluated.
     outer_at = {200, 400, 600, 800}
     assert evaluations(100, outer_at, 850) == [100, 200, 400, 600, 800]
+
+
+def test_outer_steps_run_until_twice_the_last_gap_or_a_whole_period_passes() -> None:
+    """What the last evaluation asks: while they run, it is of the shared model of the last
+    outer step (the site's own model is up to a period of inner steps past it)."""
+    cadence = EvaluationCadence(100)
+    assert not cadence.outer_running(50)  # none yet
+    for step, outer in ((10, 1), (40, 2), (70, 3)):  # 30 apart
+        cadence.due(step, outer)
+    assert cadence.outer_running(170)  # a whole period since the last
+    assert not cadence.outer_running(171)
+    uncadenced = EvaluationCadence(0)  # no evaluation cadence: twice the gap alone
+    for step, outer in ((10, 1), (40, 2)):
+        uncadenced.due(step, outer)
+    assert uncadenced.outer_running(100) and not uncadenced.outer_running(101)

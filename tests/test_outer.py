@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from gossipd.node.sim.driver import Simulation
 from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.trainer.outer import OuterNesterov
 from tests.daemons import scrape_metrics
+
+ENDED_AT_200 = "training ended at step 200: evaluating the shared model of the outer step"
 
 
 def _averages(n: int, dim: int = 7) -> list[torch.Tensor]:
@@ -334,6 +337,13 @@ def test_two_daemons_run_persyn_with_an_outer_step_and_keep_their_weight(tmp_pat
     for history in sorted(tmp_path.rglob("history.jsonl")):
         steps = [json.loads(line)["step"] for line in history.read_text().splitlines()]
         assert 100 <= steps[0] <= 109 and set(steps[1:]) == {200}, history
+    # At step 200 a node's own model is some inner steps past its last outer step: the
+    # last evaluation is of that outer step's shared model, said at INFO. A node that never
+    # caught up with its peer cannot take an outer step at 200 (the burst begun there drops
+    # the one before it); one that did can, so the line is asked of one node at least.
+    ended = [re.search(rf"{ENDED_AT_200} at step (\d+), not", text) for text in logs]
+    assert any(ended), [text[-2000:] for text in logs]
+    assert all(100 <= int(m.group(1)) < 200 for m in ended if m), ended
     for summary in sorted(tmp_path.rglob("summary.json")):
         # The recording burst and at least one outer step by step 109, where it evaluated.
         assert json.loads(summary.read_text())["outer_steps"] >= 2, summary

@@ -99,6 +99,44 @@ def test_node_based_mode_averages_every_k_steps_and_at_each_epoch_end(tmp_path: 
     assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
 
 
+def test_with_the_outer_step_every_rank_evaluates_the_shared_model_at_the_end(
+    tmp_path: Path,
+) -> None:
+    """DiLoCo over gossip between sites of two ranks. At the last step a site's own model is
+    some inner steps past its last outer step; rank 0 evaluates that outer step's shared
+    model instead, so it loads it, sends it to rank 1 (which evaluates the same), and takes
+    its own back for the final burst: the site stops with another model, evaluated again
+    by both ranks at the stop."""
+    steps = 300
+    spec = MeshSpec(
+        nodes=2, job="digits", protocol="persyn", insecure=True, duration_s=0,
+        max_steps=steps, max_steps_per_s=100.0, ranks=2, eval_every_steps=100, quiet=True,
+        cpu_share=1.0,
+        protocol_options={
+            "average_every_steps": 10, "outer_learning_rate": 0.7, "outer_momentum": 0.9,
+        },
+    )  # fmt: skip
+    result = run_mesh_in(spec, tmp_path, io.StringIO())
+    assert result["ok"], result["exit_codes"]
+    assert result["sum_weight_end"] == pytest.approx(2.0, abs=1e-9)
+    shared_at_end = 0
+    for i in range(2):
+        folder = tmp_path / f"node-{i}" / "ranks"
+        leader, other = _lines(folder / "rank-0.jsonl"), _lines(folder / "rank-1.jsonl")
+        assert len(leader) == len(other) >= 4, (leader, other)  # 100, 200, 300, the stop
+        for a, b in zip(leader, other, strict=True):
+            assert (a["step"], a["model_checksum"]) == (b["step"], b["model_checksum"])
+        log = (tmp_path / f"node-{i}" / "node.log").read_text()
+        if f"training ended at step {steps}: evaluating the shared model" in log:
+            shared_at_end += 1
+            final, stop = leader[-2:]
+            assert final["step"] == stop["step"] == steps, leader
+            assert final["model_checksum"] != stop["model_checksum"], leader
+    # A site that never caught up with its peer's bursts cannot take an outer step at 300
+    # (the burst begun there drops the one before), so one site at least evaluated it.
+    assert shared_at_end >= 1
+
+
 def _rank_pid(site_log: Path, rank: int) -> int | None:
     """The process running ``rank`` of a `--ranks` site, as its launcher logged it."""
     found = re.search(r"started \d+ ranks \(pids ([\d, ]+)\)", site_log.read_text())

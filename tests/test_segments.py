@@ -302,3 +302,18 @@ def test_load_segment_and_checksum_track_model_content():
         a.load_segment(i, buf)
     assert a.checksum() == b.checksum()
     assert torch.equal(a.buffers[0], b.buffers[0])
+
+
+def test_holding_runs_the_module_on_other_values_and_gives_its_own_back_bit_for_bit():
+    """How a site evaluates the shared model of its last outer step in place of its own."""
+    net, other = _net(0).eval(), _net(1).eval()  # eval: batch norm keeps its running stats
+    flat, theirs = FlatModel(net, segment_bytes=256), FlatModel(other, segment_bytes=256)
+    x = torch.randn(4, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+    own_out, own_sum, version = net(x).detach(), flat.checksum(), flat.version
+    with flat.holding(dict(enumerate(theirs.buffers))):
+        assert torch.equal(net(x), other(x))  # the module's own parameters see the values
+        assert flat.version > version  # a multi-rank site sends its ranks what it evaluates
+    assert flat.checksum() == own_sum and torch.equal(net(x), own_out)
+    with pytest.raises(RuntimeError), flat.holding({1: torch.zeros_like(flat.buffers[1])}):
+        raise RuntimeError("an evaluation that fails")
+    assert flat.checksum() == own_sum  # given back however the block ends

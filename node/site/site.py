@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.net.cpubudget import CollectiveThreads
 from gossipd.node.net.metrics import NodeMetrics
@@ -142,10 +144,11 @@ class Site:
         for failure in report.failed:
             log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
 
-    def evaluate(self) -> None:
-        """Test metrics of this site's model (on the trainer thread); every rank of a
-        multi-rank site evaluates the same parameters and records its own result."""
-        with self.replica.lock:
+    def evaluate(self, shared: Mapping[int, torch.Tensor] | None = None) -> None:
+        """Test metrics of this site's model, or of ``shared`` segments in its place (on the
+        trainer thread); every rank of a multi-rank site evaluates the same parameters and
+        records its own result."""
+        with self.replica.lock, self.replica.flat.holding(shared or {}):
             if self.ranks is not None:
                 self.ranks.evaluate(self.replica.steps)
             result = {k: float(v) for k, v in self.job.evaluate().items()}

@@ -383,6 +383,12 @@ class Replica(Arrivals):
         return self.dispatch.outer_steps
 
     @property
+    def shared_model(self) -> dict[int, torch.Tensor]:
+        """The model of the last outer step, segment by segment ({} before the first)."""
+        outer = self.dispatch.outer
+        return dict(outer.shared) if outer is not None else {}
+
+    @property
     def gossip_cpu_s(self) -> float:
         """CPU this replica's thread spent merging pushes and snapshotting its own (its
         share of gossip's cost; the network side's is the rest of the process's)."""

@@ -15,7 +15,8 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -281,6 +282,19 @@ class FlatModel:
         with torch.no_grad():
             self.buffers[index].lerp_(values, alpha)
         self.version = next(self._versions)
+
+    @contextmanager
+    def holding(self, values: Mapping[int, torch.Tensor]) -> Iterator[None]:
+        """Segments loaded with ``values`` for the block, their own contents back after
+        it: to evaluate another model (a shared one) without building a second module."""
+        own = {i: self.buffers[i].clone() for i in values}
+        for i, v in values.items():
+            self.load_segment(i, v)
+        try:
+            yield
+        finally:
+            for i, v in own.items():
+                self.load_segment(i, v)
 
     def checksum(self) -> str:
         """Content hash of all segments, for `gossipd status` and bit-for-bit tests."""
