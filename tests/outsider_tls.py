@@ -15,7 +15,6 @@ from typing import Any
 
 import grpc
 
-from gossipd.node.shared import certs
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.outsider import (
@@ -67,12 +66,8 @@ def sync_channel(tls: Credentials, address: str) -> grpc.Channel:
     needs one."""
     if tls.insecure:
         return grpc.insecure_channel(address)
-    material = tls.material
-    assert material is not None
-    credentials = grpc.ssl_channel_credentials(material.ca, material.key, material.cert)
-    return grpc.secure_channel(
-        address, credentials, options=[("grpc.ssl_target_name_override", certs.MESH_DNS_NAME)]
-    )
+    credentials, checked = tls.client()
+    return grpc.secure_channel(address, credentials, options=[checked])
 
 
 def push_tls(

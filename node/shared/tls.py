@@ -210,14 +210,20 @@ class Credentials:
         (any site of the mesh when None: the caller then proves the id it claims)."""
         if self.insecure:
             return grpc.aio.insecure_channel(address, options=options)
+        credentials, checked = self.client(expected)
+        return grpc.aio.secure_channel(address, credentials, options=[*options, checked])
+
+    def client(
+        self, expected: str | None = None
+    ) -> tuple[grpc.ChannelCredentials, tuple[str, str]]:
+        """This node's client credentials and the channel option that makes the server
+        prove it holds a certificate for ``expected`` (any site of the mesh when None), for
+        a channel of either gRPC API."""
         with self._lock:
             material = self.material
-        assert material is not None
+        assert material is not None, "plaintext has no client credentials"
         credentials = grpc.ssl_channel_credentials(material.ca, material.key, material.cert)
-        name = expected or certs.MESH_DNS_NAME
-        return grpc.aio.secure_channel(
-            address, credentials, options=[*options, ("grpc.ssl_target_name_override", name)]
-        )
+        return credentials, ("grpc.ssl_target_name_override", expected or certs.MESH_DNS_NAME)
 
 
 def check_claim(who: str | None, claimed: str, what: str) -> None:
