@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.trainer import checkpoint
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel
 
 
 @dataclass(frozen=True)

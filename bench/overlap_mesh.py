@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossipd.node.errors import JobError
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.launcher import run_mesh
 from gossipd.node.launch.localmesh import MeshSpec
-from gossipd.node.trainer.jobs import JobSpec, build_job
 
 JOB = "gossipd.bench.overlap_mesh:paced_digits"
 

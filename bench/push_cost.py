@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gossipd.bench import transport as tb
+from gossipd.node.compression.codecs import Codec
 from gossipd.node.errors import GossipdError
-from gossipd.node.net.transport import PeerClient
+from gossipd.node.model.segments import FlatModel
+from gossipd.node.net.dial.client import PeerClient
 from gossipd.node.protocols.base import Push
-from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.messages import OutboundPush
-from gossipd.node.trainer.segments import FlatModel
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 

@@ -32,12 +32,12 @@ from gossipd.bench.transport import (
     _site_tls,
     bench_job,
 )
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.net.network import Network
 from gossipd.node.protocols.base import Push
 from gossipd.node.shared.config import parse_config
 from gossipd.node.trainer.messages import OutboundPush
 from gossipd.node.trainer.replica import Replica
-from gossipd.node.trainer.segments import FlatModel
 
 MiB = 1 << 20
 SETTING = Setting(segment_mb=4, chunk_kb=1024, streams=4)

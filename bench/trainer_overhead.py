@@ -36,9 +36,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from gossipd.node.errors import GossipdError, JobError
+from gossipd.node.jobs.models import init_seeded as _init_seeded
+from gossipd.node.jobs.registry import DigitsJob, JobSpec, build_job
 from gossipd.node.launch.localmesh import STARTUP_TIMEOUT_S, LocalMesh, MeshSpec
-from gossipd.node.trainer.job_models import init_seeded as _init_seeded
-from gossipd.node.trainer.jobs import DigitsJob, JobSpec, build_job
 
 WIDE_JOB = "gossipd.bench.trainer_overhead:wide_digits"
 JOBS = {"digits": "digits", "wide_digits": WIDE_JOB}  # short names --trainer-jobs takes

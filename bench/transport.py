@@ -1,7 +1,7 @@
 """`gossipd bench transport`: goodput of one model push between two daemons on loopback.
 
 A receiver daemon (`gossipd node`, a real process) is sent the whole model by a
-:class:`~gossipd.node.net.transport.PeerClient` of a real sender node in this process
+:class:`~gossipd.node.net.dial.client.PeerClient` of a real sender node in this process
 (the receiver accepts pushes only from a peer it has dialled back), exactly as a
 node pushes to a peer: handshake, segments split over ``streams`` client streams,
 validation, checksum, assembly, merge on the receiver's trainer thread, acks.
@@ -36,21 +36,21 @@ import torch
 from torch import nn
 
 from gossipd.bench.transport_report import row
+from gossipd.node.compression.codecs import Codec
+from gossipd.node.jobs.registry import JobSpec
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.processes import stop_process
+from gossipd.node.model.segments import FlatModel
+from gossipd.node.net.dial.client import PeerClient
 from gossipd.node.net.network import Network
-from gossipd.node.net.status import query_status
-from gossipd.node.net.transport import PeerClient
-from gossipd.node.net.wire import Limits
+from gossipd.node.net.status.query import query_status
+from gossipd.node.net.wire.frames import Limits
 from gossipd.node.protocols.base import Push
 from gossipd.node.shared import certs
 from gossipd.node.shared.config import parse_config
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.jobs import JobSpec
 from gossipd.node.trainer.memory import keep_freed_buffers
 from gossipd.node.trainer.messages import OutboundPush
 from gossipd.node.trainer.replica import Replica
-from gossipd.node.trainer.segments import FlatModel
 
 MiB = 1 << 20
 JOB_NAME = "gossipd.bench.transport:bench_job"

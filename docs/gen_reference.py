@@ -274,7 +274,7 @@ def _metric_table(
 
 def metrics_page(notes: dict[str, Any]) -> str:
     from gossipd.coordinator.metrics import COORDINATOR_METRICS
-    from gossipd.node.net.metrics import NODE_METRICS
+    from gossipd.node.net.telemetry.metrics import NODE_METRICS
 
     page = notes["metrics"]
     used: set[str] = set()

@@ -23,9 +23,9 @@ import grpc
 import torch
 
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.shaping import LinkShaper
-from gossipd.node.net.transport import BULK_MIN_BYTES, Identity, PeerClient
-from gossipd.node.net.wire import Limits
+from gossipd.node.net.dial.client import BULK_MIN_BYTES, Identity, PeerClient
+from gossipd.node.net.wire.frames import Limits
+from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.protocols.base import Push
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import Ack, OutboundPush, Pulled

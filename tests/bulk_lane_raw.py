@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import torch
 
-from gossipd.node.net.bulk import MAGIC, MAGIC_SEALED, leave_tls
-from gossipd.node.net.sealing import SEED_BYTES, Seal, new_seed
+from gossipd.node.net.bulk.lane import MAGIC, MAGIC_SEALED, leave_tls
+from gossipd.node.net.bulk.sealing import SEED_BYTES, Seal, new_seed
 from gossipd.proto import gossip_pb2 as pb
 from tests.bulk_lane_mesh import (
     INCARNATION,

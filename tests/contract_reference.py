@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gossipd.node.model.outer import OuterNesterov
 from gossipd.node.protocols import build
 from gossipd.node.protocols.base import (
     Action,
@@ -30,7 +31,6 @@ from gossipd.node.protocols.base import (
     TrainingEnded,
     ViewChanged,
 )
-from gossipd.node.trainer.outer import OuterNesterov
 from tests.contract_scripts import DIM, SEGMENTS, Script, initial_vectors, settings_for
 
 

@@ -23,7 +23,7 @@ from gossipd.node.errors import GossipdError
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import stop_process
 from gossipd.node.launch.processes import NodeProcess
-from gossipd.node.net.status import query_status
+from gossipd.node.net.status.query import query_status
 from gossipd.node.shared.tls import Credentials
 
 START_TIMEOUT_S = 120.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
 from gossipd.proto import gossip_pb2 as pb
 from tests.outsider import MESH, synthetic_plan
 

@@ -20,8 +20,8 @@ from typing import Any, Self, TypeVar
 import grpc
 import torch
 
+from gossipd.node.compression import codecs as wirecodec
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer import codec as wirecodec
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, check_alive, status_of, wait_until

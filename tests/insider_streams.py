@@ -25,8 +25,8 @@ from typing import Any
 
 import grpc
 
+from gossipd.node.compression import codecs as wirecodec
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer import codec as wirecodec
 from gossipd.proto import gossip_pb2 as pb
 from tests.fakepeer import MESH
 from tests.insider import Member

@@ -6,7 +6,7 @@ tests/test_membership_liveness.py and tests/test_membership_schedules.py.
 
 from __future__ import annotations
 
-from gossipd.node.net.membership import Membership, NodeInfo
+from gossipd.node.net.peers.membership import Membership, NodeInfo
 
 SELF = "me"
 SELF_ADDRESS = "me.example:5000"

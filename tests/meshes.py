@@ -23,7 +23,7 @@ def status_of(handle: DaemonHandle, *, checksum: bool = False) -> dict[str, Any]
     test reads a counter the node does not report as 0 and fails on its assertion.
     """
 
-    from gossipd.node.net.status import status_dict
+    from gossipd.node.net.status.query import status_dict
     from gossipd.proto import gossip_pb2 as pb
     from gossipd.proto import gossip_pb2_grpc as pb_grpc
 

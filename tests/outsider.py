@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 import torch
 
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel, SegmentPlan
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel, SegmentPlan
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 

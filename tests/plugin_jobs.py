@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.jobs.registry import JobSpec, build_job
 
 
 class _FailsAtStep:

@@ -23,15 +23,15 @@ import grpc
 import pytest
 import torch
 
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
 from gossipd.node.errors import ConfigError
-from gossipd.node.net.admission import ByteBudget, held_bytes
-from gossipd.node.net.servicer import GossipServicer
-from gossipd.node.net.wire import Limits, SegmentAssembler
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel, SegmentPlan, plan_segments
+from gossipd.node.net.limits.admission import ByteBudget, held_bytes
+from gossipd.node.net.serve.servicer import GossipServicer
+from gossipd.node.net.wire.frames import Limits, SegmentAssembler
 from gossipd.node.shared.config import NodeConfig
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel, SegmentPlan, plan_segments
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, check_alive, start_daemon, status_of, stop_all, wait_until
 from tests.fakepeer import MESH, FakePeer, leave_as

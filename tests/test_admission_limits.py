@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from gossipd.node.errors import Busy, ConfigError, InvalidFrame
-from gossipd.node.net.admission import ByteBudget, Slots
-from gossipd.node.net.servicer import GossipServicer
-from gossipd.node.net.wire import Limits, SegmentAssembler
+from gossipd.node.net.limits.admission import ByteBudget, Slots
+from gossipd.node.net.serve.servicer import GossipServicer
+from gossipd.node.net.wire.frames import Limits, SegmentAssembler
 from gossipd.node.shared.config import NodeConfig
 from gossipd.proto import gossip_pb2 as pb
 from tests.flood_frames import (

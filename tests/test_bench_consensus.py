@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gossipd.bench.consensus import score, weighted_average
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.trainer import checkpoint
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel
 
 SEGMENT_BYTES = 1024  # several segments, so the average is taken per segment
 BY_LABEL = {"partition": "by_label"}  # site 0 holds digits 0-4, site 1 digits 5-9

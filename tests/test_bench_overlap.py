@@ -82,7 +82,7 @@ def test_the_paced_job_trains_digits_and_refuses_a_bad_compute_time() -> None:
 
     from gossipd.bench.overlap_mesh import JOB
     from gossipd.node.errors import JobError
-    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.jobs.registry import JobSpec, build_job
 
     job = build_job(JobSpec(JOB, seed=3, options={"compute_s": 0.0, "model": "mlp"}))
     before = [p.detach().clone() for p in job.model.parameters()]

@@ -22,8 +22,8 @@ import torch
 
 from gossipd.bench import trainer_overhead, transport, transport_cli
 from gossipd.node.errors import JobError
-from gossipd.node.net.transport import PeerClient
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.net.dial.client import PeerClient
 from gossipd.node.trainer.messages import OutboundPush
 
 MODEL_MB = 4

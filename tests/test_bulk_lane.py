@@ -1,4 +1,4 @@
-"""The bulk lane (``node/net/bulk.py``) on real daemons: large payloads as raw bytes beside
+"""The bulk lane (``node/net/bulk/lane.py``) on real daemons: large payloads as raw bytes beside
 gRPC, honest ones.
 
 What it protects. A push or a pull of a part of 1 MiB or more (``BULK_MIN_BYTES``)
@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.net import transport
-from gossipd.node.net.bulk import MAGIC_SEALED, BulkDialer
-from gossipd.node.net.sealing import LENGTH, new_seed
-from gossipd.node.net.shaping import LinkShaper
-from gossipd.node.net.transport import OutcomeUnknown
-from gossipd.node.net.wire import Limits
+from gossipd.node.net.bulk.lane import MAGIC_SEALED, BulkDialer
+from gossipd.node.net.bulk.sealing import LENGTH, new_seed
+from gossipd.node.net.dial import client as transport
+from gossipd.node.net.dial.client import OutcomeUnknown
+from gossipd.node.net.wire.frames import Limits
+from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.trainer.messages import Ack, Pulled
 from gossipd.proto import gossip_pb2 as pb
 from tests.bulk_lane_mesh import (

@@ -1,4 +1,4 @@
-"""The bulk lane (``node/net/bulk.py``) on real daemons against a member that drives it by
+"""The bulk lane (``node/net/bulk/lane.py``) on real daemons against a member that drives it by
 hand (a raw socket beside its own gRPC frames).
 
 What it protects. Such a member cannot get a payload merged that did not arrive whole
@@ -24,7 +24,7 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node.net.bulk import MAGIC, TOKEN_BYTES
+from gossipd.node.net.bulk.lane import MAGIC, TOKEN_BYTES
 from tests.bulk_lane_mesh import (
     IDLE_S,
     MERGED,

@@ -24,7 +24,7 @@ WORKER = f"""
 import sys
 import torch
 from gossipd.node.site.api import GossipNode
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.jobs.registry import JobSpec, build_job
 
 torch.set_num_threads(1)
 name, port, steps, seeds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]

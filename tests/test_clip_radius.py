@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.payload_bound import RADIUS_FLOOR, PayloadBound
 from gossipd.node.shared.config import LimitsConfig
 from gossipd.node.trainer.clip_radius import DISTANCES_KEPT, SENDERS_KEPT, RecentDistances
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
-from gossipd.node.trainer.payload_bound import RADIUS_FLOOR, PayloadBound
 from gossipd.node.trainer.replica import Replica
 
 FACTOR = LimitsConfig().clip_factor  # the default: on, at 10

@@ -1,4 +1,4 @@
-"""Codecs (node/trainer/codec.py).
+"""Codecs (node/compression/codecs.py).
 
 Protects docs/design.md §8: an exact raw codec, half codecs within their precision, int8
 and int4 within half a block's scale, and a decode that refuses NaN, infinity, a bad scale
@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
 from gossipd.node.errors import (
     GossipdError,
     InvalidFrame,
@@ -19,8 +21,6 @@ from gossipd.node.errors import (
     NonFinitePayload,
     PayloadTooLarge,
 )
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
 from tests.tensors import BF16, F16, F32, F64, seeded_values
 
 

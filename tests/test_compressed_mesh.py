@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from gossipd.node.compression.codecs import Codec
 from gossipd.node.launch.localmesh import consensus_distance
-from gossipd.node.net.identity import Identity
-from gossipd.node.net.pullreader import PullReader
+from gossipd.node.net.dial.pull import PullReader
+from gossipd.node.net.wire.identity import Identity
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.codec import Codec
 from tests.averaging import average, averaging_spec
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.cpubudget import (
+from gossipd.node.net.limits.cpu_budget import (
     CREDIT_S,
     DEBT_S,
     SAMPLE_S,
@@ -112,7 +112,7 @@ def test_torch_distributed_threads_are_told_by_name_and_keep_their_cpu_once_gone
 RANK_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch, torch.distributed as dist
-    from gossipd.node.net.cpubudget import CollectiveThreads
+    from gossipd.node.net.limits.cpu_budget import CollectiveThreads
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     values = torch.randn(5210)

@@ -12,7 +12,7 @@ site merged after its checkpoint plus what it sent that its peers merged after i
 Both are read from the peers' own per-peer accounts of the crashed site's previous
 incarnation (``exchanged``, ``*_before``) against the same accounts in its checkpoint,
 so the test does not need to catch the instant of the kill. The restarted site reads
-the same accounts from its peers (``node/net/restart_audit.py``): the figure it logs
+the same accounts from its peers (``node/net/status/restart_audit.py``): the figure it logs
 and reports must be the change the mesh's Σw really shows.
 """
 

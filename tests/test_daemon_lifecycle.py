@@ -240,7 +240,7 @@ def test_pulled_segments_are_counted_as_merges_and_their_clips_as_clips() -> Non
     round."""
     from prometheus_client import generate_latest
 
-    from gossipd.node.net.metrics import NodeMetrics
+    from gossipd.node.net.telemetry.metrics import NodeMetrics
     from gossipd.node.trainer.report import MergeRecord, PullRecord, StepReport
 
     metrics = NodeMetrics()

@@ -21,8 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.plot import LOCAL_ONLY_LABEL, read_history
-from gossipd.node.trainer.jobs import JobSpec, build_job
 
 DEMO_TIMEOUT_S = 420.0  # two runs of 4 nodes; about 1 min on an idle 2-core VM
 DEMO_NODES = 4

@@ -20,7 +20,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from gossipd.coordinator.config import parse_coordinator_config
-from gossipd.node.net.shaping import LinkShaper
+from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.shared.config import LinkConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]

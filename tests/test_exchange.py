@@ -19,9 +19,9 @@ import torch
 
 from gossipd.node.errors import GossipdError, MeshMismatch
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net import pushsender
-from gossipd.node.net.shaping import LinkShaper
-from gossipd.node.net.transport import Identity, OutcomeUnknown, PeerClient
+from gossipd.node.net.dial import push as pushsender
+from gossipd.node.net.dial.client import Identity, OutcomeUnknown, PeerClient
+from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.protocols.base import Push
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import Ack, OutboundPush

@@ -1,4 +1,4 @@
-"""Error feedback for compressed gossip (node/trainer/feedback.py).
+"""Error feedback for compressed gossip (node/compression/feedback.py).
 
 Protects the contract in that module's docstring (docs/design.md §4 lists the codecs it
 builds on): a segment travels whole first, then as a difference from the copy both ends
@@ -17,16 +17,16 @@ import random
 import pytest
 import torch
 
-from gossipd.node.errors import StaleReference
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.feedback import (
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
+from gossipd.node.compression.feedback import (
     WHOLE,
     Copies,
     Encoded,
     FeedbackReceiver,
     FeedbackSender,
 )
+from gossipd.node.errors import StaleReference
 from tests.tensors import BF16, F16, F32, F64, seeded_values
 
 SENDER, RECEIVER = "alice", "bob"  # each end names the other: the sender's peer is RECEIVER

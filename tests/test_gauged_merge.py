@@ -15,12 +15,12 @@ import math
 import pytest
 import torch
 
+from gossipd.node.compression.codecs import BlockHasher, Codec, checksum
 from gossipd.node.errors import InvalidFrame, NonFinitePayload, PayloadOutOfBounds
-from gossipd.node.net.wire import Limits, SegmentAssembler, segment_frames
-from gossipd.node.trainer.codec import BlockHasher, Codec, checksum
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.payload_bound import PayloadBound
+from gossipd.node.net.wire.frames import Limits, SegmentAssembler, segment_frames
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
-from gossipd.node.trainer.payload_bound import PayloadBound
 from gossipd.node.trainer.replica import Replica
 
 

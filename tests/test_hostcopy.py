@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gossipd.node.errors import JobError
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.hostcopy import MAX_POOLED, HostCopies
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.shared.config import parse_config
-from gossipd.node.trainer.hostcopy import MAX_POOLED, HostCopies
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.ranks import site_spec
-from gossipd.node.trainer.segments import FlatModel
 
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (CI and this machine have none)"

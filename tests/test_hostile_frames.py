@@ -23,11 +23,11 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node.net.transport import CHANNEL_OPTIONS
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel
+from gossipd.node.net.dial.client import CHANNEL_OPTIONS
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import wait_until
 from tests.fakepeer import FakePeer

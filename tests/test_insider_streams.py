@@ -33,12 +33,12 @@ from gossipd.node.errors import (
     TooManyOpens,
     TooManyStreams,
 )
-from gossipd.node.net.admission import IdleBounded, PeerSlots
-from gossipd.node.net.openbudget import OpenBudget
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.payload_bound import PayloadBound
+from gossipd.node.net.limits.admission import IdleBounded, PeerSlots
+from gossipd.node.net.limits.open_budget import OpenBudget
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
-from gossipd.node.trainer.payload_bound import PayloadBound
 from gossipd.node.trainer.replica import Replica
 from gossipd.node.trainer.report import StepReport
 from tests.conftest import (

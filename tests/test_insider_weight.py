@@ -27,10 +27,10 @@ import time
 import grpc
 import torch
 
+from gossipd.node.model.payload_bound import RADIUS_FLOOR
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, FOUNDING_WEIGHT
 from gossipd.node.shared.config import LimitsConfig
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.payload_bound import RADIUS_FLOOR
 from tests.conftest import (
     DaemonHandle,
     status_of,

@@ -13,11 +13,11 @@ import torch
 
 from gossipd.node.cli.main import main
 from gossipd.node.errors import JobError
+from gossipd.node.jobs.mnist1d import cache_path, mnist1d_data, read_cached
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.launcher import check_spec
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.launch.processes import free_ports
-from gossipd.node.trainer.job_mnist1d import cache_path, mnist1d_data, read_cached
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from tests.daemons import write_node_config
 
 

@@ -14,16 +14,16 @@ import torch
 
 from gossipd.node.cli.main import main
 from gossipd.node.errors import JobError
-from gossipd.node.launch.launcher import check_spec
-from gossipd.node.launch.meshspec import MeshSpec
-from gossipd.node.launch.processes import free_ports
-from gossipd.node.trainer.job_shakespeare import (
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.jobs.shakespeare import (
     encoded_plays,
     shakespeare_plays,
     site_plays,
     strip_markup,
 )
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.launch.launcher import check_spec
+from gossipd.node.launch.meshspec import MeshSpec
+from gossipd.node.launch.processes import free_ports
 from tests.daemons import write_node_config
 
 TINY = {"layers": 1, "width": 32, "context": 32}  # a model that steps in milliseconds

@@ -1,4 +1,4 @@
-"""Tests for gossipd.node.trainer.jobs: shards, seeds, frozen (lr=0) steps, plugins, and errors."""
+"""Tests for gossipd.node.jobs.registry: shards, seeds, frozen (lr=0) steps, plugins, and errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gossipd.node.errors import JobError
-from gossipd.node.trainer.jobs import BUILTIN_JOBS, JobSpec, build_job, stratified_split
+from gossipd.node.jobs.registry import BUILTIN_JOBS, JobSpec, build_job, stratified_split
 
 
 def _bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -247,7 +247,7 @@ def test_every_builtin_job_builds_and_steps(name: str) -> None:
 PLUGIN_SOURCE = textwrap.dedent(
     """
     import torch
-    from gossipd.node.trainer.jobs import SyntheticJob
+    from gossipd.node.jobs.registry import SyntheticJob
 
     seen = []
 

@@ -22,12 +22,12 @@ import grpc
 import pytest
 import torch
 
-from gossipd.node.net.lastwords import SEQUENCES_SAID, LastWord, from_messages, to_messages
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.segments import FlatModel
+from gossipd.node.net.wire.lastwords import SEQUENCES_SAID, LastWord, from_messages, to_messages
 from gossipd.node.protocols.base import Receipts
 from gossipd.node.protocols.sequences import NUMBERINGS_KEPT
 from gossipd.node.site.api import GossipNode
-from gossipd.node.trainer.jobs import JobSpec, build_job
-from gossipd.node.trainer.segments import FlatModel
 from gossipd.proto import gossip_pb2 as pb
 from tests.fakepeer import MESH, FakePeer, leave_as
 
@@ -59,7 +59,7 @@ def _fingerprint() -> str:
 def test_a_push_its_receiver_left_without_answering_settles_from_what_it_said_it_merged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level("INFO", logger="gossipd.node.net.outbound")
+    caplog.set_level("INFO", logger="gossipd.node.net.gossip.outbound")
     with FakePeer("leaver", fingerprint=_fingerprint(), serve_peers=True, hang_pushes=True) as peer:
         job = _job()
         # A long progress timeout: the push stays taken in and unanswered until the leave.

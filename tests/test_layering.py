@@ -34,22 +34,44 @@ HEAVY = ("grpc", "google.protobuf", "torch")
 ROOT = Path(__file__).resolve().parent.parent
 
 # Room -> the rooms its modules may import. "coordinator.client" is the node's side of the
-# coordinator protocol; the coordinator's server is the CLI's alone.
-_BELOW_NET = {"errors", "protocols", "shared", "trainer", "proto"}
+# coordinator protocol; the coordinator's server is the CLI's alone. An entry "room.module"
+# allows that one module of a room: the network meets the trainer only through its typed
+# messages and the summary it publishes (docs/design.md §3).
+_MEETING = {"trainer.messages", "trainer.report"}
+_BELOW_NET = {"errors", "protocols", "shared", "compression", "model", "proto"}
+_BELOW_SITE = _BELOW_NET | {"trainer", "jobs", "net", "coordinator.client"}
 ROOMS: dict[str, set[str]] = {
     "errors": set(),
     "protocols": {"errors"},
-    "sim": {"errors", "protocols", "trainer"},  # trainer: a real-model payload, lazily
+    "compression": {"errors", "proto"},
+    "jobs": {"errors"},
     "shared": {"errors", "protocols"},
-    "trainer": {"errors", "protocols", "shared", "proto"},
-    "net": _BELOW_NET | {"coordinator.client"},
-    "site": _BELOW_NET | {"net", "coordinator.client"},
-    "baselines": {"errors", "shared", "trainer"},
-    "launch": _BELOW_NET | {"net", "site", "baselines", "sim", "coordinator.client"},
-    "cli": _BELOW_NET
-    | {"net", "site", "baselines", "launch", "sim", "coordinator.client", "coordinator.server"},
+    "model": {"errors", "shared"},
+    # model and jobs: a real-model payload, lazily (no trainer: the simulator drives cores)
+    "sim": {"errors", "protocols", "compression", "model", "jobs"},
+    "trainer": {"errors", "protocols", "shared", "compression", "model", "jobs"},
+    "net": _BELOW_NET | _MEETING | {"coordinator.client"},
+    "site": _BELOW_SITE,
+    "baselines": {"errors", "shared", "model", "jobs", "trainer"},
+    "launch": _BELOW_SITE | {"site", "baselines", "sim"},
+    "cli": _BELOW_SITE | {"site", "baselines", "launch", "sim", "coordinator.server"},
     # The coordinator shares only what both sides use; it never reaches into a node.
     "coordinator": {"errors", "protocols", "shared", "proto"},
+}
+
+# The network's own rooms (node/net/*/), bottom up, and which of them each may import;
+# "" is node/net/network.py, which builds them all. Rooms outside net see it as one.
+NET_ROOMS: dict[str, set[str]] = {
+    "limits": set(),
+    "telemetry": set(),
+    "wire": {"limits"},
+    "bulk": {"limits", "telemetry"},
+    "serve": {"wire", "limits", "telemetry", "bulk"},
+    "dial": {"wire", "bulk", "telemetry"},
+    "peers": {"dial", "wire", "telemetry"},
+    "gossip": {"peers", "dial", "limits", "telemetry", "wire"},
+    "status": {"gossip", "peers", "dial", "serve", "bulk", "limits", "telemetry", "wire"},
+    "": {"limits", "telemetry", "wire", "bulk", "serve", "dial", "peers", "gossip", "status"},
 }
 
 
@@ -63,6 +85,14 @@ def _room(module: str) -> str | None:
     if parts[:2] == ["gossipd", "proto"]:
         return "proto"
     return None
+
+
+def _net_room(module: str) -> str | None:
+    """The room of node/net/ that ``module`` lives in ("": the network; None: not net's)."""
+    parts = module.split(".")
+    if parts[:3] != ["gossipd", "node", "net"] or len(parts) < 4:
+        return None
+    return parts[3] if parts[3] in NET_ROOMS else ""
 
 
 def _sources() -> list[tuple[str, Path]]:
@@ -107,7 +137,7 @@ def test_a_module_imports_only_the_rooms_below_its_own(own: str, path: Path) -> 
     wrong = []
     for module in _imports(path):
         target = _room(module)
-        if target is None or target in allowed:
+        if target is None or target in allowed or _module_of(module) in allowed:
             continue
         if own == "coordinator" and target.startswith("coordinator"):
             continue
@@ -118,12 +148,59 @@ def test_a_module_imports_only_the_rooms_below_its_own(own: str, path: Path) -> 
     )
 
 
+def _module_of(module: str) -> str:
+    """``module`` as a ROOMS entry names one module: "trainer.messages"."""
+    return ".".join(module.split(".")[2:4])
+
+
+def _net_sources() -> list[tuple[str, Path]]:
+    return [(own, p) for own, p in _sources() if own == "net" and p.name != "__init__.py"]
+
+
+def _dotted(path: Path) -> str:
+    return "gossipd." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_every_room_of_net_is_in_the_table_and_says_what_it_owns() -> None:
+    found = {p.parent.name for p in (ROOT / "node" / "net").glob("*/__init__.py")}
+    assert found == set(NET_ROOMS) - {""}, "NET_ROOMS and node/net/ disagree"
+    for room in found:
+        doc = ast.get_docstring(ast.parse((ROOT / "node/net" / room / "__init__.py").read_text()))
+        assert doc and "May import" in doc, (
+            f"node/net/{room}/__init__.py: say what it owns and may import"
+        )
+    loose = sorted(p.name for p in (ROOT / "node" / "net").glob("*.py"))
+    assert loose == ["__init__.py", "network.py"], f"put {loose} in a room of node/net/"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for _, p in _net_sources()],
+    ids=[str(p.relative_to(ROOT)) for _, p in _net_sources()],
+)
+def test_a_module_of_net_imports_only_the_net_rooms_below_its_own(path: Path) -> None:
+    own = _net_room(_dotted(path))
+    assert own is not None
+    allowed = NET_ROOMS[own] | {own}
+    wrong = [m for m in _imports(path) if (r := _net_room(m)) is not None and r not in allowed]
+    assert wrong == [], (
+        f"{path.relative_to(ROOT)} (net/{own}) imports {wrong}; it may import only the net "
+        f"rooms {sorted(allowed)} (tests/test_layering.py NET_ROOMS, docs/design.md §1)"
+    )
+
+
 def test_the_room_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     # Without this, a checker that never found an import would pass every test above.
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from gossipd.node.site.site import Site\n")
     assert [_room(m) for m in _imports(probe)] == ["site"]
     assert "site" not in ROOMS["trainer"] | ROOMS["net"]
+    probe.write_text("from gossipd.node.trainer.replica import Replica\n")
+    (module,) = _imports(probe)
+    assert _room(module) not in ROOMS["net"] and _module_of(module) not in ROOMS["net"]
+    probe.write_text("from gossipd.node.net.gossip.outbound import Outbound\n")
+    assert [_net_room(m) for m in _imports(probe)] == ["gossip"]
+    assert "gossip" not in NET_ROOMS["dial"]
 
 
 def _submodules(package: ModuleType) -> list[str]:
@@ -134,7 +211,8 @@ def _submodules(package: ModuleType) -> list[str]:
 
 PURE = [
     "gossipd.node.errors",
-    "gossipd.node.net.membership",
+    "gossipd.node.net.peers.membership",
+    "gossipd.node.model.outer",
     "gossipd.node.shared.certs",
     *_submodules(gossipd.node.protocols),
     *_submodules(gossipd.node.sim),
@@ -201,11 +279,11 @@ def test_the_commands_that_only_ask_a_node_load_no_torch() -> None:
 
 def test_the_probe_sees_grpc_protobuf_and_torch_when_a_module_does_load_them() -> None:
     # Without this, a probe that never saw anything would pass every test above.
-    assert _loaded_after("import gossipd.node.net.servicer") == list(HEAVY)
+    assert _loaded_after("import gossipd.node.net.serve.servicer") == list(HEAVY)
 
 
 def test_every_error_class_has_its_status_code_in_the_servicer_table() -> None:
-    from gossipd.node.net.servicer import STATUS_CODES
+    from gossipd.node.net.serve.servicer import STATUS_CODES
 
     hierarchy = [
         cls

@@ -14,11 +14,11 @@ import random
 
 import torch
 
-from gossipd.node.net.wire import ReceivedSegment
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.net.wire.frames import ReceivedSegment
 from gossipd.node.protocols.base import PushSettled
 from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.sumweight import SumWeightGossip
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import (
     AskPeer,
     InboundPush,

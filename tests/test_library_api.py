@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.site.api import GossipNode
 from gossipd.node.trainer import checkpoint
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.report import StepReport
 
 DEADLINE_S = 120.0
@@ -185,11 +185,11 @@ def test_a_hand_off_to_a_peer_that_just_died_goes_to_the_next_live_peer(
             node._call(_fail_once(node, "heir"), 10.0)
         dead.proc.kill()
         dead.proc.wait(30.0)
-        with caplog.at_level(logging.INFO, logger="gossipd.node.net.outbound"):
+        with caplog.at_level(logging.INFO, logger="gossipd.node.net.gossip.outbound"):
             node.close()
     finally:
         node.close()
-    tried = [r.getMessage() for r in caplog.records if r.name == "gossipd.node.net.outbound"]
+    tried = [r.getMessage() for r in caplog.records if r.name == "gossipd.node.net.gossip.outbound"]
     assert len(tried) == 2, tried
     assert tried[0].startswith("weight hand-off to dead failed") and "nothing was sent" in tried[0]
     assert tried[1].startswith("handed weight to heir (sum-weight ")

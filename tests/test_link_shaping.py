@@ -24,8 +24,8 @@ import torch
 from gossipd.node.cli.main import build_parser
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.localmesh import MeshSpec, free_ports, node_toml
-from gossipd.node.net.shaping import CHUNK_TIME_S, LinkShaper, link_tables
-from gossipd.node.net.status import query_status
+from gossipd.node.net.status.query import query_status
+from gossipd.node.net.wire.shaping import CHUNK_TIME_S, LinkShaper, link_tables
 from gossipd.node.protocols import PROTOCOLS
 from gossipd.node.shared import certs
 from gossipd.node.shared.config import LinkConfig, parse_config

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node.net.status import query_status
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.net.status.query import query_status
 from gossipd.node.site.api import GossipNode
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from tests.conftest import (
     DaemonHandle,
     sigstopped,

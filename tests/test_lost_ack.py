@@ -18,7 +18,7 @@ once the push is sent and the step is taken.
     twice, so Σ w is exactly N + the pushed weight and Σ w·x exceeds its initial
     value by exactly pushed weight · the snapshot that was sent, no more.
 (c) The receiver left gracefully and said, with its Leave, what it merged of the
-    sender's pushes (its receipts, node/net/lastwords.py): the sender settles from
+    sender's pushes (its receipts, node/net/wire/lastwords.py): the sender settles from
     them and both sums are exact again, for a merged push and for one it never merged.
 """
 
@@ -30,7 +30,7 @@ import random
 import numpy as np
 import pytest
 
-from gossipd.node.net.lastwords import LastWord
+from gossipd.node.net.wire.lastwords import LastWord
 from gossipd.node.protocols.base import (
     Duplicate,
     FoldBack,

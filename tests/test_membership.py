@@ -1,4 +1,4 @@
-"""gossipd.node.net.membership: claims become bounded candidates; only our own handshake's
+"""gossipd.node.net.peers.membership: claims become bounded candidates; only our own handshake's
 answer makes a peer.
 
 The rule under test (docs/design.md §6): a node is a peer only after this node's own
@@ -10,7 +10,7 @@ schedules of every call: tests/test_membership_schedules.py.
 
 from __future__ import annotations
 
-from gossipd.node.net.membership import Change, NodeInfo, PeerState, Verdict
+from gossipd.node.net.peers.membership import Change, NodeInfo, PeerState, Verdict
 from tests.membership_tables import (
     SELF,
     SELF_ADDRESS,

@@ -1,4 +1,4 @@
-"""gossipd.node.net.membership: liveness, departures, views, and attacks on the tables.
+"""gossipd.node.net.peers.membership: liveness, departures, views, and attacks on the tables.
 
 A verified peer is suspected after ``suspect_after_failures`` consecutive failures and
 live again after a success or a new verification; a peer suspected longer than
@@ -12,8 +12,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossipd.node.net.membership import Change, Membership, NodeInfo, PeerState, Verdict
-from gossipd.node.net.peering import from_wire, to_wire
+from gossipd.node.net.peers.membership import Change, Membership, NodeInfo, PeerState, Verdict
+from gossipd.node.net.peers.peering import from_wire, to_wire
 from gossipd.proto import gossip_pb2 as pb
 from tests.membership_tables import (
     info,

@@ -1,4 +1,4 @@
-"""gossipd.node.net.membership under random schedules of every call (hypothesis).
+"""gossipd.node.net.peers.membership under random schedules of every call (hypothesis).
 
 A schedule mixes claims (``hear``), dials of candidates, answers to our own handshakes
 (``verified``: matching, contradicting or without a claim, at a node's usual address
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossipd.node.net.membership import Change, Membership, NodeInfo
+from gossipd.node.net.peers.membership import Change, Membership, NodeInfo
 from tests.membership_tables import (
     SELF,
     SELF_ADDRESS,

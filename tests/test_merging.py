@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from gossipd.node.errors import PayloadOutOfBounds
-from gossipd.node.trainer.jobs import JobSpec, build_job
+from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.model.payload_bound import Delta, PayloadBound
+from gossipd.node.model.segments import PARALLEL_MIN_BYTES, SegmentWork
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment
-from gossipd.node.trainer.payload_bound import Delta, PayloadBound
 from gossipd.node.trainer.replica import Replica
-from gossipd.node.trainer.segments import PARALLEL_MIN_BYTES, SegmentWork
 
 
 def _replica() -> Replica:

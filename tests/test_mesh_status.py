@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from gossipd.node.net.mesh_status import mesh_figures, render_mesh
-from gossipd.node.net.restart_audit import AuditResult, PeerPart, has_booked, peer_part
+from gossipd.node.model.sketch import MAX_SKETCH_SIZE, sketch
+from gossipd.node.net.status.mesh import mesh_figures, render_mesh
+from gossipd.node.net.status.restart_audit import AuditResult, PeerPart, has_booked, peer_part
 from gossipd.node.protocols.base import PeerMass
-from gossipd.node.trainer.sketch import MAX_SKETCH_SIZE, sketch
 
 
 def test_sketch_distances_estimate_model_distances_within_a_few_percent() -> None:

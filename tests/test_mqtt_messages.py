@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gossipd.node.errors import ConfigError
-from gossipd.node.net.mqtt_messages import Junk, Topics, parse_command, parse_presence
+from gossipd.node.net.peers.mqtt_messages import Junk, Topics, parse_command, parse_presence
 from gossipd.node.shared.config import parse_config
 
 TOPICS = Topics("gossipd", "m1", "a")

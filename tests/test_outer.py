@@ -1,4 +1,4 @@
-"""The outer optimizer of ``persyn`` (node/trainer/outer.py): DiLoCo's outer Nesterov step
+"""The outer optimizer of ``persyn`` (node/model/outer.py): DiLoCo's outer Nesterov step
 after each burst of averaging (docs/protocols/persyn.md, "Outer optimizer").
 
 The arithmetic against torch's own SGD, on tensors and numpy vectors alike; the core's
@@ -22,6 +22,7 @@ import torch
 from gossipd.node.errors import ConfigError
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
+from gossipd.node.model.outer import OuterNesterov
 from gossipd.node.protocols import CoreSettings, build
 from gossipd.node.protocols.base import (
     OuterStep,
@@ -36,7 +37,6 @@ from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SimResult, SimSpec
 from gossipd.node.sim.driver import Simulation
 from gossipd.node.sim.scenarios import Scenario
-from gossipd.node.trainer.outer import OuterNesterov
 from tests.daemons import scrape_metrics
 
 ENDED_AT_200 = "training ended at step 200: evaluating the shared model of the outer step"

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.status import query_status
+from gossipd.node.net.status.query import query_status
 from gossipd.node.protocols.base import Pull
 from gossipd.node.protocols.overlap import OverlapGossip
 from gossipd.node.shared import certs

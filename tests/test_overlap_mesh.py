@@ -21,7 +21,7 @@ import pytest
 
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
-from gossipd.node.net.status import render_status
+from gossipd.node.net.status.query import render_status
 from tests.conftest import wait_until
 
 NODES = 3

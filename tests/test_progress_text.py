@@ -22,7 +22,7 @@ from gossipd.node.launch.demo import print_demo, weakest_site
 from gossipd.node.launch.launcher import print_table
 from gossipd.node.launch.meshspec import MeshSpec
 from gossipd.node.launch.progress import MeshProgress
-from gossipd.node.net.status import render_status, status_dict
+from gossipd.node.net.status.query import render_status, status_dict
 from gossipd.node.site.progress_log import ProgressLog
 from gossipd.node.trainer.report import Summary
 from gossipd.proto import gossip_pb2 as pb

@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.site.api import GossipNode
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from gossipd.proto import gossip_pb2_grpc as pb_grpc

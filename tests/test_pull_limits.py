@@ -31,7 +31,7 @@ import grpc
 import pytest
 
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.bulk import MAGIC
+from gossipd.node.net.bulk.lane import MAGIC
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, scrape_metrics, start_daemon, wait_until

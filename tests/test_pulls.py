@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.wire import ReceivedSegment
+from gossipd.node.net.wire.frames import ReceivedSegment
 from gossipd.node.protocols import PROTOCOLS
 from gossipd.node.site.api import GossipNode
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.messages import InboundPush
 from gossipd.node.trainer.replica import Replica
 from tests.pullcore import NAME, PullEveryRound
@@ -194,7 +194,7 @@ def test_a_core_without_sum_weights_has_status_metrics_and_checkpoints(
     """Status, metrics and checkpoints read sum-weights only where a core keeps them."""
     import asyncio
 
-    from gossipd.node.net.status import query_status
+    from gossipd.node.net.status.query import query_status
     from gossipd.node.trainer import checkpoint
 
     a, b = _pair()

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 import torch
 
-from gossipd.node.net.transport import Identity, PeerClient
-from gossipd.node.net.wire import segment_frames
+from gossipd.node.compression.codecs import Codec
+from gossipd.node.net.dial.client import Identity, PeerClient
+from gossipd.node.net.wire.frames import segment_frames
 from gossipd.node.protocols.sumweight import Push
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.codec import Codec
 from gossipd.node.trainer.messages import OutboundPush
 from gossipd.proto import gossip_pb2 as pb
 

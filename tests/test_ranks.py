@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 
 from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.launch.forked import fork_node
 from gossipd.node.launch.launcher import run_mesh_in
 from gossipd.node.launch.localmesh import LocalMesh, MeshSpec
 from gossipd.node.protocols.persyn import burst_position
 from gossipd.node.shared.config import parse_config
 from gossipd.node.site.rank_launcher import launch
-from gossipd.node.trainer.jobs import JobSpec, build_job
 from gossipd.node.trainer.ranks import RankEnv, backend_for, read_records
 from tests.conftest import wait_until
 

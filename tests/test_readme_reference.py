@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from gossipd.coordinator.config import CoordinatorConfig
 from gossipd.coordinator.metrics import CoordinatorMetrics
-from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.protocols import PROTOCOLS, settings_class
 from gossipd.node.shared.config import NodeConfig
 

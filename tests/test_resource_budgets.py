@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.status import query_status
-from gossipd.node.net.wire import Limits, SegmentAssembler
-from gossipd.node.trainer.segments import model_checksum
+from gossipd.node.model.segments import model_checksum
+from gossipd.node.net.status.query import query_status
+from gossipd.node.net.wire.frames import Limits, SegmentAssembler
 from gossipd.proto import gossip_pb2 as pb
 from tests.conftest import DaemonHandle, start_daemon, wait_until
 from tests.fakepeer import FakePeer

@@ -1,4 +1,4 @@
-"""Sealed bulk-lane records (``node/net/sealing.py``) on real socket pairs.
+"""Sealed bulk-lane records (``node/net/bulk/sealing.py``) on real socket pairs.
 
 What it protects. Bytes sealed by one end come out of the other exactly, whatever
 pieces the reader asks for; and every way a peer or the path can spoil the stream —
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from gossipd.node.errors import BulkClosed, InvalidFrame
-from gossipd.node.net import sealing
-from gossipd.node.net.sealing import LENGTH, RECORD_BYTES, TAG_BYTES, Seal, new_seed
+from gossipd.node.net.bulk import sealing
+from gossipd.node.net.bulk.sealing import LENGTH, RECORD_BYTES, TAG_BYTES, Seal, new_seed
 
 TOKEN = b"sealing-test-tok"
 TIMEOUT_S = 10.0  # every read here is bounded: a bug shows as a timeout, not a hang

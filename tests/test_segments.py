@@ -1,4 +1,4 @@
-"""Segment plans and flat storage (node/trainer/segments.py).
+"""Segment plans and flat storage (node/model/segments.py).
 
 Protects docs/design.md §4: segment plans and fingerprints, and flat storage that the
 module and optimizer really use.
@@ -15,7 +15,7 @@ from torch import nn
 from gossipd.node.errors import (
     MeshMismatch,
 )
-from gossipd.node.trainer.segments import (
+from gossipd.node.model.segments import (
     FlatModel,
     check_fingerprint,
     plan_segments,

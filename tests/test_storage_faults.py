@@ -24,7 +24,7 @@ import torch
 
 from gossipd.node.errors import CheckpointError, GossipdError
 from gossipd.node.launch.localmesh import free_ports
-from gossipd.node.net.status import query_status
+from gossipd.node.net.status.query import query_status
 from gossipd.node.trainer import checkpoint
 from tests.conftest import scrape_metrics, wait_until, write_node_config
 from tests.disk_faults import ROOT, TIMEOUT_S, Daemon, SmallDisk, read_only_at, small_disk_at
@@ -91,7 +91,7 @@ def _error_lines(output: str) -> list[str]:
 
 @functools.cache
 def _fingerprint() -> str:
-    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.jobs.registry import JobSpec, build_job
     from gossipd.node.trainer.replica import Replica
 
     job = build_job(JobSpec("synthetic", seed=0, learning_rate=0.01))

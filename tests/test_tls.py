@@ -8,7 +8,7 @@ speaks only for its own node id is ``tests/test_tls_identity.py`` (on a mesh of 
 the same); rotations and revocations that change the certificate files run their own
 meshes in ``tests/test_tls_rotation.py``.
 
-What the tests rely on (node/shared/tls.py, node/net/servicer.py): a site's identity is the
+What the tests rely on (node/shared/tls.py, node/net/serve/servicer.py): a site's identity is the
 node id its certificate names; every claim of identity in a request must equal
 it (PERMISSION_DENIED, counted as ``IdentityMismatch``); a certificate that TLS
 refuses never reaches a handler.

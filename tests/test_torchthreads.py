@@ -17,7 +17,7 @@ import pytest
 
 PROBE = """
 import os, sys, threading, torch
-from gossipd.node.trainer.torchthreads import worker_pool
+from gossipd.node.model.torchthreads import worker_pool
 
 torch.set_num_threads(1)
 v = torch.randn(1 << 22)

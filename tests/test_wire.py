@@ -1,4 +1,4 @@
-"""Wire framing (node/net/wire.py): segment frames, the assembler, chunk views.
+"""Wire framing (node/net/wire/frames.py): segment frames, the assembler, chunk views.
 
 Protects docs/design.md §8: an assembler that hands on a segment whole and verified, or
 refuses it with a message naming the bad value.
@@ -12,12 +12,18 @@ import re
 import pytest
 import torch
 
+from gossipd.node.compression import codecs as wirecodec
+from gossipd.node.compression.codecs import Codec
 from gossipd.node.errors import (
     InvalidFrame,
     NonFinitePayload,
     PayloadTooLarge,
 )
-from gossipd.node.net.wire import (
+from gossipd.node.model.segments import (
+    SegmentPlan,
+    plan_segments,
+)
+from gossipd.node.net.wire.frames import (
     PULL_CHUNK_TAG,
     PUSH_CHUNK_TAG,
     Limits,
@@ -26,12 +32,6 @@ from gossipd.node.net.wire import (
     chunk_view,
     pull_frame,
     segment_frames,
-)
-from gossipd.node.trainer import codec as wirecodec
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.segments import (
-    SegmentPlan,
-    plan_segments,
 )
 from gossipd.proto import gossip_pb2 as pb
 from tests.tensors import F16, F32, F64, named, seeded_values

@@ -42,10 +42,10 @@ from gossipd.node.baselines.allreduce_comm import (
     rendezvous,
 )
 from gossipd.node.errors import ConfigError
+from gossipd.node.jobs.registry import build_job
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.config_ranks import ALLREDUCE
 from gossipd.node.shared.statefiles import write_json
-from gossipd.node.trainer.jobs import build_job
 from gossipd.node.trainer.ranks import site_spec
 
 log = logging.getLogger("gossipd.node.baselines.allreduce")

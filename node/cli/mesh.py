@@ -81,7 +81,7 @@ def _node_based(args: argparse.Namespace) -> dict[str, object]:
         raise GossipdError(f"--node-based runs persyn between sites, not {args.protocol}")
     if args.node_based < 1:
         raise GossipdError(f"--node-based {args.node_based}: give K′ >= 1 steps between averages")
-    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.jobs.registry import JobSpec, build_job
     from gossipd.node.trainer.ranks import RankEnv
 
     site = JobSpec(
@@ -168,7 +168,7 @@ def _run_mesh(args: argparse.Namespace) -> int:
         flush=True,
     )
     from gossipd.node.launch.launcher import print_table, run_mesh
-    from gossipd.node.net.shaping import link_tables
+    from gossipd.node.net.wire.shaping import link_tables
 
     link = link_tables(args.nodes, latency_ms=args.link_latency_ms, rate_mbit=args.link_rate_mbit)
     result = run_mesh(_mesh_spec(args, link=link))  # type: ignore[arg-type]

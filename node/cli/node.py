@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.baselines import BASELINES, Baseline
 from gossipd.node.errors import GossipdError
-from gossipd.node.net.corelog import CoreLog
+from gossipd.node.net.telemetry.corelog import CoreLog
 from gossipd.node.trainer.memory import keep_freed_buffers
 
 if TYPE_CHECKING:
@@ -86,9 +86,9 @@ def _run_site(args: argparse.Namespace, config: NodeConfig, core_log: CoreLog) -
 
         return launch(args.config, config, args.ranks, args.threads, args.log_level)
     _load_torch(args, config)
+    from gossipd.node.jobs.registry import build_job
     from gossipd.node.site.site import Site
     from gossipd.node.trainer import ranks
-    from gossipd.node.trainer.jobs import build_job
 
     rank_env = ranks.RankEnv.from_environ()
     if rank_env is not None and rank_env.rank != 0:
@@ -104,7 +104,7 @@ def _run_site(args: argparse.Namespace, config: NodeConfig, core_log: CoreLog) -
 
 async def _serve(site: Site, config_path: Path, core_log: CoreLog) -> None:
     """The site's event loop until SIGTERM or SIGINT; SIGHUP reloads its certificate."""
-    from gossipd.node.trainer.torchthreads import use_for_default_executor
+    from gossipd.node.model.torchthreads import use_for_default_executor
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

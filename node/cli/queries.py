@@ -99,12 +99,12 @@ def _status(args: argparse.Namespace) -> int:
     if args.expect_sites and not args.mesh:
         raise GossipdError("--expect-sites goes with --mesh")
     if args.mesh:
-        from gossipd.node.net.mesh_status import query_mesh, render_mesh
+        from gossipd.node.net.status.mesh import query_mesh, render_mesh
 
         mesh = asyncio.run(query_mesh(args.address, args.timeout_s, tls=_client_tls(args)))
         print(json.dumps(mesh) if args.json else render_mesh(mesh))
         return 0 if len(mesh["sites"]) >= args.expect_sites and not mesh["unreachable"] else 1
-    from gossipd.node.net.status import query_status, render_status
+    from gossipd.node.net.status.query import query_status, render_status
 
     # One call by a person or a script: worth the model copy a fresh checksum costs.
     reply = asyncio.run(
@@ -115,7 +115,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from gossipd.node.net.status import check_health
+    from gossipd.node.net.status.query import check_health
 
     status = asyncio.run(check_health(args.address, args.timeout_s, tls=_client_tls(args)))
     print(status)

@@ -70,6 +70,6 @@ def check_job_options(job: str, options: dict[str, Any], shards: int = 1) -> Non
     """Build ``job`` with ``options`` here, as the last of ``shards`` shards, so a bad option
     or more sites than the job's data can be split into (``shakespeare`` deals whole plays
     or genres) fails with the job's own error before any node is started."""
-    from gossipd.node.trainer.jobs import JobSpec, build_job
+    from gossipd.node.jobs.registry import JobSpec, build_job
 
     build_job(JobSpec(job, shard_index=shards - 1, num_shards=shards, options=dict(options)))

@@ -191,8 +191,8 @@ async def _sleep_unless_done(mesh: LocalMesh, seconds: float) -> None:
 def check_spec(spec: MeshSpec) -> None:
     """What can be found wrong before any node starts: too few nodes, a missing package,
     a bad job option, more sites (times ranks) than the job's data has shards."""
+    from gossipd.node.jobs.packages import check_job_package
     from gossipd.node.launch.joboptions import check_job_options
-    from gossipd.node.trainer.job_packages import check_job_package
 
     if spec.nodes < 2:
         raise GossipdError(f"--nodes {spec.nodes}: a mesh needs at least 2 nodes")

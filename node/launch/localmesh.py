@@ -39,9 +39,9 @@ from gossipd.node.launch.processes import (
     stop_process,
     stop_processes,
 )
-from gossipd.node.net.status import query_status
-from gossipd.node.net.transport import Identity, PeerClient
-from gossipd.node.net.wire import Limits
+from gossipd.node.net.dial.client import Identity, PeerClient
+from gossipd.node.net.status.query import query_status
+from gossipd.node.net.wire.frames import Limits
 from gossipd.node.trainer import checkpoint
 
 STARTUP_TIMEOUT_S = 120.0
@@ -188,8 +188,8 @@ class LocalMesh:
 
     def load_plan(self) -> None:
         """Build the job once here too: pulled models are validated against its segment plan."""
-        from gossipd.node.trainer.jobs import JobSpec, build_job
-        from gossipd.node.trainer.segments import FlatModel
+        from gossipd.node.jobs.registry import JobSpec, build_job
+        from gossipd.node.model.segments import FlatModel
 
         job = build_job(JobSpec(self.spec.job, options=dict(self.spec.job_options)))
         self.plan = FlatModel(job.model).plan

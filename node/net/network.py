@@ -18,38 +18,37 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gossipd.node.compression.codecs import Codec
+from gossipd.node.compression.feedback import FeedbackReceiver, FeedbackSender
 from gossipd.node.errors import (
     ConfigError,
     GossipdError,
     Leaving,
     UnknownPeer,
 )
-from gossipd.node.net.bulk import BulkServer
-from gossipd.node.net.channels import PeerChannels
-from gossipd.node.net.cpubudget import SAMPLE_S, CpuBudget
-from gossipd.node.net.health import PeerHealth, Retries
-from gossipd.node.net.inbound import Inbound
-from gossipd.node.net.lastwords import from_messages
-from gossipd.node.net.metrics import NodeMetrics
-from gossipd.node.net.outbound import Outbound
-from gossipd.node.net.peering import Peering, PeeringSettings
-from gossipd.node.net.port import NetworkPort
-from gossipd.node.net.pulling import Puller
-from gossipd.node.net.refusals import Refusals
-from gossipd.node.net.server import add_services, announce, bind, mark_serving, new_server
-from gossipd.node.net.shaping import LinkShaper
-from gossipd.node.net.status_reply import StatusReplies
-from gossipd.node.net.tasks import LoopTasks
-from gossipd.node.net.transport import Identity
-from gossipd.node.net.wire import Limits, ReceivedSegment, SegmentAssembler
+from gossipd.node.net.bulk.lane import BulkServer
+from gossipd.node.net.dial.channels import PeerChannels
+from gossipd.node.net.dial.client import Identity
+from gossipd.node.net.gossip.inbound import Inbound
+from gossipd.node.net.gossip.outbound import Outbound
+from gossipd.node.net.gossip.port import NetworkPort
+from gossipd.node.net.gossip.pulls import Puller
+from gossipd.node.net.limits.cpu_budget import SAMPLE_S, CpuBudget
+from gossipd.node.net.peers.health import PeerHealth, Retries
+from gossipd.node.net.peers.peering import Peering, PeeringSettings
+from gossipd.node.net.serve.server import add_services, announce, bind, mark_serving, new_server
+from gossipd.node.net.status.reply import StatusReplies
+from gossipd.node.net.telemetry.metrics import NodeMetrics
+from gossipd.node.net.telemetry.refusals import Refusals
+from gossipd.node.net.wire.frames import Limits, ReceivedSegment, SegmentAssembler
+from gossipd.node.net.wire.lastwords import from_messages
+from gossipd.node.net.wire.shaping import LinkShaper
+from gossipd.node.net.wire.tasks import LoopTasks
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
 from gossipd.node.shared.rejections import RejectionLog, Throttle
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.codec import Codec
-from gossipd.node.trainer.feedback import FeedbackReceiver, FeedbackSender
-from gossipd.node.trainer.messages import OutboundPull
-from gossipd.node.trainer.replica import Replica
+from gossipd.node.trainer.messages import OutboundPull, ReplicaLink
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -63,7 +62,7 @@ class Network:
     """Implements the servicer's ``Handlers`` and drives pushes and anti-entropy."""
 
     def __init__(
-        self, config: NodeConfig, replica: Replica, metrics: NodeMetrics | None = None
+        self, config: NodeConfig, replica: ReplicaLink, metrics: NodeMetrics | None = None
     ) -> None:
         self.config = config
         self.replica = replica
@@ -119,7 +118,7 @@ class Network:
             outbound=self.outbound,
         )
 
-    def _build_parts(self, config: NodeConfig, replica: Replica) -> None:
+    def _build_parts(self, config: NodeConfig, replica: ReplicaLink) -> None:
         """The parts, each given the few collaborators it calls, in dependency order:
         nothing below calls back into a part built after it."""
         self.channels = PeerChannels(
@@ -174,7 +173,7 @@ class Network:
             health=self.health,
             departure=self.outbound,
             shaper=self.shaper,
-            serves_one_pull=replica.core.serves_one_pull,
+            serves_one_pull=replica.serves_one_pull,
         )
         # The coordinator's client, started with the node once its address is known
         # (None: no coordinator configured, the node schedules alone).

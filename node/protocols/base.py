@@ -284,7 +284,7 @@ class StartTimer:
 @dataclass(frozen=True)
 class OuterStep:
     """A burst of averaging ended: apply the protocol's outer optimizer to the whole model
-    (:mod:`gossipd.node.trainer.outer`), then train on from what it gives."""
+    (:mod:`gossipd.node.model.outer`), then train on from what it gives."""
 
     round: int
     learning_rate: float

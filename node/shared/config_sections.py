@@ -192,7 +192,7 @@ class LinkConfig(_Section):
     """``[link]``: slow this node's sends down, for tests and benchmarks only (off by default).
 
     Real processes on one machine can then show slow and distant links; see
-    :mod:`gossipd.node.net.shaping` for what is delayed and how. Never for production.
+    :mod:`gossipd.node.net.wire.shaping` for what is delayed and how. Never for production.
     """
 
     latency_ms: float = Field(

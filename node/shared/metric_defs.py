@@ -2,7 +2,7 @@
 labels and buckets) and :func:`register`, the one loop that makes a table of them into
 collectors on a registry.
 
-The node's table is :data:`gossipd.node.net.metrics.NODE_METRICS`, the coordinator's
+The node's table is :data:`gossipd.node.net.telemetry.metrics.NODE_METRICS`, the coordinator's
 :data:`gossipd.coordinator.metrics.COORDINATOR_METRICS`; the reference page
 (docs/reference/metrics.md) and the dashboards read what they define.
 """

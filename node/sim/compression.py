@@ -1,6 +1,6 @@
 """The simulated wire's codec: each pushed segment encoded and decoded with the daemon's own
-codecs (:mod:`gossipd.node.trainer.codec`) and, with error feedback, sent as a difference
-from the copies the daemon keeps (:mod:`gossipd.node.trainer.feedback`).
+codecs (:mod:`gossipd.node.compression.codecs`) and, with error feedback, sent as a difference
+from the copies the daemon keeps (:mod:`gossipd.node.compression.feedback`).
 
 A segment's simulated bytes are scaled by its codec's size against float32 (the simulated
 wire carries a float32 model whatever the payload's own dtype), so ``bytes_sent`` counts
@@ -19,8 +19,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from gossipd.node.trainer.codec import Codec
-    from gossipd.node.trainer.feedback import Encoded, FeedbackReceiver, FeedbackSender
+    from gossipd.node.compression.codecs import Codec
+    from gossipd.node.compression.feedback import Encoded, FeedbackReceiver, FeedbackSender
 
 
 def _tensor(values: Any) -> torch.Tensor:
@@ -39,8 +39,8 @@ class SimCodec:
     def __init__(self, codec: Codec, error_feedback: bool, max_peers: int, seed: int) -> None:
         import torch
 
-        from gossipd.node.trainer import codec as wirecodec
-        from gossipd.node.trainer import feedback
+        from gossipd.node.compression import codecs as wirecodec
+        from gossipd.node.compression import feedback
 
         self._torch, self._wire, self._feedback = torch, wirecodec, feedback
         self.codec = codec

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.model.outer import OuterNesterov
 from gossipd.node.protocols import build
 from gossipd.node.protocols.base import (
     Action,
@@ -69,7 +70,6 @@ from gossipd.node.sim.pulls import PullSide
 from gossipd.node.sim.pushes import PushSide
 from gossipd.node.sim.spec import SimNode, SimResult, SimSpec, core_settings
 from gossipd.node.sim.spectral import MixingTracker
-from gossipd.node.trainer.outer import OuterNesterov
 
 if TYPE_CHECKING:
     from gossipd.node.sim.compression import SimCodec
@@ -94,8 +94,8 @@ def make_codec(spec: SimSpec) -> SimCodec | None:
     """The simulated wire's codec; None for raw values (then torch is never imported)."""
     if spec.codec == "raw" and not spec.error_feedback:
         return None
+    from gossipd.node.compression.codecs import Codec
     from gossipd.node.sim.compression import SimCodec
-    from gossipd.node.trainer.codec import Codec
 
     try:
         codec = Codec.parse(spec.codec)

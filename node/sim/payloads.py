@@ -1,7 +1,7 @@
 """What simulated nodes hold and blend: plain vectors (consensus studies) or real torch models.
 
 The driver only ever asks a payload for four things, the same ones the
-daemon's replica does with a :class:`~gossipd.node.trainer.segments.FlatModel`:
+daemon's replica does with a :class:`~gossipd.node.model.segments.FlatModel`:
 snapshot some segments (before a push leaves), blend received or returned
 values into a segment (x ← (1 − α)·x + α·y), take a local step, and measure.
 """
@@ -154,10 +154,10 @@ class VectorPayload:
 
 
 class DigitsPayload:
-    """A real :class:`~gossipd.node.trainer.jobs.DigitsJob` per node (shard i of N), one thread.
+    """A real :class:`~gossipd.node.jobs.registry.DigitsJob` per node (shard i of N), one thread.
 
     Models start from different seeds and train on their own shard; gossip blends
-    the job's :class:`~gossipd.node.trainer.segments.FlatModel` segments exactly as the
+    the job's :class:`~gossipd.node.model.segments.FlatModel` segments exactly as the
     replica does. With training on the mean moves, so the consensus error here is
     measured against the current mean of the members' models, not the initial one.
     """
@@ -174,8 +174,8 @@ class DigitsPayload:
     ) -> None:
         import torch
 
-        from gossipd.node.trainer.jobs import JobSpec, build_job
-        from gossipd.node.trainer.segments import FlatModel, shareable_tensors
+        from gossipd.node.jobs.registry import JobSpec, build_job
+        from gossipd.node.model.segments import FlatModel, shareable_tensors
 
         torch.set_num_threads(1)
         self._torch = torch

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.model.torchthreads import use_for_default_executor
 from gossipd.node.net.network import Network
 from gossipd.node.shared.config import NodeConfig, load_config, parse_config
 from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.fairlock import FairLock
 from gossipd.node.trainer.replica import Replica
 from gossipd.node.trainer.report import StepReport
-from gossipd.node.trainer.torchthreads import use_for_default_executor
 
 log = logging.getLogger(__name__)
 # How long what is left on the loop after the network closed may take to end by itself.

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gossipd.node.errors import CheckpointError
-from gossipd.node.net.metrics import NodeMetrics
+from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.shared.statefiles import FailureStreak
 from gossipd.node.site.checkpoint_record import (
     RECORD_FILENAME,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from gossipd.node.net.metrics import NodeMetrics
-from gossipd.node.net.mqtt import MqttAgent, Presences
+from gossipd.node.net.peers.mqtt import MqttAgent, Presences
+from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Material
 

@@ -18,10 +18,10 @@ import socket
 from pathlib import Path
 
 from gossipd.node.errors import ConfigError
+from gossipd.node.jobs.packages import check_job_package
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.site.checkpoint_record import SiteIdentity, mismatch_message, read_record
-from gossipd.node.trainer.job_packages import check_job_package
 
 
 def check_site(config: NodeConfig) -> None:
@@ -40,7 +40,7 @@ def check_site(config: NodeConfig) -> None:
     check_checkpoint_owner(config)
     check_job_package(config.job.name)
     if config.mqtt is not None:
-        from gossipd.node.net.mqtt import BrokerLogin
+        from gossipd.node.net.peers.mqtt import BrokerLogin
 
         BrokerLogin.from_config(config.mqtt)  # reads mqtt.password_file, ca, cert and key
 

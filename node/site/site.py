@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
-from gossipd.node.net.cpubudget import CollectiveThreads
-from gossipd.node.net.metrics import NodeMetrics
-from gossipd.node.net.mqtt import MqttAgent
+from gossipd.node.jobs.registry import Job, build_job
+from gossipd.node.net.limits.cpu_budget import CollectiveThreads
 from gossipd.node.net.network import Network
-from gossipd.node.net.restart_audit import RestartAudit
+from gossipd.node.net.peers.mqtt import MqttAgent
+from gossipd.node.net.status.restart_audit import RestartAudit
+from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.protocols.base import PeerMass
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.statefiles import FailureStreak, write_json
@@ -42,7 +43,6 @@ from gossipd.node.site.checkpoint_record import SiteIdentity
 from gossipd.node.site.checkpoints import SiteCheckpoints
 from gossipd.node.site.controls import SiteControls, start_mqtt
 from gossipd.node.site.progress_log import ProgressLog
-from gossipd.node.trainer.jobs import Job, build_job
 from gossipd.node.trainer.ranks import (
     Leader,
     RankEnv,

@@ -49,11 +49,11 @@ from gossipd.node.trainer.report import PushRecord, Rejection, StepReport, Summa
 if TYPE_CHECKING:
     import torch
 
+    from gossipd.node.model.segments import FlatModel
     from gossipd.node.trainer.dispatch import Dispatcher
     from gossipd.node.trainer.duepulls import DuePulls
     from gossipd.node.trainer.fairlock import FairLock
     from gossipd.node.trainer.merging import Merger
-    from gossipd.node.trainer.segments import FlatModel
 
 
 class Arrivals:

@@ -1,7 +1,7 @@
 """How far one payload may pull a model: a radius set by what the other peers send.
 
 mTLS says who may speak, not that a member is honest. The sanity bound
-(:mod:`.payload_bound`) refuses payloads far beyond any estimate of the model, but
+(``model/payload_bound.py``) refuses payloads far beyond any estimate of the model, but
 a member with a valid certificate pushed our own values plus 50 at weight 1, well
 inside it, and within 3 s the mean of all three honest models went from −1.6e-5 to
 49.8. Honest payloads are estimates of the same average, so their distances from
@@ -12,7 +12,7 @@ ClippedGossip (He, Karimireddy, Jaggi, 2022) clips each neighbour's difference t
 radius around one's own model. Here the radius of a segment is ``limits.clip_factor``
 times the upper median, over the *other* senders, of the largest RMS distance each
 one's last ``DISTANCES_KEPT`` payloads had from our segment (at least ``RADIUS_FLOOR``
-of the segment's scale, see :mod:`.payload_bound`). One entry per sender, so a member
+of the segment's scale, see ``model/payload_bound.py``). One entry per sender, so a member
 pushing many times (even at weight 0) still holds one entry; its own payloads are
 measured against the others' distances only; and with one dishonest member, the upper
 median of the others can only be raised by it, never lowered (a lowered radius would

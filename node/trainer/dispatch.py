@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.model.outer import OuterNesterov
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.protocols.base import (
     Action,
     AskPeer,
@@ -33,8 +35,6 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.trainer.duepulls import DuePulls
 from gossipd.node.trainer.messages import LoopPort, OutboundPull, OutboundPush
-from gossipd.node.trainer.outer import OuterNesterov
-from gossipd.node.trainer.segments import FlatModel
 
 log = logging.getLogger(__name__)
 

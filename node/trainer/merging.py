@@ -10,7 +10,7 @@ computed: the bound's norms
 prove it finite (all but models near their dtype's limit), and the commit then adds
 the payload's difference in place, one pass per segment. A large payload's segments
 are checked and written side by side on the cores the process may use
-(:class:`~gossipd.node.trainer.segments.SegmentWork`).
+(:class:`~gossipd.node.model.segments.SegmentWork`).
 
 The :class:`Merger` writes segments and tells the core what merged (or which pull
 failed); it never touches threads, queues or replies. The replica
@@ -36,6 +36,8 @@ from gossipd.node.errors import (
     PayloadOutOfBounds,
     WeightOverCap,
 )
+from gossipd.node.model.payload_bound import Gauge, PayloadBound
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.protocols.base import (
     Action,
     CoreStatus,
@@ -56,9 +58,7 @@ from gossipd.node.protocols.credit import CreditExceeded
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.trainer.clip_radius import RecentDistances
 from gossipd.node.trainer.messages import Ack, InboundPush, OutboundPush, Pulled
-from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
 from gossipd.node.trainer.report import MergeRecord, PullRecord
-from gossipd.node.trainer.segments import FlatModel
 
 log = logging.getLogger(__name__)
 

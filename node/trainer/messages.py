@@ -7,7 +7,10 @@ core. They meet only through the typed messages here (docs/design.md §3, STYLE 
   event (a push's outcome, a pull's result, a view change, a restart, a refusal, a
   request from the leaving loop) in the bounded :class:`EventQueue`;
 * trainer → loop: :class:`OutboundPush` and :class:`OutboundPull`, handed to the
-  :class:`LoopPort` the network attaches.
+  :class:`LoopPort` the network attaches;
+* what the loop may touch of the replica itself is :class:`ReplicaLink`: those queues,
+  the summary it publishes, snapshots under its lock, and the norms its receiving
+  workers take; the network imports nothing else of the trainer.
 
 Nothing here imports grpc or protobuf: the loop converts at its edge, so the trainer
 side can be read, tested and driven without a wire.
@@ -19,13 +22,15 @@ import collections
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from gossipd.node.errors import Busy, GossipdError
+from gossipd.node.model.payload_bound import Gauge
 from gossipd.node.protocols.base import (
     AskPeer,
     PeerGranted,
@@ -34,7 +39,10 @@ from gossipd.node.protocols.base import (
     Receipts,
     ReportTransfer,
 )
-from gossipd.node.trainer.payload_bound import Gauge
+
+if TYPE_CHECKING:
+    from gossipd.node.model.segments import FlatModel
+    from gossipd.node.trainer.report import Summary
 
 
 # -- payloads ---------------------------------------------------------------------------
@@ -334,3 +342,40 @@ class Detached:
 
     def report_transfer(self, report: ReportTransfer) -> None:
         """Nobody to tell."""
+
+
+# -- what the loop may use of a replica ---------------------------------------------------
+class ReplicaLink(Protocol):
+    """The replica as the event loop sees it (:class:`~gossipd.node.trainer.replica.Replica`
+    implements it): queues to post to, futures answered on the trainer's thread, the
+    published summary, and the model read only under :attr:`lock`."""
+
+    flat: FlatModel
+    inbox: Inbox
+    summary: Summary
+    training_done: bool
+    clock: Callable[[], float]
+
+    @property
+    def lock(self) -> AbstractContextManager[object]: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def serves_one_pull(self) -> bool: ...
+    def attach(self, port: LoopPort) -> None: ...
+    def published(self) -> Summary: ...
+    def post(
+        self, event: PushOutcome | PullOutcome | ViewNotice | RestartNotice | Rejected
+    ) -> None: ...
+    def request_hand_off(
+        self, peer: str | None
+    ) -> concurrent.futures.Future[OutboundPush | None]: ...
+    def request_receipts(
+        self, peers: tuple[str, ...], sequences: int
+    ) -> concurrent.futures.Future[dict[str, list[Receipts]]]: ...
+    def barrier(self) -> concurrent.futures.Future[int]: ...
+    def grant(self, granted: PeerGranted) -> None: ...
+    def fire_due_timers(self) -> None: ...
+    def gauge(
+        self, segment: int, values: torch.Tensor, each: Callable[[torch.Tensor], None] | None = None
+    ) -> Gauge | None: ...

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.jobs.registry import Job, JobSpec
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.shared.config import NodeConfig
-from gossipd.node.trainer.jobs import Job, JobSpec
-from gossipd.node.trainer.segments import FlatModel
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from gossipd.node.model.payload_bound import Gauge, PayloadBound
+from gossipd.node.model.segments import FlatModel
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     GossipProtocol,
@@ -55,9 +57,7 @@ from gossipd.node.trainer.messages import (
     RestartNotice,
     ViewNotice,
 )
-from gossipd.node.trainer.payload_bound import Gauge, PayloadBound
 from gossipd.node.trainer.report import BalanceLog, SinkLog, StepReport, Summary
-from gossipd.node.trainer.segments import FlatModel
 
 # Events a replica may have waiting: outcomes of its pushes and pulls (bounded by the
 # core's in-flight limits), restarts, requests from the leaving loop, and refusals
@@ -167,6 +167,11 @@ class Replica(Arrivals):
     @property
     def fingerprint(self) -> str:
         return self.flat.fingerprint
+
+    @property
+    def serves_one_pull(self) -> bool:
+        """Whether this replica's core serves one protocol pull at a time."""
+        return self.core.serves_one_pull
 
     @property
     def port(self) -> LoopPort:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from gossipd.node.trainer.torchthreads import adopt_thread_count
+from gossipd.node.model.torchthreads import adopt_thread_count
 
 if TYPE_CHECKING:
     import torch
