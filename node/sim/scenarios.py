@@ -5,7 +5,7 @@ sites a one-way latency and a bandwidth, so a message of b bytes sent at t
 arrives at t + latency + b / bandwidth (no contention: links are modelled as
 independent pipes, which overstates what a shared uplink delivers). Faults are
 entries at chosen virtual times, never random draws, so a test can say exactly
-when a node fails (STYLE: "every fault test says exactly when the fault happens").
+when a node fails (docs/contributing.md, "Faults").
 
 ``homogeneous`` is the textbook setting: equal step times, no jitter, no faults,
 and latency plus transfer far below one step, so every push of a round lands

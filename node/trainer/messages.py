@@ -1,7 +1,8 @@
 """What the event loop and the replica (the daemon's protocol driver) say to each other.
 
 The loop owns the network; the trainer thread owns the parameters and the protocol
-core. They meet only through the typed messages here (docs/design.md §3, STYLE "Threads"):
+core. They meet only through the typed messages here (docs/design.md §3, and
+docs/contributing.md "Threads"):
 
 * loop → trainer: whole inbound pushes in the bounded :class:`Inbox`, and every other
   event (a push's outcome, a pull's result, a view change, a restart, a refusal, a
