@@ -24,16 +24,18 @@ from gossipd.node.errors import (
     ConfigError,
     GossipdError,
     Leaving,
-    UnknownPeer,
 )
 from gossipd.node.net.bulk.lane import BulkServer
 from gossipd.node.net.dial.channels import PeerChannels
 from gossipd.node.net.dial.client import Identity
 from gossipd.node.net.gossip.inbound import Inbound
+from gossipd.node.net.gossip.leaving import Leaver
 from gossipd.node.net.gossip.outbound import Outbound
 from gossipd.node.net.gossip.port import NetworkPort
 from gossipd.node.net.gossip.pulls import Puller
 from gossipd.node.net.limits.cpu_budget import SAMPLE_S, CpuBudget
+from gossipd.node.net.peers.coordinator_view import follow_coordinator
+from gossipd.node.net.peers.departures import Departures
 from gossipd.node.net.peers.health import PeerHealth, Retries
 from gossipd.node.net.peers.peering import Peering, PeeringSettings
 from gossipd.node.net.serve.server import add_services, announce, bind, mark_serving, new_server
@@ -41,15 +43,13 @@ from gossipd.node.net.status.reply import StatusReplies
 from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.net.telemetry.refusals import Refusals
 from gossipd.node.net.wire.frames import Limits, ReceivedSegment, SegmentAssembler
-from gossipd.node.net.wire.lastwords import from_messages
 from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.net.wire.tasks import LoopTasks
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
-from gossipd.node.shared.rejections import RejectionLog, Throttle
+from gossipd.node.shared.rejections import RejectionLog
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import OutboundPull, ReplicaLink
-from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -95,7 +95,6 @@ class Network:
         self.stopping = self.tasks.stopping
         self.rejections = RejectionLog(config.limits.rejection_log_interval_s)
         self.refusals = Refusals(self.rejections, self.metrics, replica)
-        self._bad_words_log = Throttle(config.limits.rejection_log_interval_s)
         self.tls = Credentials.from_config(config.tls)
         self.shaper = LinkShaper.from_config(config.link, config.node_id, config.gossip.seed)
         if self.tls.node_id not in (None, self.node_id):
@@ -134,6 +133,14 @@ class Network:
             config.node_id, config.membership, replica, self.metrics, Retries()
         )
         self.membership = self.health.membership
+        self._build_gossip(config, replica)
+        self._build_peering(config, replica)
+        # The coordinator's client, started with the node once its address is known
+        # (None: no coordinator configured, the node schedules alone).
+        self.coordinator: CoordinatorClient | None = None
+
+    def _build_gossip(self, config: NodeConfig, replica: ReplicaLink) -> None:
+        """The parts that carry the model: pushes out and in, pulls, and the leave."""
         self.outbound = Outbound(
             gossip=config.gossip,
             shutdown_timeout_s=config.shutdown_timeout_s,
@@ -144,15 +151,13 @@ class Network:
             metrics=self.metrics,
             tasks=self.tasks,
         )
-        self.peering = Peering(
-            PeeringSettings.from_config(config, self.fingerprint),
-            health=self.health,
-            channels=self.channels,
-            pushes=self.outbound,
-            refusals=self.refusals,
+        self.leaver = Leaver(
+            outbound=self.outbound,
             replica=replica,
-            metrics=self.metrics,
-            tasks=self.tasks,
+            membership=self.membership,
+            channels=self.channels,
+            gossip=config.gossip,
+            shutdown_timeout_s=config.shutdown_timeout_s,
         )
         self.puller = Puller(
             replica=replica,
@@ -164,6 +169,8 @@ class Network:
         )
         self.inbound = Inbound(
             node_id=config.node_id,
+            incarnation=self.incarnation,
+            limits=self.limits,
             chunk_bytes=config.gossip.chunk_bytes,
             merge_wait_s=config.limits.merge_wait_s,
             replica=replica,
@@ -175,9 +182,28 @@ class Network:
             shaper=self.shaper,
             serves_one_pull=replica.serves_one_pull,
         )
-        # The coordinator's client, started with the node once its address is known
-        # (None: no coordinator configured, the node schedules alone).
-        self.coordinator: CoordinatorClient | None = None
+
+    def _build_peering(self, config: NodeConfig, replica: ReplicaLink) -> None:
+        """The parts that keep the view of the mesh: dials, anti-entropy, departures."""
+        self.peering = Peering(
+            PeeringSettings.from_config(config, self.fingerprint),
+            health=self.health,
+            channels=self.channels,
+            rejections=self.rejections,
+            replica=replica,
+            metrics=self.metrics,
+            tasks=self.tasks,
+        )
+        self.departures = Departures(
+            dialer=self.peering,
+            health=self.health,
+            channels=self.channels,
+            pushes=self.outbound,
+            refusals=self.refusals,
+            tasks=self.tasks,
+            segments=len(replica.flat.plan),
+            log_interval_s=config.limits.rejection_log_interval_s,
+        )
 
     # -- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -204,7 +230,10 @@ class Network:
             raise
         self.server = server
         self.metrics.info.labels(self.node_id, self.mesh_id, self.fingerprint, self.protocol).set(1)
-        await self._start_coordinator_client()
+        if self.config.coordinator is not None:
+            self.coordinator = await follow_coordinator(
+                self.config.coordinator, self.mesh_id, self.address, self.tls, self.peering
+            )
         self.replica.attach(
             NetworkPort(
                 loop=asyncio.get_running_loop(),
@@ -267,27 +296,6 @@ class Network:
         finally:
             self.metrics.close()
 
-    async def _start_coordinator_client(self) -> None:
-        """With ``coordinator`` set: register there and follow its view (its addresses are
-        dialled like seeds); the overlap protocol asks it for pulls. It never holds the
-        node up: unreachable, the node schedules alone until it answers."""
-        if self.config.coordinator is None:
-            return
-        from gossipd.coordinator.client import CoordinatorClient
-
-        self.coordinator = CoordinatorClient(
-            self.config.coordinator,
-            mesh_id=self.mesh_id,
-            advertise=self.address,
-            tls=self.tls,
-            on_view=self.peering.heard_view,
-        )
-        await self.coordinator.start()
-        log.info(
-            "coordinator %s: registering (until it answers, this node schedules its pulls alone)",
-            self.config.coordinator,
-        )
-
     async def close_coordinator(self) -> None:
         """Stop heartbeats to the coordinator (first in a shutdown: it stops pointing
         other sites here); the node schedules alone from then on."""
@@ -316,7 +324,7 @@ class Network:
             log.warning("SIGHUP: kept the current certificate: %s", err)
             return
         self.channels.replace_all()
-        self.tasks.spawn(self.peering.drop_disallowed())
+        self.tasks.spawn(self.departures.drop_disallowed())
         log.info(
             "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
             material.node_id,
@@ -342,46 +350,27 @@ class Network:
         await asyncio.wrap_future(out.adopted)
 
     async def leave_mesh(self) -> None:
-        await self.outbound.leave_mesh()
+        await self.leaver.leave_mesh()
 
     async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
         return await self.peering.wait_for_peers(count, timeout_s)
 
     # -- Handlers (called by the servicer) ---------------------------------------------
     def new_assembler(self) -> SegmentAssembler:
-        """A push's assembler; it gauges each segment against our own as it arrives."""
-        return SegmentAssembler(
-            self.replica.flat.plan, self.limits, gauge=self.replica.gauge, feedback=self.feedback_in
-        )
+        return self.inbound.new_assembler()
 
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
-        """Answer at once; the claimant becomes a peer only after our own dial to it."""
         if self.leaving:
             raise Leaving(f"node {self.node_id} is leaving the mesh; it takes no new peers")
-        self.peering.hear(request.node, direct=True)
-        assert self.identity is not None
-        return pb.HandshakeReply(
-            schema_version=SCHEMA_VERSION,
-            node=self.identity.info(),
-            fingerprint=self.fingerprint,
-            step=self.replica.summary.steps,
-            peers=self.peering.known(),
-            protocol=self.config.gossip.protocol,
-            bulk_port=self.bulk.port if self.bulk is not None else 0,
-            bulk_sealed=self.bulk is not None and not self.bulk.tls.insecure,
-        )
+        bulk = self.bulk
+        sealed = bulk is not None and not bulk.tls.insecure
+        return self.peering.answer_handshake(request, 0 if bulk is None else bulk.port, sealed)
 
     def check_sender(self, sender: str, incarnation: int) -> None:
         self.health.check_sender(sender, incarnation)
 
     def check_addressed(self, sender: str, sequence: int, incarnation: int) -> None:
-        """Refuse a push addressed to another incarnation of this node (0: to any)."""
-        if incarnation not in (0, self.incarnation):
-            raise UnknownPeer(
-                f"push {sender!r}#{sequence} is addressed to incarnation {incarnation} of "
-                f"{self.node_id}, which restarted as {self.incarnation}: the sender must verify "
-                "this incarnation first (usual for a moment after a restart; the push is retried)"
-            )
+        self.inbound.check_addressed(sender, sequence, incarnation)
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
@@ -394,25 +383,10 @@ class Network:
         return self.inbound.on_pull(request, whole, sealed)
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:
-        merged = from_messages(request.merged, len(self.replica.flat.plan))
-        if merged is None and (count := self._bad_words_log.admit(request.node_id)) is not None:
-            log.info(
-                "the Leave of %s says it merged more of this node's pushes than a Leave may "
-                "name, or segments this model lacks (%d more such Leaves since the last "
-                "line): ignored, so pushes to it still unanswered when it is gone fold back",
-                request.node_id,
-                count,
-            )
-        await self.peering.on_peer_left(
-            request.node_id, request.incarnation, peer or request.node_id, merged
-        )
+        await self.departures.heard_leave(request, peer or request.node_id)
 
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply:
-        self.peering.hear(request.sender, direct=True)
-        for info in request.known[: self.config.membership.max_candidates]:
-            self.peering.hear(info)
-        assert self.identity is not None
-        return pb.PeersReply(peers=[self.identity.info(), *self.peering.known()])
+        return self.peering.answer_peers(request)
 
     async def on_status(self, checksum: bool = False, sketch_size: int = 0) -> pb.StatusReply:
         return await self.status.reply(checksum, sketch_size)

@@ -107,49 +107,67 @@ class PushSender:
         """
         small = self._small(out, group)
         for fresh in (False, True):
-            lane = None
-            if not small:
-                nbytes = sum(out.snapshot[i].nbytes for i in group)
-                lane = await self.peer_lane.conn(nbytes, timeout_s)
-            stream = self.pool.take(fresh)
-            frames = self.frames(out, group, timeout_s, lane, progressed, addressed_to)
-            if small:
-                frames = batched(frames)
-            feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
-            reading = asyncio.ensure_future(stream.call.read())
-            answered = False
-            try:
-                await asyncio.wait({feeding, reading}, return_when=asyncio.FIRST_COMPLETED)
-                if not reading.done() and feeding.exception() is not None:
-                    # Our side failed (the bulk lane broke): the receiver may be waiting
-                    # for bytes that will never come.
-                    raise OutcomeUnknown(
-                        f"{self.address}: push #{out.push.sequence} failed while sending: "
-                        f"{feeding.exception()}"
-                    )
-                reply = await reading
-                if reply is grpc.aio.EOF:  # ended OK: idle at the receiver
-                    if stream.reused and not fresh:
-                        continue
-                    raise OutcomeUnknown(
-                        f"{self.address}: the receiver ended the stream without answering "
-                        f"push #{out.push.sequence}"
-                    )
-                if not feeding.done():
-                    raise InvalidFrame(
-                        f"{self.address} answered push #{out.push.sequence} before all of "
-                        "it was sent"
-                    )
-                progressed()
-                answered = True
+            reply = await self._on_one_stream(
+                out, group, timeout_s, progressed, addressed_to, small=small, fresh=fresh
+            )
+            if reply is not None:
                 return reply
-            finally:
-                feeding.cancel()
-                reading.cancel()
-                with contextlib.suppress(BaseException):
-                    await feeding
-                self._settle(stream, lane, answered)
         raise AssertionError("unreachable: the second pass takes a fresh stream")
+
+    async def _on_one_stream(
+        self,
+        out: OutboundPush,
+        group: list[int],
+        timeout_s: float,
+        progressed: Callable[[], None],
+        addressed_to: int,
+        *,
+        small: bool,
+        fresh: bool,
+    ) -> pb.PushReply | None:
+        """One pass of :meth:`_on_stream`: the reply, or None when a reused stream turned
+        out to have been ended at the receiver (then nothing of this push reached it)."""
+        lane = None
+        if not small:
+            nbytes = sum(out.snapshot[i].nbytes for i in group)
+            lane = await self.peer_lane.conn(nbytes, timeout_s)
+        stream = self.pool.take(fresh)
+        frames = self.frames(out, group, timeout_s, lane, progressed, addressed_to)
+        if small:
+            frames = batched(frames)
+        feeding = asyncio.ensure_future(self._feed(stream.queue, frames, progressed))
+        reading = asyncio.ensure_future(stream.call.read())
+        answered = False
+        try:
+            await asyncio.wait({feeding, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done() and feeding.exception() is not None:
+                # Our side failed (the bulk lane broke): the receiver may be waiting
+                # for bytes that will never come.
+                raise OutcomeUnknown(
+                    f"{self.address}: push #{out.push.sequence} failed while sending: "
+                    f"{feeding.exception()}"
+                )
+            reply = await reading
+            if reply is grpc.aio.EOF:  # ended OK: idle at the receiver
+                if stream.reused and not fresh:
+                    return None
+                raise OutcomeUnknown(
+                    f"{self.address}: the receiver ended the stream without answering "
+                    f"push #{out.push.sequence}"
+                )
+            if not feeding.done():
+                raise InvalidFrame(
+                    f"{self.address} answered push #{out.push.sequence} before all of it was sent"
+                )
+            progressed()
+            answered = True
+            return reply
+        finally:
+            feeding.cancel()
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await feeding
+            self._settle(stream, lane, answered)
 
     def _settle(self, stream: Stream, lane: BulkConn | None, answered: bool) -> None:
         """An answered part's stream (and lane connection) go back to the idle ones; any
@@ -206,21 +224,7 @@ class PushSender:
         """
         if self.shaper:
             await self.shaper.delay()
-        yield pb.PushFrame(
-            open=pb.PushOpen(
-                mesh_id=self.identity.mesh_id,
-                sender=self.identity.node_id,
-                fingerprint=self.identity.fingerprint,
-                sequence=out.push.sequence,
-                segment_count=len(segments),
-                incarnation=self.identity.incarnation,
-                round=out.push.round,
-                sequence_base=out.push.sequence_base,
-                deadline_s=timeout_s,
-                bulk_token=lane.token if lane is not None else b"",
-                receiver_incarnation=addressed_to,
-            )
-        ).SerializeToString()
+        yield self._open_frame(out, len(segments), timeout_s, lane, addressed_to)
         async with InOrder() as lane_writes:
             for index in segments:
                 sent = None
@@ -250,3 +254,28 @@ class PushSender:
                         await self.shaper.pace(piece.nbytes)
                     yield push_chunk_frame(piece)
         yield END_FRAME
+
+    def _open_frame(
+        self,
+        out: OutboundPush,
+        segment_count: int,
+        timeout_s: float,
+        lane: BulkConn | None,
+        addressed_to: int,
+    ) -> bytes:
+        """The push's first frame: who sends it, to which incarnation, what it carries."""
+        return pb.PushFrame(
+            open=pb.PushOpen(
+                mesh_id=self.identity.mesh_id,
+                sender=self.identity.node_id,
+                fingerprint=self.identity.fingerprint,
+                sequence=out.push.sequence,
+                segment_count=segment_count,
+                incarnation=self.identity.incarnation,
+                round=out.push.round,
+                sequence_base=out.push.sequence_base,
+                deadline_s=timeout_s,
+                bulk_token=lane.token if lane is not None else b"",
+                receiver_incarnation=addressed_to,
+            )
+        ).SerializeToString()

@@ -15,10 +15,10 @@ from typing import Protocol
 
 from gossipd.node.compression.codecs import Codec
 from gossipd.node.compression.feedback import FeedbackReceiver
-from gossipd.node.errors import Busy, InvalidFrame
+from gossipd.node.errors import Busy, InvalidFrame, UnknownPeer
 from gossipd.node.net.peers.health import PeerHealth
 from gossipd.node.net.telemetry.metrics import NodeMetrics
-from gossipd.node.net.wire.frames import segment_frames
+from gossipd.node.net.wire.frames import Limits, SegmentAssembler, segment_frames
 from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
@@ -36,6 +36,8 @@ class Inbound:
         self,
         *,
         node_id: str,
+        incarnation: int,
+        limits: Limits,
         chunk_bytes: int,
         merge_wait_s: float,
         replica: ReplicaLink,
@@ -47,11 +49,15 @@ class Inbound:
         shaper: LinkShaper | None = None,
         serves_one_pull: bool = False,
     ) -> None:
-        """``health`` checks that a sender is a verified peer and hears that it answered;
+        """``incarnation``: this node's, which a push must be addressed to; ``limits``: what
+        an assembled segment may hold; ``health`` checks that a sender is a verified peer
+        and hears that it answered;
         ``departure`` says whether this node is leaving the mesh; ``shaper`` is the node's
         ``[link]`` shaping of what it sends (None: off); ``serves_one_pull``: the protocol
         serves one pull at a time (its core says so)."""
         self.node_id = node_id
+        self.incarnation = incarnation
+        self.limits = limits
         self.chunk_bytes = chunk_bytes
         self.merge_wait_s = merge_wait_s
         self.replica = replica
@@ -63,6 +69,21 @@ class Inbound:
         self.shaper = shaper
         self.serves_one_pull = serves_one_pull
         self.serving_pull: str | None = None  # whom a one-pull-at-a-time protocol serves
+
+    def new_assembler(self) -> SegmentAssembler:
+        """A push's assembler; it gauges each segment against our own as it arrives."""
+        return SegmentAssembler(
+            self.replica.flat.plan, self.limits, gauge=self.replica.gauge, feedback=self.feedback
+        )
+
+    def check_addressed(self, sender: str, sequence: int, incarnation: int) -> None:
+        """Refuse a push addressed to another incarnation of this node (0: to any)."""
+        if incarnation not in (0, self.incarnation):
+            raise UnknownPeer(
+                f"push {sender!r}#{sequence} is addressed to incarnation {incarnation} of "
+                f"{self.node_id}, which restarted as {self.incarnation}: the sender must verify "
+                "this incarnation first (usual for a moment after a restart; the push is retried)"
+            )
 
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None

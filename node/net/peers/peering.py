@@ -1,4 +1,4 @@
-"""Membership over the network: verify claims by dialling, check Leaves, anti-entropy.
+"""Membership over the network: verify claims by dialling, and anti-entropy.
 
 :class:`~gossipd.node.net.peers.membership.Membership` decides; this module does the I/O
 it needs, on the node's event loop. The rules it enforces:
@@ -9,7 +9,7 @@ it needs, on the node's event loop. The rules it enforces:
   throwaway channels, so a list of 5,000 fake addresses costs a bounded number
   of refused connections and leaves no channel, fd or thread behind;
 * a Leave is believed only after the node itself, asked at its address, is gone
-  or says it is leaving: a forged Leave is counted and changes nothing.
+  or says it is leaving (:mod:`.departures`).
 
 Membership speaks plain :class:`~gossipd.node.net.peers.membership.NodeInfo`; the protobuf
 ``NodeInfo`` is converted here, where claims arrive (:meth:`Peering.hear`, a
@@ -25,13 +25,12 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from gossipd.node.errors import ForgedLeave, GossipdError, MeshMismatch
+from gossipd.node.errors import GossipdError, MeshMismatch
 from gossipd.node.model.segments import check_fingerprint, check_protocol
 from gossipd.node.net.dial.channels import RPC_TIMEOUT_S
 from gossipd.node.net.peers.membership import NodeInfo, PeerState
-from gossipd.node.net.wire.lastwords import LastWord, LastWords
 from gossipd.node.shared.tls import IdentityMismatch, NotAllowed
 from gossipd.node.trainer.messages import RestartNotice
 from gossipd.proto import SCHEMA_VERSION
@@ -41,11 +40,10 @@ if TYPE_CHECKING:
     from gossipd.node.net.dial.channels import PeerChannels
     from gossipd.node.net.peers.health import PeerHealth
     from gossipd.node.net.telemetry.metrics import NodeMetrics
-    from gossipd.node.net.telemetry.refusals import Refusals
     from gossipd.node.net.wire.tasks import LoopTasks
-    from gossipd.node.protocols.base import Receipts
     from gossipd.node.shared.config import NodeConfig
     from gossipd.node.shared.config_sections import MembershipConfig
+    from gossipd.node.shared.rejections import RejectionLog
     from gossipd.node.trainer.messages import ReplicaLink
 
 log = logging.getLogger(__name__)
@@ -58,15 +56,6 @@ def from_wire(info: pb.NodeInfo) -> NodeInfo:
 
 def to_wire(info: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(node_id=info.node_id, address=info.address, incarnation=info.incarnation)
-
-
-class PushSettler(Protocol):
-    """What peering needs of this node's pushes: settle those to a peer that leaves, and
-    keep its word of what it merged for those still unanswered once it is gone."""
-
-    last_words: LastWords
-
-    async def settle_pushes_to(self, peer: str, timeout_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -99,15 +88,13 @@ class Peering:
         *,
         health: PeerHealth,
         channels: PeerChannels,
-        pushes: PushSettler,
-        refusals: Refusals,
+        rejections: RejectionLog,
         replica: ReplicaLink,
         metrics: NodeMetrics,
         tasks: LoopTasks,
     ) -> None:
         """``health`` holds the membership view that dials and answers feed; ``channels``
-        give and close the channel to a verified peer; ``pushes`` settle what is in flight
-        to a peer that leaves; ``refusals`` count forged Leaves and refused peers."""
+        give and close the channel to a verified peer; ``rejections`` record the peers refused."""
         self.settings = settings
         self.node_id = settings.node_id
         self.fingerprint = settings.fingerprint
@@ -115,9 +102,7 @@ class Peering:
         self.membership = health.membership
         self.channels = channels
         self.tls = channels.tls
-        self.pushes = pushes
-        self.refusals = refusals
-        self.rejections = refusals.log
+        self.rejections = rejections
         self.replica = replica
         self.metrics = metrics
         self.tasks = tasks
@@ -125,7 +110,6 @@ class Peering:
         self.dial_slots = settings.membership.dial_concurrency
         self.rng = random.Random(settings.seed ^ 0xD1A1)
         self._dialing: set[str] = set()
-        self._leave_checks: set[str] = set()
         self._round = asyncio.Lock()
         self._lonely_logged_at = -math.inf
         self._last_error: dict[str, str] = {}  # per seed: the last handshake failure
@@ -205,6 +189,33 @@ class Peering:
         if self.membership.hear(from_wire(info), direct=direct) and direct:
             self.kick()
 
+    def answer_handshake(
+        self, request: pb.HandshakeRequest, bulk_port: int, bulk_sealed: bool
+    ) -> pb.HandshakeReply:
+        """Answer at once; the claimant becomes a peer only after our own dial to it.
+        ``bulk_port``: this node's bulk lane (0: none), sealed or not."""
+        self.hear(request.node, direct=True)
+        assert self.channels.identity is not None, "start() the node first"
+        return pb.HandshakeReply(
+            schema_version=SCHEMA_VERSION,
+            node=self.channels.identity.info(),
+            fingerprint=self.fingerprint,
+            step=self.replica.summary.steps,
+            peers=self.known(),
+            protocol=self.settings.protocol,
+            bulk_port=bulk_port,
+            bulk_sealed=bulk_sealed,
+        )
+
+    def answer_peers(self, request: pb.PeersRequest) -> pb.PeersReply:
+        """A peer's list of the peers it knows: its sender and the first
+        ``membership.max_candidates`` it names are heard; the reply is ours, us first."""
+        self.hear(request.sender, direct=True)
+        for info in request.known[: self.settings.membership.max_candidates]:
+            self.hear(info)
+        assert self.channels.identity is not None, "start() the node first"
+        return pb.PeersReply(peers=[self.channels.identity.info(), *self.known()])
+
     def known(self) -> list[pb.NodeInfo]:
         """The verified peers, as relayed on the wire."""
         return [to_wire(info) for info in self.membership.known()]
@@ -248,74 +259,6 @@ class Peering:
             self._dialing.discard(address)
             if not self.stopping.is_set():
                 self.kick()
-
-    # -- departures -------------------------------------------------------------------
-    async def on_peer_left(
-        self, node_id: str, incarnation: int, peer: str, merged: list[Receipts] | None
-    ) -> None:
-        """Check a Leave, settling pushes to the leaver while it can still answer.
-
-        The leaver waits for this reply while it still serves, so the check (and
-        the last retries of pushes to it) run now, bounded well inside its
-        Leave deadline; a check still running then goes on in the background.
-        ``merged``: what the leaver says it merged of our pushes (None: it said nothing
-        usable); believed once the check confirms it is leaving.
-        """
-        state = self.membership.peers.get(node_id)
-        if state is None or node_id in self._leave_checks:
-            return
-        if incarnation and incarnation != state.incarnation:
-            return  # a goodbye from an incarnation we no longer know
-        self._leave_checks.add(node_id)
-        check = self.tasks.spawn(self._check_leave(state, peer, merged))
-        await asyncio.wait({check}, timeout=RPC_TIMEOUT_S * 0.8)
-
-    async def _check_leave(
-        self, state: PeerState, peer: str, merged: list[Receipts] | None
-    ) -> None:
-        """Believe a Leave only if the node, asked at its address, is gone or leaving."""
-        try:
-            try:
-                reply: pb.HandshakeReply | None = (await self.handshake(state.address))[0]
-            except GossipdError:
-                reply = None
-            if (
-                reply is not None
-                and reply.node.node_id == state.node_id
-                and reply.node.incarnation == state.incarnation
-            ):
-                self.refusals.refused(
-                    peer,
-                    ForgedLeave(
-                        f"a Leave for {state.node_id!r} was refused: asked at {state.address}, "
-                        "it is still there and not leaving"
-                    ),
-                )
-                return
-            if self.membership.is_current(state.node_id, state.incarnation):
-                # Retry what is unacknowledged to it once more, now: a leaving node
-                # answers DUPLICATE for what it merged, which settles exactly. What is
-                # still unanswered once it is gone settles from its word of what it merged.
-                if merged is not None:
-                    word = LastWord(state.incarnation, tuple(merged))
-                    self.pushes.last_words.heard(state.node_id, word)
-                await self.pushes.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
-                log.info("peer %s left the mesh", state.node_id)
-                self.health.apply(self.membership.departed_now(state.node_id))
-                self.channels.forget(state.address)
-        finally:
-            self._leave_checks.discard(state.node_id)
-
-    async def drop_disallowed(self) -> None:
-        """After tls.allow changed: settle what is in flight to peers it no longer lists,
-        then stop gossiping with them (they may be admitted again later)."""
-        for state in list(self.membership.peers.values()):
-            if self.tls.allows(state.node_id):
-                continue
-            await self.pushes.settle_pushes_to(state.node_id, RPC_TIMEOUT_S / 2)
-            log.info("peer %s is not in tls.allow any more; dropped", state.node_id)
-            self.health.apply(self.membership.drop(state.node_id))
-            self.channels.forget(state.address)
 
     # -- anti-entropy -----------------------------------------------------------------
     async def run(self) -> None:

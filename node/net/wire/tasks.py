@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class LoopTasks:
@@ -19,11 +21,11 @@ class LoopTasks:
         self.stopping = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Future[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
         """Run ``coro`` as a task of the node's (named, for stack dumps and tests)."""
         task = asyncio.ensure_future(coro)
         if name:
-            task.set_name(name)  # type: ignore[attr-defined]
+            task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
