@@ -121,17 +121,7 @@ def site_toml(
     tables: dict[str, dict[str, Any]] = {
         "job": _site_job(spec, protocol, index, n, latency_ms),
         "job.options": spec.job_options,
-        "gossip": {
-            "protocol": protocol,
-            "seed": SEED_STRIDE * spec.seed + index,
-            **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
-            **({"weight_balance": False} if not spec.weight_balance and not baseline else {}),
-            **(
-                {"codec": spec.codec, "error_feedback": True}
-                if spec.codec != "raw" and not baseline
-                else {}
-            ),
-        },
+        "gossip": _gossip(spec, protocol, index, baseline),
         "limits": {} if baseline else _limits(spec),
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
@@ -154,6 +144,22 @@ def site_toml(
     for name, values in tables.items():
         lines += ["", f"[{name}]", *_toml_keys(values)]
     return "\n".join(lines) + "\n"
+
+
+def _gossip(spec: WanSpec, protocol: str, index: int, baseline: bool) -> dict[str, Any]:
+    """Site ``index``'s ``[gossip]``: a baseline takes only its protocol and seed, sending
+    no gossip to shape, share or compress."""
+    return {
+        "protocol": protocol,
+        "seed": SEED_STRIDE * spec.seed + index,
+        **({"cpu_share": spec.cpu_share} if spec.cpu_share and not baseline else {}),
+        **({"weight_balance": False} if not spec.weight_balance and not baseline else {}),
+        **(
+            {"codec": spec.codec, "error_feedback": True}
+            if spec.codec != "raw" and not baseline
+            else {}
+        ),
+    }
 
 
 def _limits(spec: WanSpec) -> dict[str, float]:

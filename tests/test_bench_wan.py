@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from gossipd.bench import wan_net
-from gossipd.bench.wan import _codecs, _site_ranks, add_speedups, build_parser, run, runs_of
+from gossipd.bench.wan import add_speedups, build_parser, run, runs_of
+from gossipd.bench.wan_options import _codecs, _site_ranks
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
