@@ -10,7 +10,8 @@ computed: the bound's norms
 prove it finite (all but models near their dtype's limit), and the commit then adds
 the payload's difference in place, one pass per segment. A large payload's segments
 are checked and written side by side on the cores the process may use
-(:class:`~gossipd.node.model.segments.SegmentWork`).
+(:class:`~gossipd.node.model.segments.SegmentWork`); those checks and writes are
+:mod:`gossipd.node.trainer.blends`.
 
 The :class:`Merger` writes segments and tells the core what merged (or which pull
 failed); it never touches threads, queues or replies. The replica
@@ -56,6 +57,7 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.protocols.credit import CreditExceeded
 from gossipd.node.shared.rejections import Throttle
+from gossipd.node.trainer.blends import Checked, SegmentWrite, write
 from gossipd.node.trainer.clip_radius import RecentDistances
 from gossipd.node.trainer.messages import Ack, InboundPush, OutboundPush, Pulled
 from gossipd.node.trainer.report import MergeRecord, PullRecord
@@ -64,18 +66,6 @@ log = logging.getLogger(__name__)
 
 # At most one line per sender and this many seconds says whose payloads were clipped.
 CLIP_LOG_INTERVAL_S = 60.0
-
-
-@dataclass(frozen=True)
-class SegmentWrite:
-    """What a commit writes into one segment: ``x += alpha * values`` (``values`` is a
-    delta), ``x.lerp_(values, alpha)`` when ``lerp`` (``values`` is a gauged payload), or
-    ``x = values`` when ``alpha`` is None (a blend computed and checked whole, near the
-    dtype's limit)."""
-
-    values: torch.Tensor
-    alpha: float | None
-    lerp: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,16 +228,8 @@ class Merger:
 
     def commit(self, blends: Mapping[int, SegmentWrite]) -> None:
         """Write blends that :meth:`plan` checked."""
-        calls = [functools.partial(self._write, segment, w) for segment, w in blends.items()]
+        calls = [functools.partial(write, self.flat, segment, w) for segment, w in blends.items()]
         self.flat.work.run(calls, sum(w.values.nbytes for w in blends.values()))
-
-    def _write(self, segment: int, write: SegmentWrite) -> None:
-        if write.alpha is None:
-            self.flat.load_segment(segment, write.values)
-        elif write.lerp:
-            self.flat.lerp(segment, write.values, write.alpha)
-        else:
-            self.flat.add_delta(segment, write.values, write.alpha)
 
     def plan(
         self,
@@ -276,9 +258,10 @@ class Merger:
         sender = arrival.sender if isinstance(arrival, PayloadArrived) else arrival.peer
         radii = {a.segment: self.recent.typical(sender, a.segment) for a in merges}
         distances: dict[int, float] = {}
-        blends = self._gauged_blends(merges, values, gauges or {}, what, radii, distances)
+        checked = Checked(self.flat, self.bound, values, what, radii, distances)
+        blends = checked.gauged(merges, gauges or {})
         exact = [a for a in merges if a.segment not in blends]
-        exact_blends, clipped = self._exact_blends(exact, values, what, radii, distances)
+        exact_blends, clipped = checked.exact(exact)
         blends.update(exact_blends)
         for segment, distance in distances.items():  # only once the whole plan stands
             self.recent.record(sender, segment, distance)
@@ -333,71 +316,3 @@ class Merger:
         if not merge_new:
             actions = [a for a in actions if isinstance(a, Duplicate)]
         return actions
-
-    def _gauged_blends(
-        self,
-        merges: Sequence[Merge],
-        values: Mapping[int, torch.Tensor],
-        gauges: Mapping[int, Gauge],
-        what: str,
-        radii: Mapping[int, float | None],
-        distances: dict[int, float],
-    ) -> dict[int, SegmentWrite]:
-        """The merges whose gauge the payload bound admits, blended as they came; the
-        distance of each gauged one goes into ``distances``."""
-        blends: dict[int, SegmentWrite] = {}
-        for action in merges:
-            gauge = gauges.get(action.segment)
-            if gauge is None:
-                continue
-            radius = radii[action.segment]
-            admitted = self.bound.admits(gauge, action.alpha, what, action.segment, radius)
-            distances[action.segment] = gauge.distance
-            if admitted:
-                blends[action.segment] = SegmentWrite(
-                    values[action.segment], action.alpha, lerp=True
-                )
-        return blends
-
-    def _exact_blends(
-        self,
-        exact: Sequence[Merge],
-        values: Mapping[int, torch.Tensor],
-        what: str,
-        radii: Mapping[int, float | None],
-        distances: dict[int, float],
-    ) -> tuple[dict[int, SegmentWrite], list[int]]:
-        """``exact`` blended from their differences, each bounded and checked finite (side
-        by side on the process's cores), and the segments the bound clipped; the distance
-        of each goes into ``distances``."""
-        deltas = self.flat.work.run(
-            [
-                functools.partial(
-                    self.bound.delta,
-                    self.flat.buffers[a.segment],
-                    values[a.segment],
-                    what,
-                    a.segment,
-                    radii[a.segment],
-                )
-                for a in exact
-            ],
-            sum(values[a.segment].nbytes for a in exact),
-        )
-        blends: dict[int, SegmentWrite] = {}
-        clipped: list[int] = []
-        for action, delta in zip(exact, deltas, strict=True):
-            distances[action.segment] = delta.distance
-            if delta.clipped:
-                clipped.append(action.segment)
-            if delta.blend_is_finite(action.alpha):
-                blends[action.segment] = SegmentWrite(delta.values, action.alpha)
-                continue
-            blended = self.flat.blend_delta(action.segment, delta.values, action.alpha)
-            if blended is None:
-                raise NonFinitePayload(
-                    f"merging segment {action.segment} of {what} would make the model "
-                    "non-finite; refused, nothing merged"
-                )
-            blends[action.segment] = SegmentWrite(blended, None)
-        return blends, clipped

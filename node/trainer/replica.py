@@ -12,11 +12,12 @@ They meet only through typed messages (``node/trainer/messages.py``): the loop p
 inbound pushes in the bounded inbox and every other event in the bounded event
 queue; the trainer applies both at each step boundary, under :attr:`Replica.lock`.
 Each :meth:`Replica.step` returns a :class:`~gossipd.node.trainer.report.StepReport`.
+What it applies of the loop's messages is :class:`~gossipd.node.trainer.arrivals.Arrivals`;
+what the loop calls from its own threads, :class:`~gossipd.node.trainer.loop_requests.LoopRequests`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -25,13 +26,11 @@ from typing import Any
 
 import torch
 
-from gossipd.node.model.payload_bound import Gauge, PayloadBound
+from gossipd.node.model.payload_bound import PayloadBound
 from gossipd.node.model.segments import FlatModel
 from gossipd.node.protocols import DEFAULT_PROTOCOL, CoreSettings, build
 from gossipd.node.protocols.base import (
     GossipProtocol,
-    PeerGranted,
-    Receipts,
     StepEnded,
     TrainingEnded,
     shared_seed,
@@ -41,21 +40,13 @@ from gossipd.node.trainer.arrivals import Arrivals
 from gossipd.node.trainer.dispatch import Dispatcher
 from gossipd.node.trainer.duepulls import DuePulls
 from gossipd.node.trainer.fairlock import FairLock
+from gossipd.node.trainer.loop_requests import LoopRequests
 from gossipd.node.trainer.merging import Merger
 from gossipd.node.trainer.messages import (
-    Barrier,
     Detached,
     EventQueue,
-    HandOffRequest,
     Inbox,
     LoopPort,
-    OutboundPush,
-    PullOutcome,
-    PushOutcome,
-    ReceiptsRequest,
-    Rejected,
-    RestartNotice,
-    ViewNotice,
 )
 from gossipd.node.trainer.report import BalanceLog, SinkLog, StepReport, Summary
 
@@ -67,7 +58,7 @@ EVENT_QUEUE_SIZE = 4096
 log = logging.getLogger(__name__)
 
 
-class Replica(Arrivals):
+class Replica(Arrivals, LoopRequests):
     """A site's copy of the model and its protocol core; call :meth:`step` after each step.
 
     It never names a protocol; :func:`gossipd.node.protocols.build` does.
@@ -202,36 +193,6 @@ class Replica(Arrivals):
             self.core.load_state_dict(state)
             self.summary = Summary.of(self)
 
-    # -- called from the event loop (any thread) -------------------------------------
-    def post(
-        self,
-        event: PushOutcome | PullOutcome | ViewNotice | RestartNotice | Rejected,
-    ) -> None:
-        """Queue ``event`` for the trainer's next step boundary (never blocks)."""
-        self.events.put(event)
-
-    def request_hand_off(self, peer: str | None) -> concurrent.futures.Future[OutboundPush | None]:
-        """The push handing all weight to ``peer``, made on the trainer's thread."""
-        reply: concurrent.futures.Future[OutboundPush | None] = concurrent.futures.Future()
-        self.events.put(HandOffRequest(peer, reply))
-        return reply
-
-    def request_receipts(
-        self, peers: tuple[str, ...], sequences: int
-    ) -> concurrent.futures.Future[dict[str, list[Receipts]]]:
-        """What this node merged of each peer's pushes (each numbering's newest
-        ``sequences``), read on the trainer's thread."""
-        reply: concurrent.futures.Future[dict[str, list[Receipts]]] = concurrent.futures.Future()
-        self.events.put(ReceiptsRequest(peers, sequences, reply))
-        return reply
-
-    def barrier(self) -> concurrent.futures.Future[int]:
-        """Resolves once every event queued before it was applied on the trainer's thread,
-        with how many of this node's pushes were still outstanding then."""
-        reply: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self.events.put(Barrier(reply))
-        return reply
-
     # -- called from the trainer thread ----------------------------------------------
     def step(self, loss: float | None = None) -> StepReport:
         """Close one local step: merge what arrived, settle push outcomes, maybe push.
@@ -329,17 +290,6 @@ class Replica(Arrivals):
             self._publish()
             return report
 
-    def gauge(
-        self,
-        segment: int,
-        values: torch.Tensor,
-        each: Callable[[torch.Tensor], None] | None = None,
-    ) -> Gauge | None:
-        """A received segment's norms against ours (:meth:`PayloadBound.gauge`); called by
-        the network's receiving workers, without the lock: the numbers feed a bound, not
-        the blend, which is computed at merge time."""
-        return self.bound.gauge(self.flat.buffers[segment], values, each)
-
     def settled(self) -> bool:
         """Nothing of this replica's is in flight, waiting in its queues, or due to fire.
 
@@ -364,23 +314,6 @@ class Replica(Arrivals):
             report = self.idle(0.05)
             if record is not None:
                 record(report)
-
-    # -- called from a worker thread of the loop -------------------------------------
-    def fire_due_timers(self) -> None:
-        """Fire the timers that came due, now, even while the trainer is inside a step.
-
-        Only the core is touched (under :attr:`core_lock`): a ``Pull`` it asks for
-        starts at once and a new timer is scheduled, while a ``Push`` waits for the
-        step boundary, where its snapshot is taken before anything merges.
-        """
-        with self.core_lock:
-            self.dispatch.fire_due(self.clock(), mid_step=True)
-
-    def grant(self, granted: PeerGranted) -> None:
-        """The coordinator's answer to the core's ``AskPeer``, applied at once, even
-        mid-step (like a timer: only the core is touched)."""
-        with self.core_lock:
-            self.dispatch.carry_out(self.core.handle(granted), mid_step=True)
 
     @property
     def outer_steps(self) -> int:
