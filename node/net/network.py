@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -42,14 +42,14 @@ from gossipd.node.net.serve.server import add_services, announce, bind, mark_ser
 from gossipd.node.net.status.reply import StatusReplies
 from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.net.telemetry.refusals import Refusals
-from gossipd.node.net.wire.frames import Limits, ReceivedSegment, SegmentAssembler
+from gossipd.node.net.wire.assembly import Limits, SegmentAssembler
 from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.net.wire.tasks import LoopTasks
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
 from gossipd.node.shared.rejections import RejectionLog
 from gossipd.node.shared.tls import Credentials
-from gossipd.node.trainer.messages import OutboundPull, ReplicaLink
+from gossipd.node.trainer.messages import OutboundPull, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -379,7 +379,7 @@ class Network:
 
     def on_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+    ) -> AsyncGenerator[pb.SegmentHeader | memoryview, None]:
         return self.inbound.on_pull(request, whole, sealed)
 
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str = "") -> None:

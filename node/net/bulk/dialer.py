@@ -96,7 +96,7 @@ class BulkDialer:
             secure_socket_options(sock)
             if not self.tls.insecure:
                 sock = self.tls.ssl_context(server_side=False).wrap_socket(sock)
-                peer = peer_node_id(sock)  # type: ignore[arg-type]
+                peer = peer_node_id(sock)
                 if self.expected is not None and peer != self.expected:
                     raise IdentityMismatch(
                         f"bulk lane {self.host}:{self.port} is {peer!r}, not {self.expected!r}"

@@ -14,8 +14,8 @@ import contextlib
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gossipd.node.errors import BulkClosed, ConfigError, GossipdError, InvalidFrame, StreamIdle
 from gossipd.node.model.torchthreads import worker_pool
@@ -100,8 +100,8 @@ class BulkServer:
         self._spawn(self._sweep_loop())
         return self.port
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -193,7 +193,7 @@ class BulkServer:
             sock = held[0] = self.tls.ssl_context(server_side=True).wrap_socket(
                 sock, server_side=True
             )
-            peer = peer_node_id(sock)  # type: ignore[arg-type]
+            peer = peer_node_id(sock)
             if not self.tls.allows(peer):
                 raise IdentityMismatch(
                     f"bulk-lane connection from {peer!r}, which tls.allow does not list"

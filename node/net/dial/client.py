@@ -35,7 +35,9 @@ from gossipd.node.net.bulk.dialer import BulkDialer, PeerLane
 from gossipd.node.net.dial.pull import PullReader
 from gossipd.node.net.dial.push import PushSender
 from gossipd.node.net.dial.streams import StreamPool
-from gossipd.node.net.wire.frames import DEFAULT_CHUNK_BYTES, Limits, pull_frame
+from gossipd.node.net.wire.assembly import Limits
+from gossipd.node.net.wire.calls import gossip_calls
+from gossipd.node.net.wire.frames import DEFAULT_CHUNK_BYTES, pull_frame
 from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.net.wire.identity import Identity
 from gossipd.node.net.wire.lastwords import to_messages
@@ -46,7 +48,6 @@ from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import Ack, OutboundPush, Pulled
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
-from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
 __all__ = [
     "BULK_MIN_BYTES",
@@ -65,20 +66,25 @@ BULK_MIN_BYTES = 1 << 20
 
 def _model_calls(
     channel: grpc.aio.Channel,
-) -> tuple[grpc.aio.StreamStreamMultiCallable, grpc.aio.UnaryStreamMultiCallable]:
+) -> tuple[
+    grpc.aio.StreamStreamMultiCallable[bytes, pb.PushReply],
+    grpc.aio.UnaryStreamMultiCallable[pb.PullRequest, pb.PullFrame | memoryview],
+]:
     """The channel's ``Exchange`` and ``PullModel`` calls. Push frames go out as the bytes
     :meth:`PushSender.frames` made, pulled chunks arrive as views of what grpc received:
     chunks never take a protobuf round trip."""
     service = pb.DESCRIPTOR.services_by_name["Gossip"].full_name
-    exchange = channel.stream_stream(
+    exchange: grpc.aio.StreamStreamMultiCallable[bytes, pb.PushReply] = channel.stream_stream(
         f"/{service}/Exchange",
         request_serializer=None,
         response_deserializer=pb.PushReply.FromString,
     )
-    pull_model = channel.unary_stream(
-        f"/{service}/PullModel",
-        request_serializer=pb.PullRequest.SerializeToString,
-        response_deserializer=pull_frame,
+    pull_model: grpc.aio.UnaryStreamMultiCallable[pb.PullRequest, pb.PullFrame | memoryview] = (
+        channel.unary_stream(
+            f"/{service}/PullModel",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=pull_frame,
+        )
     )
     return exchange, pull_model
 
@@ -110,7 +116,7 @@ class PeerClient:
         self.streams = max(1, streams)
         self.expected = expected
         self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
-        self.stub = pb_grpc.GossipStub(self.channel)
+        self.stub = gossip_calls(self.channel)
         self.tls = tls
         self.use_bulk = bulk
         exchange, pull_model = _model_calls(self.channel)

@@ -18,7 +18,8 @@ from gossipd.node.model.payload_bound import Gauge
 from gossipd.node.model.segments import SegmentPlan
 from gossipd.node.net.bulk.connection import BulkConn
 from gossipd.node.net.bulk.dialer import PeerLane
-from gossipd.node.net.wire.frames import Limits, SegmentAssembler
+from gossipd.node.net.wire.assembly import Limits, SegmentAssembler
+from gossipd.node.net.wire.frames import wire_codec
 from gossipd.node.net.wire.identity import Identity
 from gossipd.node.net.wire.outcomes import remote_error
 from gossipd.node.net.wire.shaping import LinkShaper
@@ -41,7 +42,7 @@ class PullReader:
         codec: Codec,
         shaper: LinkShaper | None,
         tls: Credentials,
-        pull_model: grpc.aio.UnaryStreamMultiCallable,
+        pull_model: grpc.aio.UnaryStreamMultiCallable[pb.PullRequest, pb.PullFrame | memoryview],
         peer_lane: PeerLane,
     ) -> None:
         """``pull_model``: the channel's ``PullModel`` call (its frames parsed by
@@ -114,7 +115,7 @@ class PullReader:
             requester=self.identity.node_id,
             fingerprint=self.identity.fingerprint,
             # Round 0 is a joiner's first model: it comes exact, whatever the codec.
-            codec=int(self.codec if round else Codec.RAW),
+            codec=wire_codec(self.codec if round else Codec.RAW),
             segments=segments,
             round=round,
         )

@@ -16,8 +16,6 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 
-import grpc
-
 from gossipd.node.compression.codecs import Codec
 from gossipd.node.compression.feedback import FeedbackSender
 from gossipd.node.errors import InvalidFrame
@@ -148,7 +146,7 @@ class PushSender:
                     f"{feeding.exception()}"
                 )
             reply = await reading
-            if reply is grpc.aio.EOF:  # ended OK: idle at the receiver
+            if not isinstance(reply, pb.PushReply):  # grpc.aio.EOF: ended OK, idle there
                 if stream.reused and not fresh:
                     return None
                 raise OutcomeUnknown(

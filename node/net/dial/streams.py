@@ -49,7 +49,7 @@ async def _requests(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
 class Stream:
     """One ``Exchange`` call and the one-frame queue grpc takes its frames from."""
 
-    call: grpc.aio.StreamStreamCall
+    call: grpc.aio.StreamStreamCall[bytes, pb.PushReply]
     queue: asyncio.Queue[bytes | None]
     opened_s: float
     used_s: float
@@ -83,7 +83,9 @@ class StreamPool:
     for the calls on it): either way a new stream costs one call set-up.
     """
 
-    def __init__(self, open_stream: grpc.aio.StreamStreamMultiCallable) -> None:
+    def __init__(
+        self, open_stream: grpc.aio.StreamStreamMultiCallable[bytes, pb.PushReply]
+    ) -> None:
         self._open = open_stream
         self._idle: list[Stream] = []
 

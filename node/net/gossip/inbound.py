@@ -10,18 +10,22 @@ and snapshots are taken under the replica's lock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Protocol
 
 from gossipd.node.compression.codecs import Codec
 from gossipd.node.compression.feedback import FeedbackReceiver
 from gossipd.node.errors import Busy, InvalidFrame, UnknownPeer
 from gossipd.node.net.peers.health import PeerHealth
 from gossipd.node.net.telemetry.metrics import NodeMetrics
-from gossipd.node.net.wire.frames import Limits, SegmentAssembler, segment_frames
+from gossipd.node.net.wire.assembly import Limits, SegmentAssembler
+from gossipd.node.net.wire.frames import segment_frames
 from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Departure(Protocol):
@@ -146,14 +150,14 @@ class Inbound:
 
     def on_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+    ) -> AsyncGenerator[pb.SegmentHeader | memoryview, None]:
         if request.round and self.serves_one_pull:
             return self._serve_one_pull(request, whole, sealed)
         return self._serve_pull(request, whole, sealed)
 
     async def _serve_one_pull(
         self, request: pb.PullRequest, whole: bool, sealed: bool
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+    ) -> AsyncGenerator[pb.SegmentHeader | memoryview, None]:
         """One protocol pull at a time (a join's bootstrap, round 0, is never refused):
         when several nodes scheduling alone pick this one, it serves one and the others
         hear at once that it is busy and pick another peer (docs/design.md §5)."""
@@ -171,7 +175,7 @@ class Inbound:
 
     async def _serve_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]:
+    ) -> AsyncGenerator[pb.SegmentHeader | memoryview, None]:
         """Headers and chunk views of a snapshot of the requested segments (all when none
         are named); closing the generator drops the snapshot. ``whole``: each payload in
         one view, for the bulk lane (unless shaping paces it chunk by chunk); ``sealed``:
@@ -188,7 +192,7 @@ class Inbound:
                 f"pull asks for segments {wanted[:16]}: each must be in 0..{count - 1}, once"
             )
         snapshot, weights = await asyncio.to_thread(self._snapshot, wanted)
-        codec = Codec(request.codec) if request.codec in iter(Codec) else self.codec
+        codec = Codec(request.codec) if int(request.codec) in list(Codec) else self.codec
         shaper = self.shaper
         chunk_bytes: int | None = self.chunk_bytes
         if shaper:
@@ -212,9 +216,9 @@ class Inbound:
                     await shaper.pace(frame.nbytes)
                 yield frame
         self.metrics.messages.labels("sent", "pull", "ok").inc()
-        nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())  # type: ignore[attr-defined]
+        nbytes = sum(t.numel() * t.element_size() for t in snapshot.values())
         self.metrics.bytes.labels("sent", "pull", "ok").inc(nbytes)
 
-    def _snapshot(self, segments: list[int]) -> tuple[dict[int, object], list[float]]:
+    def _snapshot(self, segments: list[int]) -> tuple[dict[int, torch.Tensor], list[float]]:
         with self.replica.lock:
             return self.replica.flat.snapshot(segments), list(self.replica.summary.weights)

@@ -117,7 +117,7 @@ class Membership:
 
     def take_candidates(self, count: int) -> list[tuple[str, NodeInfo]]:
         """The oldest candidates, removed from the table, for the caller to dial."""
-        taken = []
+        taken: list[tuple[str, NodeInfo]] = []
         while self.candidates and len(taken) < count:
             taken.append(self.candidates.popitem(last=False))
         return taken

@@ -148,7 +148,10 @@ class MqttAgent:
         self.config = config.mqtt
         self.login = BrokerLogin.from_config(config.mqtt)
         self.topics = Topics(config.mqtt.topic_prefix, config.mesh_id, config.node_id)
-        fingerprint = None if config.tls.insecure else certs.describe(config.tls.cert)["sha256"]
+        fingerprint = None
+        if not config.tls.insecure:
+            assert config.tls.cert is not None, "a site with TLS names its certificate"
+            fingerprint = certs.describe(config.tls.cert)["sha256"]
         self.presence = Presence(
             config.node_id, address, incarnation, fingerprint, config.mesh_id, _version()
         ).payload()

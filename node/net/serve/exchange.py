@@ -29,26 +29,33 @@ import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from gossipd.node.errors import GossipdError, InvalidFrame
 from gossipd.node.net.limits.admission import PeerSlots, Slots
-from gossipd.node.net.serve.servicer import GossipServicer, parse_push_frame, status_code
+from gossipd.node.net.serve.servicer import (
+    GossipServicer,
+    PushContext,
+    parse_push_frame,
+    status_code,
+)
+from gossipd.node.net.wire.intake import PushFrameIn
 from gossipd.proto import gossip_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-def _kind(frame: Any) -> str | None:
+def _kind(frame: PushFrameIn) -> str | None:
     return frame.WhichOneof("kind") if isinstance(frame, pb.PushFrame) else None
 
 
-async def _one_push(first: Any, frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _one_push(
+    first: PushFrameIn, frames: AsyncIterator[PushFrameIn]
+) -> AsyncIterator[PushFrameIn]:
     """``first`` and the frames after it up to (not including) the push's end frame;
     a batch ``first`` is a whole push on its own, unpacked here."""
-    if _kind(first) == "batch":
+    if isinstance(first, pb.PushFrame) and first.WhichOneof("kind") == "batch":
         inner = [parse_push_frame(data) for data in first.batch.frames]
         ends = [i for i, frame in enumerate(inner) if _kind(frame) == "end"]
         if ends != [len(inner) - 1]:
@@ -66,7 +73,7 @@ async def _one_push(first: Any, frames: AsyncIterator[Any]) -> AsyncIterator[Any
         yield frame
 
 
-def _deadline_s(first: Any) -> float | None:
+def _deadline_s(first: PushFrameIn) -> float | None:
     """The seconds the sender still waits, from a well-formed open frame (else None)."""
     if isinstance(first, pb.PushFrame) and first.WhichOneof("kind") == "open":
         deadline = first.open.deadline_s
@@ -90,9 +97,7 @@ class ExchangeServicer:
             limits.max_inbound_pushes, "Exchange streams", "limits.max_inbound_pushes"
         )
 
-    def _open(
-        self, context: grpc.aio.ServicerContext, peer: str
-    ) -> tuple[str | None, contextlib.ExitStack]:
+    def _open(self, context: PushContext, peer: str) -> tuple[str | None, contextlib.ExitStack]:
         """A new stream's peer (None in plaintext) and the slots it takes, or the refusal:
         over the peer's budget of opens, or over either cap of streams. In plaintext the
         connection stands for the peer (the global cap still holds)."""
@@ -106,7 +111,9 @@ class ExchangeServicer:
             raise
         return who, slots
 
-    async def Exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    async def Exchange(
+        self, request_iterator: AsyncIterator[PushFrameIn], context: PushContext
+    ) -> None:
         servicer = self.servicer
         peer, frames = context.peer(), aiter(request_iterator)
         try:
@@ -140,10 +147,12 @@ class ExchangeServicer:
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err!r}")
 
 
-def method_handler(servicer: GossipServicer) -> grpc.RpcMethodHandler:
+def _serialize(reply: pb.PushReply) -> bytes:
+    return reply.SerializeToString()
+
+
+def method_handler(servicer: GossipServicer) -> grpc.RpcMethodHandler[PushFrameIn, pb.PushReply]:
     """``Exchange`` for :func:`servicer.add_to_server` (chunks parsed without a copy)."""
     return grpc.stream_stream_rpc_method_handler(
-        ExchangeServicer(servicer).Exchange,
-        parse_push_frame,
-        lambda reply: reply.SerializeToString(),
+        ExchangeServicer(servicer).Exchange, parse_push_frame, _serialize
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -27,11 +27,18 @@ from gossipd.proto import gossip_pb2 as pb
 if TYPE_CHECKING:
     from gossipd.node.net.bulk.connection import BulkConn
     from gossipd.node.net.bulk.listener import BulkServer
-    from gossipd.node.net.serve.servicer import Handlers
+    from gossipd.node.net.serve.servicer import Handlers, PullContext
+
+RequestT = TypeVar("RequestT")
+ReplyT = TypeVar("ReplyT")
 
 
 async def write_within(
-    context: grpc.aio.ServicerContext, data: Any, idle_s: float, stalled: str, ended: str
+    context: grpc.aio.ServicerContext[RequestT, ReplyT],
+    data: ReplyT,
+    idle_s: float,
+    stalled: str,
+    ended: str,
 ) -> None:
     """One write to a peer that must read within ``idle_s`` (``limits.stream_idle_timeout_s``);
     a peer that does not is a :class:`StreamIdle` refusal (``stalled``, ``ended``)."""
@@ -62,7 +69,7 @@ class PullServer:
         self.min_pull_rate = limits.min_pull_rate_bytes_s
         self.plan = plan
 
-    async def serve(self, context: grpc.aio.ServicerContext, req: Any) -> None:
+    async def serve(self, context: PullContext, req: pb.PullRequest) -> None:
         """Serve a checked pull request within its caps (the requester's slot and a shared
         one), on the bulk-lane connection it names where this node has a lane."""
         with contextlib.ExitStack() as held:
@@ -76,8 +83,8 @@ class PullServer:
 
     async def _stream(
         self,
-        context: grpc.aio.ServicerContext,
-        req: Any,
+        context: PullContext,
+        req: pb.PullRequest,
         lane: tuple[BulkServer, BulkConn] | None,
     ) -> None:
         """A pull's headers in gRPC frames, its payloads there too or whole on ``lane``.
@@ -132,7 +139,7 @@ class PullServer:
                 "off, its slot and snapshot released"
             ) from None
 
-    def _deadline_s(self, req: Any) -> tuple[int, float]:
+    def _deadline_s(self, req: pb.PullRequest) -> tuple[int, float]:
         """The bytes a pull asks for (as this node holds them: a codec only sends fewer)
         and how long its reply may take from its first frame: the first
         ``limits.stream_idle_timeout_s`` free, then ``limits.min_pull_rate_bytes_s``."""

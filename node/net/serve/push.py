@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gossipd.node.errors import InvalidFrame
 from gossipd.node.model.segments import SegmentPlan, check_fingerprint
@@ -22,9 +22,10 @@ from gossipd.node.net.limits.admission import (
     Slots,
     push_deadline_s,
 )
-from gossipd.node.net.wire.frames import ReceivedSegment, SegmentAssembler
-from gossipd.node.net.wire.intake import Malformed, check_mesh, frame_size, require
+from gossipd.node.net.wire.assembly import SegmentAssembler
+from gossipd.node.net.wire.intake import Malformed, PushFrameIn, check_mesh, frame_size, require
 from gossipd.node.shared.tls import check_claim
+from gossipd.node.trainer.messages import ReceivedSegment
 from gossipd.proto import gossip_pb2 as pb
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class PushReceiver:
         self,
         who: str | None,
         slots: contextlib.ExitStack,
-        request_frames: AsyncIterator[Any],
+        request_frames: AsyncIterator[PushFrameIn],
         deadline_s: float | None,
     ) -> pb.PushReply:
         """Receive one push within the caps; what it reserved is released however it ends.
@@ -106,13 +107,14 @@ class PushReceiver:
             return await self.node.on_push(opened, segments, deadline_s)
 
     async def _open(
-        self, who: str | None, frames: IdleBounded[Any], slots: contextlib.ExitStack
+        self, who: str | None, frames: IdleBounded[PushFrameIn], slots: contextlib.ExitStack
     ) -> pb.PushOpen:
         """The push's open frame, checked: its sender is who it claims, within its own cap
         (taken into ``slots`` here in plaintext), of this mesh and model, not a stale
         incarnation, and its sequence range makes sense."""
-        first = require(await anext(frames, Malformed("PushFrame", 0, "empty stream")))
-        if isinstance(first, memoryview) or first.WhichOneof("kind") != "open":
+        frame = await anext(frames, Malformed("PushFrame", 0, "empty stream"))
+        first = None if isinstance(frame, memoryview) else require(frame)
+        if first is None or first.WhichOneof("kind") != "open":
             raise InvalidFrame("a push stream must start with a PushOpen frame")
         opened = first.open
         check_claim(who, opened.sender, "a push")
@@ -147,7 +149,7 @@ class PushReceiver:
     async def _receive(
         self,
         opened: pb.PushOpen,
-        frames: IdleBounded[Any],
+        frames: IdleBounded[PushFrameIn],
         assembler: SegmentAssembler,
         lane: BulkConn | None,
     ) -> list[ReceivedSegment]:
@@ -191,7 +193,7 @@ class PushReceiver:
         return segments
 
     async def _bulk(
-        self, frames: IdleBounded[Any], assembler: SegmentAssembler, lane: BulkConn | None
+        self, frames: IdleBounded[PushFrameIn], assembler: SegmentAssembler, lane: BulkConn | None
     ) -> asyncio.Future[ReceivedSegment] | None:
         """The payload of the header just taken, read from the push's bulk-lane connection
         straight into the segment's buffer (within the stream's rate and deadline); its

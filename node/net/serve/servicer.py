@@ -34,8 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -46,10 +46,18 @@ from gossipd.node.net.limits.admission import Slots
 from gossipd.node.net.limits.open_budget import OpenBudget
 from gossipd.node.net.serve.pull import PullServer, write_within
 from gossipd.node.net.serve.push import PushReceiver
-from gossipd.node.net.wire.frames import ReceivedSegment, SegmentAssembler
-from gossipd.node.net.wire.intake import check_mesh, parse_push_frame, parser, require
+from gossipd.node.net.wire.assembly import SegmentAssembler
+from gossipd.node.net.wire.intake import (
+    Malformed,
+    PushFrameIn,
+    check_mesh,
+    parse_push_frame,
+    parser,
+    require,
+)
 from gossipd.node.net.wire.statuscodes import STATUS_CODES, status_code
 from gossipd.node.shared.tls import Credentials, check_claim
+from gossipd.node.trainer.messages import ReceivedSegment
 from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 
@@ -80,6 +88,13 @@ FIRST_FRAME_WAIT_S = 1.0
 # at once.
 MAX_WAITING_REFUSALS = 1024
 
+RequestT = TypeVar("RequestT")
+ReplyT = TypeVar("ReplyT")
+# A call's context, by what its requests are (as our deserializers hand them over) and
+# what it answers.
+PushContext = grpc.aio.ServicerContext[PushFrameIn, pb.PushReply]
+PullContext = grpc.aio.ServicerContext[pb.PullRequest | Malformed, bytes]
+
 
 class Handlers(Protocol):
     """What the servicer hands off to; the site's Network implements it."""
@@ -102,7 +117,7 @@ class Handlers(Protocol):
     ) -> pb.PushReply: ...
     def on_pull(
         self, request: pb.PullRequest, whole: bool = False, sealed: bool = False
-    ) -> AsyncIterator[pb.SegmentHeader | memoryview]: ...
+    ) -> AsyncGenerator[pb.SegmentHeader | memoryview, None]: ...
     async def on_peer_left(self, request: pb.LeaveRequest, peer: str) -> None: ...
     def on_peers(self, request: pb.PeersRequest) -> pb.PeersReply: ...
     async def on_status(self, checksum: bool, sketch_size: int) -> pb.StatusReply: ...
@@ -131,7 +146,7 @@ class GossipServicer:
         self.node.budget.refused()
         self.node.on_rejected(peer, err)
 
-    def open_stream(self, context: grpc.aio.ServicerContext) -> str | None:
+    def open_stream(self, context: PushContext) -> str | None:
         """The node id of a new push stream's peer (None in plaintext), within its budget of
         opens (:class:`TooManyOpens` if not). In plaintext anyone may claim any sender, so
         there is no peer to budget; the node's caps still hold."""
@@ -142,11 +157,11 @@ class GossipServicer:
 
     async def refuse_early(
         self,
-        context: grpc.aio.ServicerContext,
+        context: PushContext,
         peer: str,
-        frames: AsyncIterator[Any],
+        frames: AsyncIterator[PushFrameIn],
         err: GossipdError,
-    ) -> None:
+    ) -> NoReturn:
         """Refuse a stream none of whose frames was read yet, once its first frame came.
 
         It waits at most ``FIRST_FRAME_WAIT_S`` for it; a :class:`TooManyOpens` refusal also
@@ -171,8 +186,11 @@ class GossipServicer:
         await context.abort(status_code(err), str(err))
 
     async def _guard(
-        self, context: grpc.aio.ServicerContext, peer: str, call: Callable[[], Awaitable[Any]]
-    ) -> Any:
+        self,
+        context: grpc.aio.ServicerContext[RequestT, ReplyT],
+        peer: str,
+        call: Callable[[], Awaitable[ReplyT]],
+    ) -> ReplyT:
         try:
             return await call()
         except GossipdError as err:
@@ -184,7 +202,11 @@ class GossipServicer:
             log.exception("internal error serving %s", peer)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err!r}")
 
-    async def Handshake(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Handshake(
+        self,
+        request: pb.HandshakeRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.HandshakeRequest | Malformed, pb.HandshakeReply],
+    ) -> pb.HandshakeReply:
         async def call() -> pb.HandshakeReply:
             req = require(request)
             if req.schema_version != SCHEMA_VERSION:
@@ -200,14 +222,16 @@ class GossipServicer:
 
         return await self._guard(context, context.peer(), call)
 
-    async def PushSegments(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def PushSegments(
+        self, request_iterator: AsyncIterator[PushFrameIn], context: PushContext
+    ) -> pb.PushReply:
         """One push per call (a peer's Exchange stream carries many: :mod:`.exchange`)."""
         peer, frames = context.peer(), aiter(request_iterator)
         try:
             who = self.open_stream(context)
             slots = self.push_receiver.admit(who)
         except GossipdError as err:
-            return await self.refuse_early(context, peer, frames, err)
+            await self.refuse_early(context, peer, frames, err)
 
         async def call() -> pb.PushReply:
             return await self.push_receiver.receive(who, slots, frames, context.time_remaining())
@@ -215,7 +239,10 @@ class GossipServicer:
         return await self._guard(context, peer, call)
 
     async def receive_push(
-        self, who: str | None, request_frames: AsyncIterator[Any], deadline_s: float | None
+        self,
+        who: str | None,
+        request_frames: AsyncIterator[PushFrameIn],
+        deadline_s: float | None,
     ) -> pb.PushReply:
         """One push on an ``Exchange`` stream, whose first frame was read
         (:meth:`PushReceiver.receive`)."""
@@ -223,13 +250,17 @@ class GossipServicer:
         return await self.push_receiver.receive(who, slots, request_frames, deadline_s)
 
     async def write_within(
-        self, context: grpc.aio.ServicerContext, data: Any, stalled: str, ended: str
+        self,
+        context: grpc.aio.ServicerContext[RequestT, ReplyT],
+        data: ReplyT,
+        stalled: str,
+        ended: str,
     ) -> None:
         """One write to a peer that must read within ``limits.stream_idle_timeout_s``;
         a peer that does not is a :class:`StreamIdle` refusal (``stalled``, ``ended``)."""
         await write_within(context, data, self.idle_s, stalled, ended)
 
-    async def PullModel(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def PullModel(self, request: pb.PullRequest | Malformed, context: PullContext) -> None:
         """Stream the model; each write waits at most ``limits.stream_idle_timeout_s``,
         and the whole reply :meth:`PullServer._deadline_s`.
 
@@ -256,7 +287,11 @@ class GossipServicer:
             context.set_code(grpc.StatusCode.INTERNAL)
             context.set_details(f"internal error: {err!r}")
 
-    async def Leave(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Leave(
+        self,
+        request: pb.LeaveRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.LeaveRequest | Malformed, pb.LeaveReply],
+    ) -> pb.LeaveReply:
         async def call() -> pb.LeaveReply:
             req = require(request)
             check_claim(self.node.tls.peer_id(context), req.node_id, "a Leave")
@@ -266,7 +301,11 @@ class GossipServicer:
 
         return await self._guard(context, context.peer(), call)
 
-    async def Peers(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Peers(
+        self,
+        request: pb.PeersRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.PeersRequest | Malformed, pb.PeersReply],
+    ) -> pb.PeersReply:
         async def call() -> pb.PeersReply:
             req = require(request)
             check_claim(self.node.tls.peer_id(context), req.sender.node_id, "a peer list")
@@ -275,7 +314,11 @@ class GossipServicer:
 
         return await self._guard(context, context.peer(), call)
 
-    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Status(
+        self,
+        request: pb.StatusRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.StatusRequest | Malformed, pb.StatusReply],
+    ) -> pb.StatusReply:
         async def call() -> pb.StatusReply:
             self.node.tls.peer_id(context)  # any site of the mesh (on the allow-list) may ask
             req = require(request)
@@ -292,7 +335,7 @@ def _pass_bytes(message: bytes) -> bytes:
 def add_to_server(
     servicer: GossipServicer,
     server: grpc.aio.Server,
-    more: dict[str, grpc.RpcMethodHandler] | None = None,
+    more: dict[str, grpc.RpcMethodHandler[Any, Any]] | None = None,
 ) -> None:
     """Register with tolerant deserializers (the generated helper would answer UNKNOWN);
     ``more``: handlers of the service's methods served elsewhere (``Exchange``)."""
@@ -300,7 +343,7 @@ def add_to_server(
     def ser(message: Message) -> bytes:
         return message.SerializeToString()
 
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
             servicer.Handshake, parser(pb.HandshakeRequest), ser
         ),

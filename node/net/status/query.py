@@ -9,10 +9,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.net.wire.calls import gossip_calls
 from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
-from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
 
 def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
@@ -111,7 +111,7 @@ async def query_status(
     tls = tls or Credentials(insecure=True)
     async with tls.channel(address, CHANNEL_OPTIONS) as channel:
         try:
-            reply = await pb_grpc.GossipStub(channel).Status(
+            reply = await gossip_calls(channel).Status(
                 pb.StatusRequest(checksum=checksum, sketch_size=sketch_size), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as err:

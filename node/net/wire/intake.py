@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -27,6 +27,11 @@ class Malformed:
     error: str
 
 
+# A push frame as :func:`parse_push_frame` hands it to the servicer: a chunk frame as a
+# view of its payload, bytes that do not parse as what they are.
+PushFrameIn: TypeAlias = pb.PushFrame | memoryview | Malformed
+
+
 def parser(cls: type[T]) -> Callable[[bytes], T | Malformed]:
     def parse(data: bytes) -> T | Malformed:
         try:
@@ -37,14 +42,14 @@ def parser(cls: type[T]) -> Callable[[bytes], T | Malformed]:
     return parse
 
 
-def parse_push_frame(data: bytes) -> pb.PushFrame | memoryview | Malformed:
+def parse_push_frame(data: bytes) -> PushFrameIn:
     """A chunk frame as a view of its payload (:func:`wire.chunk_view`); anything else
     parsed, or Malformed."""
     view = chunk_view(data, PUSH_CHUNK_TAG)
     return _push_frame_parser(data) if view is None else view
 
 
-def frame_size(frame: pb.PushFrame | memoryview | Malformed) -> int:
+def frame_size(frame: PushFrameIn) -> int:
     """Bytes a push frame brought, for the minimum rate (a chunk: its payload)."""
     if isinstance(frame, memoryview):
         return len(frame)
