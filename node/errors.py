@@ -3,7 +3,7 @@
 Plain Python: the simulator, the config and the certificate tool raise these
 without loading grpc. Where an error meets the wire, the servicer answers with
 the status code its table gives the class (``STATUS_CODES`` in
-:mod:`gossipd.node.net.serve.servicer`) and this error's text, so the text a remote peer
+:mod:`gossipd.node.net.wire.statuscodes`) and this error's text, so the text a remote peer
 sees is the same text a local caller sees.
 """
 

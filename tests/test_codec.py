@@ -1,6 +1,6 @@
 """Codecs (node/compression/codecs.py).
 
-Protects docs/design.md §8: an exact raw codec, half codecs within their precision, int8
+Protects docs/design.md §4: an exact raw codec, half codecs within their precision, int8
 and int4 within half a block's scale, and a decode that refuses NaN, infinity, a bad scale
 and a wrong length, naming the bad value.
 """
