@@ -33,7 +33,8 @@ from gossipd.node.protocols.base import (
     TimerFired,
     ViewChanged,
 )
-from gossipd.node.protocols.overlap import Mode, OverlapGossip, Settings
+from gossipd.node.protocols.overlap import Mode, OverlapGossip
+from gossipd.node.protocols.overlap import OverlapSettings as Settings
 from gossipd.node.protocols.settings import CoreSettings
 
 SEGMENTS = 3

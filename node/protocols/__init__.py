@@ -11,8 +11,10 @@ registered protocol without one). The file holds the core class, with ``name``,
 the protocol's own settings, typed, with defaults and descriptions; a config gives
 them in a ``[gossip.<name>]`` table) and a classmethod ``from_settings(common, own)``
 that builds the core from the :class:`CoreSettings` every core shares and its own
-settings. A registered plain function ``f(common) -> core`` is accepted too, for a
-core with no settings of its own (test doubles). Drivers read a core only through
+settings: together the :class:`CoreClass` contract. A registered plain function
+``f(common) -> core`` is accepted too, for a core with no settings of its own (test
+doubles); it is taken to keep sum-weights, as a class does unless it says otherwise.
+Drivers read a core only through
 :class:`~gossipd.node.protocols.base.GossipProtocol` (``handle``, ``status``,
 ``state_dict``, ``load_state_dict`` and the class attributes declared there, such as
 ``keeps_weights`` and ``serves_one_pull``): a core that needs a driver to treat it
@@ -22,7 +24,8 @@ differently sets a declared attribute, or declares a new one there first.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -35,9 +38,13 @@ from gossipd.node.protocols.settings import CoreSettings, NoSettings, ProtocolSe
 from gossipd.node.protocols.shuffle_exchange import ShuffleExchange
 from gossipd.node.protocols.sumweight import SumWeightGossip
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 __all__ = [
     "DEFAULT_PROTOCOL",
     "PROTOCOLS",
+    "CoreClass",
     "CoreSettings",
     "ProtocolSettings",
     "build",
@@ -48,7 +55,25 @@ __all__ = [
 
 DEFAULT_PROTOCOL = "sumweight"
 
-PROTOCOLS: dict[str, type[GossipProtocol] | Callable[[CoreSettings], GossipProtocol]] = {
+OwnSettings = TypeVar("OwnSettings", bound=ProtocolSettings)
+
+
+class CoreClass(Protocol[OwnSettings]):
+    """What the registry reads of a registered core class (the class itself, not a core)."""
+
+    @property
+    def keeps_weights(self) -> bool: ...
+
+    @property
+    def Settings(self) -> type[OwnSettings]: ...
+
+    def from_settings(self, common: CoreSettings, own: OwnSettings, /) -> GossipProtocol: ...
+
+
+CoreFactory = Callable[[CoreSettings], GossipProtocol]
+
+# Each class reads its own settings type; Any is what a registry of many protocols holds.
+PROTOCOLS: dict[str, CoreClass[Any] | CoreFactory] = {
     "sumweight": SumWeightGossip,
     "crossover": CrossoverGossip,
     "pushsum-expgraph": PushSumExpGraph,
@@ -58,25 +83,51 @@ PROTOCOLS: dict[str, type[GossipProtocol] | Callable[[CoreSettings], GossipProto
 }
 
 
-def _entry(protocol: str) -> Any:
+@dataclass(frozen=True)
+class _Registered:
+    """A registry entry, class or function, read through one shape."""
+
+    keeps_weights: bool
+    settings: type[ProtocolSettings]
+    make: Callable[[CoreSettings, ProtocolSettings], GossipProtocol]
+
+
+def _is_class(entry: CoreClass[Any] | CoreFactory) -> TypeIs[CoreClass[Any]]:
+    return isinstance(entry, type)
+
+
+def _of_class(cls: CoreClass[OwnSettings]) -> _Registered:
+    def make(common: CoreSettings, own: ProtocolSettings) -> GossipProtocol:
+        if not isinstance(own, cls.Settings):  # protocol_settings made it of this class
+            raise TypeError(f"{type(own).__name__} given for {cls.Settings.__name__}")
+        return cls.from_settings(common, own)
+
+    return _Registered(cls.keeps_weights, cls.Settings, make)
+
+
+def _of_function(factory: CoreFactory) -> _Registered:
+    return _Registered(True, NoSettings, lambda common, _own: factory(common))
+
+
+def _entry(protocol: str) -> _Registered:
     try:
-        return PROTOCOLS[protocol]
+        entry = PROTOCOLS[protocol]
     except KeyError:
         raise ValueError(
             f"unknown protocol {protocol!r}; choose one of {', '.join(sorted(PROTOCOLS))}"
         ) from None
+    return _of_class(entry) if _is_class(entry) else _of_function(entry)
 
 
 def keeps_weights(protocol: str) -> bool:
     """Whether ``protocol``'s cores keep sum-weights the mesh conserves (the push
     protocols), so mass checks apply to it."""
-    return bool(getattr(_entry(protocol), "keeps_weights", True))
+    return _entry(protocol).keeps_weights
 
 
 def settings_class(protocol: str) -> type[ProtocolSettings]:
     """The class that declares and validates ``protocol``'s own settings."""
-    settings: type[ProtocolSettings] = getattr(_entry(protocol), "Settings", NoSettings)
-    return settings
+    return _entry(protocol).settings
 
 
 def protocol_settings(
@@ -101,9 +152,5 @@ def build(protocol: str, settings: CoreSettings) -> GossipProtocol:
     try:
         own = protocol_settings(protocol, settings.options)
     except ValidationError as err:
-        raise ValueError(explain(protocol, err, settings_class(protocol).model_fields)) from None
-    from_settings = getattr(entry, "from_settings", None)
-    core: GossipProtocol = (
-        entry(settings) if from_settings is None else from_settings(settings, own)
-    )
-    return core
+        raise ValueError(explain(protocol, err, entry.settings.model_fields)) from None
+    return entry.make(settings, own)

@@ -22,17 +22,16 @@ merged by the sum-weight rule like any other.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
-from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
+from gossipd.node.protocols.rounds import SeededRounds
+from gossipd.node.protocols.settings import RoundSettings
 from gossipd.node.protocols.topology import derangement
 
 
-class CrossoverSettings(ProtocolSettings):
+class CrossoverSettings(RoundSettings):
     """``[gossip.crossover]``"""
 
     round_steps: int = Field(
@@ -40,29 +39,9 @@ class CrossoverSettings(ProtocolSettings):
     )
 
 
-class CrossoverGossip(SumWeightLedger):
+class CrossoverGossip(SeededRounds):
     name = "crossover"
     Settings = CrossoverSettings
-
-    @classmethod
-    def from_settings(cls, common: CoreSettings, own: CrossoverSettings) -> CrossoverGossip:
-        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
-
-    def __init__(
-        self,
-        node_id: str,
-        num_segments: int,
-        *,
-        mesh_seed: int,
-        round_steps: int,
-        **ledger: Any,
-    ) -> None:
-        """``ledger``: ``rng`` or ``seed`` and the optional ``SumWeightLedger`` settings."""
-        if round_steps < 1:
-            raise ValueError(f"round_steps must be at least 1, got {round_steps}")
-        super().__init__(node_id, num_segments, **ledger)
-        self.mesh_seed = mesh_seed
-        self.round_steps = round_steps
 
     def destinations(self) -> dict[str, list[int]]:
         """This round's peer for each segment, grouped: {peer: [segments]} (empty if alone)."""
@@ -78,8 +57,7 @@ class CrossoverGossip(SumWeightLedger):
         return grouped
 
     def on_step(self, event: StepEnded) -> Iterable[Push]:
-        self.round = event.step // self.round_steps
-        if event.step % self.round_steps:
+        if not self.starts_round(event):
             return []
         pushes = []
         for peer, segments in self.destinations().items():

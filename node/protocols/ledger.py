@@ -16,9 +16,10 @@ is the part they share, and it keeps the total weight exact over a real network:
 * a message for an earlier or later round, or from a sender this node did not
   expect, is merged by the same rule: never waited for, never dropped.
 
-This module holds the ledger's state, the receiving side and the core's interface
-(events in, actions out, status, checkpoint state). Its parts: the sending side
-(reserve, commit, fold back) is :mod:`.reservations`; per-edge sequences, the
+This module holds the ledger's state and the core's interface (events in, actions
+out, status, checkpoint state). Its parts: the sending side (reserve, commit, fold
+back) is :mod:`.reservations`; the receiving side (plan a merge, commit it) is
+:mod:`.receiving`; per-edge sequences, the
 sender's numberings and the receiver's de-duplication windows, are :mod:`.sequences`;
 the most weight a segment may hold after a merge is :mod:`.weight_cap`; how much a
 push carries so weight does not follow speed is :mod:`.weight_balance`; the weight
@@ -48,10 +49,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from gossipd.node.protocols.base import (
-    EXTRA_BALANCE,
-    EXTRA_SINKS,
-    EXTRA_WEIGHT_CAP,
-    EXTRA_WEIGHT_CUT,
     Action,
     CoreStatus,
     Duplicate,
@@ -79,8 +76,9 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
+from gossipd.node.protocols.receiving import Receiving
 from gossipd.node.protocols.reservations import Reservations
-from gossipd.node.protocols.sequences import DEDUP_WINDOW, Numberings, Windows
+from gossipd.node.protocols.sequences import Numberings, Windows
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
@@ -90,7 +88,7 @@ from gossipd.node.protocols.weight_cap import WeightCap
 SILENT_PUSHES_PER_PEER = 25
 
 
-class SumWeightLedger(Reservations, GossipProtocol):
+class SumWeightLedger(Reservations, Receiving, GossipProtocol):
     """Weights, reservations, de-duplication and the view; subclasses choose the pushes.
 
     A subclass implements :meth:`on_step` (and, if it needs them,
@@ -216,13 +214,17 @@ class SumWeightLedger(Reservations, GossipProtocol):
             in_flight=len(self.in_flight),
             peers=self.peers,
             exchanged=dict(self.exchanged.by_peer),
-            extra={
-                EXTRA_SINKS: self.suspected_sinks(),
-                EXTRA_WEIGHT_CAP: self.weight_cap,
-                EXTRA_WEIGHT_CUT: self.cut,
-                EXTRA_BALANCE: tuple(self.balance.factors) if self.balance.enabled else (),
-            },
+            sinks=self.suspected_sinks(),
+            weight_cap=self.weight_cap,
+            weight_cut=self.cut,
+            balance_factors=tuple(self.balance.factors) if self.balance.enabled else (),
         )
+
+    def segment_weights(self) -> Sequence[float]:
+        return self.weights
+
+    def hears_receiver_weights(self) -> bool:
+        return self.balance.enabled
 
     def suspected_sinks(self) -> frozenset[str]:
         """Peers suspected of sinking weight: by the sink score (:mod:`.sinks`), or passed
@@ -316,8 +318,9 @@ class SumWeightLedger(Reservations, GossipProtocol):
 
     # -- what subclasses decide ----------------------------------------------------------
     @abstractmethod
-    def on_step(self, event: StepEnded) -> Iterable[Push]:
-        """Which shares to push now that a local step ended."""
+    def on_step(self, event: StepEnded) -> Iterable[Action]:
+        """Which shares to push now that a local step ended (and, for a core that takes an
+        outer step after its bursts, that step)."""
 
     def on_training_ended(self, event: TrainingEnded) -> Iterable[Action]:
         return ()
@@ -360,70 +363,6 @@ class SumWeightLedger(Reservations, GossipProtocol):
         self.windows.forget_sender(peer, incarnation)
         self.numberings.renumber(peer)
         self.exchanged.restarted(peer, incarnation)
-
-    # -- receiving ----------------------------------------------------------------------
-    def plan_receive(
-        self,
-        sender: str,
-        incarnation: int,
-        sequence: int,
-        weights: Mapping[int, float],
-        base: int = 1,
-    ) -> list[Merge | Duplicate]:
-        """What merging this push would do, without doing it; raises ``Refused``."""
-        window = self.windows.find(sender, incarnation, base)
-        window.check(sequence)
-        actions: list[Merge | Duplicate] = []
-        for segment, weight in weights.items():
-            if not 0 <= segment < len(self.weights):
-                raise Refused(f"segment {segment} out of range 0..{len(self.weights) - 1}")
-            if not (math.isfinite(weight) and weight >= 0):
-                raise Refused(
-                    f"sum-weight {weight} of segment {segment} is not a finite number >= 0"
-                )
-            if not window.is_new(sequence, segment):
-                actions.append(Duplicate(segment))
-                continue
-            self.credit.check(sender, segment, weight, self.in_flight_to(sender, segment))
-            fits = self.cap.fit(segment, self.weights[segment], weight)
-            mine = self.available(segment)
-            total = mine + fits
-            alpha = fits / total if total > 0 else 0.0
-            actions.append(Merge(segment, alpha, self.weights[segment] + fits, weight - fits))
-        return actions
-
-    def apply_receive(
-        self,
-        sender: str,
-        incarnation: int,
-        sequence: int,
-        plan: Sequence[Merge | Duplicate],
-        base: int = 1,
-    ) -> None:
-        """Commit a plan from :meth:`plan_receive`, with no other call in between."""
-        window = self.windows.open(sender, incarnation, base)
-        capacity = DEDUP_WINDOW * len(self.weights)
-        received = 0.0
-        share = 0.0
-        merged = False
-        for action in plan:
-            if isinstance(action, Merge) and window.admit(sequence, action.segment, capacity):
-                weight = action.weight_after - self.weights[action.segment] + action.cut
-                mine = self.available(action.segment)
-                received += weight
-                self.cut += action.cut
-                self.credit.received(sender, action.segment, weight)
-                share += weight / mine if mine > 0 else (math.inf if weight > 0 else 0.0)
-                self.weights[action.segment] = action.weight_after
-                merged = True
-        if merged:
-            self.windows.share(sender)
-            if self.passed_over(sender):  # a crumb back buys it patience, not its room
-                self._silent[sender] = 0
-            else:
-                self._silent.pop(sender, None)
-            self.exchanged.add(sender, received=received, members=self.view.rank_of)
-            self.sinks.received(sender, share / len(self.weights))
 
 
 def _payload_key(p: PayloadArrived) -> tuple[str, int, int]:

@@ -43,8 +43,6 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from gossipd.node.protocols.base import (
-    EXTRA_PULLS,
-    EXTRA_SCHEDULING,
     Action,
     AskPeer,
     CoreStatus,
@@ -82,7 +80,9 @@ NAME = "overlap"
 Mode = Literal["scheduled", "none", "naive"]
 
 
-class Settings(ProtocolSettings):
+class OverlapSettings(ProtocolSettings):
+    """``[gossip.overlap]``"""
+
     period_steps: int = Field(16, ge=1, description="local steps between averages (T)")
     mode: Mode = Field(
         "scheduled",
@@ -112,13 +112,13 @@ class _Period:
 
 class OverlapGossip(GossipProtocol):
     name = NAME
-    Settings = Settings
+    Settings = OverlapSettings
     # A peer pulled by several nodes at once serves one; the others re-pick (docs/design.md §5).
     serves_one_pull: ClassVar[bool] = True
     keeps_weights: ClassVar[bool] = False
 
-    def __init__(self, common: CoreSettings, own: Settings | None = None) -> None:
-        own = own or Settings()
+    def __init__(self, common: CoreSettings, own: OverlapSettings | None = None) -> None:
+        own = own or OverlapSettings.model_validate({})
         self.node_id = common.node_id
         self.num_segments = common.num_segments
         self.period_steps = own.period_steps
@@ -145,7 +145,7 @@ class OverlapGossip(GossipProtocol):
         )
 
     @classmethod
-    def from_settings(cls, common: CoreSettings, own: Settings) -> OverlapGossip:
+    def from_settings(cls, common: CoreSettings, own: OverlapSettings) -> OverlapGossip:
         return cls(common, own)
 
     # -- events --------------------------------------------------------------------------
@@ -257,7 +257,9 @@ class OverlapGossip(GossipProtocol):
         self.scheduling = "coordinator"
         return self._pull(period, event.peer, event.start_s, via_coordinator=True)
 
-    def _pull(self, period: _Period, peer: str, start_s: float, *, via_coordinator: bool) -> list:
+    def _pull(
+        self, period: _Period, peer: str, start_s: float, *, via_coordinator: bool
+    ) -> list[Action]:
         at_s = period.end_s if self.mode == "none" else start_s
         if self.mode == "naive":
             at_s = min(at_s, period.end_s)
@@ -296,19 +298,23 @@ class OverlapGossip(GossipProtocol):
 
     # -- state ---------------------------------------------------------------------------
     def status(self) -> CoreStatus:
+        pulls = dict(self.counts)
         return CoreStatus(
             protocol=NAME,
             round=self.round,
             epoch=self.view.epoch,
             in_flight=int(self.period is not None and self.period.peer is not None),
             peers=frozenset(self.view.members) - {self.node_id},
+            scheduling=self.scheduling,
+            pulls=pulls,
+            # What operators are shown of the schedule, the two fields above with it.
             extra={
                 "mode": self.mode,
                 "period_steps": self.period_steps,
                 "step_time_s": self.step_s,
-                EXTRA_PULLS: dict(self.counts),
+                "pulls": pulls,
                 "pulling_from": self.period.peer if self.period else None,
-                EXTRA_SCHEDULING: self.scheduling,
+                "scheduling": self.scheduling,
             },
         )
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ProtocolSettings(BaseModel):
@@ -90,3 +90,10 @@ def explain(protocol: str, err: ValidationError, known: Iterable[str]) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"  {key} = {e.get('input')!r}: {msg}")
     return "\n".join(lines)
+
+
+class RoundSettings(ProtocolSettings):
+    """The settings of a protocol that pushes once a round: its own class restates
+    ``round_steps`` only to say what a round is there."""
+
+    round_steps: int = Field(1, ge=1, description="local steps per round")

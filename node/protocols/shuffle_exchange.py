@@ -24,17 +24,16 @@ messages from other rounds are merged by the sum-weight rule.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from pydantic import Field
 
 from gossipd.node.protocols.base import Push, StepEnded
-from gossipd.node.protocols.ledger import SumWeightLedger
-from gossipd.node.protocols.settings import CoreSettings, ProtocolSettings
+from gossipd.node.protocols.rounds import SeededRounds
+from gossipd.node.protocols.settings import RoundSettings
 from gossipd.node.protocols.topology import shuffled_groups
 
 
-class ShuffleExchangeSettings(ProtocolSettings):
+class ShuffleExchangeSettings(RoundSettings):
     """``[gossip.shuffle-exchange]``"""
 
     round_steps: int = Field(
@@ -42,29 +41,9 @@ class ShuffleExchangeSettings(ProtocolSettings):
     )
 
 
-class ShuffleExchange(SumWeightLedger):
+class ShuffleExchange(SeededRounds):
     name = "shuffle-exchange"
     Settings = ShuffleExchangeSettings
-
-    @classmethod
-    def from_settings(cls, common: CoreSettings, own: ShuffleExchangeSettings) -> ShuffleExchange:
-        return cls(**common.ledger(), mesh_seed=common.mesh_seed, round_steps=own.round_steps)
-
-    def __init__(
-        self,
-        node_id: str,
-        num_segments: int,
-        *,
-        mesh_seed: int,
-        round_steps: int,
-        **ledger: Any,
-    ) -> None:
-        """``ledger``: ``rng`` or ``seed`` and the optional ``SumWeightLedger`` settings."""
-        if round_steps < 1:
-            raise ValueError(f"round_steps must be at least 1, got {round_steps}")
-        super().__init__(node_id, num_segments, **ledger)
-        self.mesh_seed = mesh_seed
-        self.round_steps = round_steps
 
     def group(self) -> list[str]:
         """This round's group, this node included, in rank order of the shuffle."""
@@ -74,8 +53,7 @@ class ShuffleExchange(SumWeightLedger):
         return [view.members[r] for r in mine]
 
     def on_step(self, event: StepEnded) -> Iterable[Push]:
-        self.round = event.step // self.round_steps
-        if event.step % self.round_steps:
+        if not self.starts_round(event):
             return []
         group = self.group()
         if len(group) < 2:

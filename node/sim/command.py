@@ -22,7 +22,7 @@ from gossipd.node.errors import ConfigError
 from gossipd.node.protocols import PROTOCOLS, protocol_settings, settings_class
 from gossipd.node.protocols.settings import explain
 from gossipd.node.sim.output import Progress, plot_result, print_table
-from gossipd.node.sim.scenarios import SCENARIOS, load_scenario, parse_fault
+from gossipd.node.sim.scenarios import SCENARIOS, EventKind, load_scenario, parse_fault
 
 if TYPE_CHECKING:
     from gossipd.node.sim.spec import SimSpec
@@ -42,7 +42,11 @@ class Flag:
     choices: Callable[[], list[str]] | None = None
 
 
-FAULT_KINDS = (("fail", "NODE@TIME"), ("leave", "NODE@TIME"), ("join", "TIME"))
+FAULT_KINDS: tuple[tuple[EventKind, str], ...] = (
+    ("fail", "NODE@TIME"),
+    ("leave", "NODE@TIME"),
+    ("join", "TIME"),
+)
 
 FLAGS: tuple[Flag, ...] = (
     Flag(
@@ -191,13 +195,10 @@ FLAGS: tuple[Flag, ...] = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``gossipd sim`` (:data:`FLAGS`); every help text names its default."""
     for flag in FLAGS:
-        choices = {} if flag.choices is None else {"choices": flag.choices()}
-        p.add_argument(
-            flag.name,
-            **flag.options,
-            **choices,
-            help=f"{flag.help} (default: {flag.shown_default})",
-        )
+        options = dict(flag.options)
+        if flag.choices is not None:
+            options["choices"] = flag.choices()
+        p.add_argument(flag.name, **options, help=f"{flag.help} (default: {flag.shown_default})")
 
 
 def spec_from_args(args: argparse.Namespace) -> SimSpec:

@@ -18,6 +18,7 @@ from gossipd.node.errors import GossipdError
 from gossipd.node.protocols.base import shared_seed
 
 if TYPE_CHECKING:
+    from gossipd.node.model.segments import FlatModel
     from gossipd.node.sim.spec import SimSpec
 
 
@@ -180,7 +181,7 @@ class DigitsPayload:
         torch.set_num_threads(1)
         self._torch = torch
         self.jobs: list[Any] = [None] * capacity
-        self.flats: list[Any] = [None] * capacity
+        self.flats: dict[int, FlatModel] = {}  # by node index, as each is built
 
         def make(i: int) -> None:
             spec = JobSpec(

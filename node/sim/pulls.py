@@ -21,7 +21,7 @@ of its own and uses the driver's clock, links and nodes, declared below.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gossipd.node.protocols.base import (
@@ -40,7 +40,7 @@ from gossipd.node.protocols.scheduler import Scheduler, SchedulerError
 from gossipd.node.sim.payloads import Payload
 from gossipd.node.sim.scenarios import Scenario
 from gossipd.node.sim.spec import SimNode
-from gossipd.node.sim.spectral import MixingTracker
+from gossipd.node.sim.spectral import MixingTracker, Rows
 
 
 class PullSide:
@@ -163,7 +163,9 @@ class PullSide:
     def _served(self, peer: SimNode) -> None:
         peer.serving -= 1
 
-    def _pulled(self, node: SimNode, arrival: PullArrived, values: dict, rows: dict | None) -> None:
+    def _pulled(
+        self, node: SimNode, arrival: PullArrived, values: Mapping[int, Any], rows: Rows | None
+    ) -> None:
         if not node.alive:
             return
         entry = node.due.pop((arrival.peer, arrival.round), None)
@@ -174,7 +176,7 @@ class PullSide:
         self._pull_done(node)
 
     def _merge_pull(
-        self, node: SimNode, arrival: PullArrived, values: dict, rows: dict | None
+        self, node: SimNode, arrival: PullArrived, values: Mapping[int, Any], rows: Rows | None
     ) -> None:
         try:
             plan = node.core.handle(arrival)

@@ -23,6 +23,7 @@ import numpy as np
 from gossipd.node.errors import StaleReference
 from gossipd.node.protocols.base import (
     Action,
+    Duplicate,
     FoldBack,
     Merge,
     PayloadArrived,
@@ -46,11 +47,10 @@ INCARNATION = 1  # simulated nodes never restart; a join is a new node id
 def _reported(sender: SimNode, receiver: SimNode, acked: tuple[int, ...]) -> tuple[float, ...]:
     """The receiver's weights its acknowledgement reports, as the daemon's does; only for a
     sender whose weight balance hears them (a tuple per push costs a million-node run)."""
-    balance = getattr(sender.core, "balance", None)
-    weights = getattr(receiver.core, "weights", None)
-    if balance is None or not balance.enabled or weights is None:
+    if not sender.core.hears_receiver_weights():
         return ()
-    return tuple(weights[s] for s in acked)
+    weights = receiver.core.segment_weights()
+    return tuple(weights[s] for s in acked) if weights else ()
 
 
 def _numel(values: Any) -> int:
@@ -162,7 +162,7 @@ class PushSide:
                 for m in merges:
                     if m.cut:
                         self.book.cut(m.segment, m.cut, values[m.segment])
-                acked = tuple(a.segment for a in plan)
+                acked = tuple(a.segment for a in plan if isinstance(a, Merge | Duplicate))
                 reported = _reported(flight.sender, receiver, acked)
                 if self.codec is not None and flight.sent is not None:
                     merged = {s: values[s] for s in acked}
@@ -227,7 +227,7 @@ class PushSide:
         sender, push = flight.sender, flight.push
         del sender.flights[push.key]
         if self.codec is not None:
-            kept = flight.kept & set(acked)
+            kept = set(acked).intersection(flight.kept)
             self.codec.settled(sender.id, push.peer, push.sequence, kept, set(push.weights))
         if flight.merged and not acked:
             self.book.folded_back_after_merge(push.weights, flight.values)

@@ -252,8 +252,8 @@ class SimResult:
         self._weight_counts += [0] * grow
         self.weight_share_min += [None] * grow
         for i in sim.member_idx:
-            weights = getattr(sim.nodes[i].core, "weights", None)
-            if weights is None:
+            weights = sim.nodes[i].core.segment_weights()
+            if not weights:
                 return  # a protocol without sum-weights
             share = sum(weights) / len(weights)
             self._weight_sums[i] += share

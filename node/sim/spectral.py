@@ -26,6 +26,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# Some segments of one node's row of the product, as they were (MixingTracker.snapshot).
+Rows = dict[int, np.ndarray]
+
 MAX_TRACKED_N = 1024  # S·N² float64: 32 MB at 4 segments; beyond that the product is too big
 
 
@@ -38,7 +41,7 @@ class MixingTracker:
         self.n = nodes
         self.p = np.repeat(np.eye(nodes)[None, :, :], segments, axis=0)
 
-    def snapshot(self, index: int, segments: Sequence[int]) -> dict[int, np.ndarray]:
+    def snapshot(self, index: int, segments: Sequence[int]) -> Rows:
         return {s: self.p[s, index].copy() for s in segments}
 
     def blend(self, index: int, segment: int, row: np.ndarray, alpha: float) -> None:
