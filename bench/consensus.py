@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gossipd.node.jobs.registry import JobSpec, build_job
+from gossipd.node.jobs.registry import Job, JobSpec, build_job
 from gossipd.node.model.segments import FlatModel
 from gossipd.node.trainer import checkpoint
 
@@ -61,11 +61,23 @@ def weighted_average(
     return averaged
 
 
-def _has_classes(job: Any) -> bool:
+@runtime_checkable
+class LabelledJob(Protocol):
+    """A job that keeps its data as samples and labels: what scoring on a site's classes
+    reads (the built-in jobs do; their labels are class tensors in digits and mnist1d)."""
+
+    train_y: object
+    test_x: object
+    test_y: object
+
+
+def _has_classes(job: Job) -> bool:
     """Labelled classes in tensors (digits, mnist1d); not text windows or regression."""
-    labels = [getattr(job, name, None) for name in ("train_y", "test_y")]
+    if not isinstance(job, LabelledJob):
+        return False
+    labels = [job.train_y, job.test_y]
     tensors = all(isinstance(y, torch.Tensor) and not torch.is_floating_point(y) for y in labels)
-    return tensors and isinstance(getattr(job, "test_x", None), torch.Tensor)
+    return tensors and isinstance(job.test_x, torch.Tensor)
 
 
 def _accuracy_on(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

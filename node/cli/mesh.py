@@ -82,6 +82,7 @@ def _node_based(args: argparse.Namespace) -> dict[str, object]:
     if args.node_based < 1:
         raise GossipdError(f"--node-based {args.node_based}: give K′ >= 1 steps between averages")
     from gossipd.node.jobs.registry import JobSpec, build_job
+    from gossipd.node.jobs.spec import steps_per_epoch_of
     from gossipd.node.trainer.ranks import RankEnv
 
     site = JobSpec(
@@ -92,7 +93,7 @@ def _node_based(args: argparse.Namespace) -> dict[str, object]:
         options=parse_job_options(args.job_option),
     )
     job = build_job(RankEnv(0, args.ranks, 0).job_spec(site) if args.ranks > 1 else site)
-    epoch = getattr(job, "steps_per_epoch", None)
+    epoch = steps_per_epoch_of(job)
     if not isinstance(epoch, int) or epoch < 1:
         raise GossipdError(
             f"--node-based: job {args.job!r} does not say how many steps an epoch has "

@@ -32,11 +32,21 @@ from gossipd.node.jobs.data import stratified_split
 from gossipd.node.jobs.mnist1d import Mnist1dJob
 from gossipd.node.jobs.packages import check_job_package
 from gossipd.node.jobs.shakespeare import ShakespeareJob
-from gossipd.node.jobs.spec import BUILTIN_JOBS, PLUGIN_SYNTAX, Job, JobSpec, check_spec
+from gossipd.node.jobs.spec import (
+    BUILTIN_JOBS,
+    PLUGIN_SYNTAX,
+    DeclaresBatchSize,
+    DeclaresEpoch,
+    Job,
+    JobSpec,
+    check_spec,
+)
 
 __all__ = [
     "BUILTIN_JOBS",
     "PLUGIN_SYNTAX",
+    "DeclaresBatchSize",
+    "DeclaresEpoch",
     "DigitsJob",
     "Job",
     "JobSpec",

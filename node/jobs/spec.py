@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,7 +32,12 @@ class JobSpec:
 
 
 class Job(Protocol):
-    """What the trainer drives; the trainer thread alone calls these, between merges."""
+    """What the trainer drives; the trainer thread alone calls these, between merges.
+
+    A job may also declare the optional members of :class:`DeclaresBatchSize` and
+    :class:`DeclaresEpoch` (every built-in job does); one that does not still trains,
+    without what they feed.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -40,6 +45,33 @@ class Job(Protocol):
     def train_step(self) -> float: ...
 
     def evaluate(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class DeclaresBatchSize(Protocol):
+    """A job that says how many samples one ``train_step`` takes: ``gossipd_samples_total``
+    counts them (a job without it counts none)."""
+
+    batch_size: int
+
+
+@runtime_checkable
+class DeclaresEpoch(Protocol):
+    """A job that says how many steps one pass over its shard takes: `gossipd mesh up
+    --node-based` averages at each epoch's end (a job without it needs ``[gossip.persyn]
+    epoch_steps`` in its configs)."""
+
+    steps_per_epoch: int
+
+
+def batch_size_of(job: Job) -> int:
+    """Samples per step of ``job``; 0 where it does not declare them."""
+    return job.batch_size if isinstance(job, DeclaresBatchSize) else 0
+
+
+def steps_per_epoch_of(job: Job) -> int | None:
+    """Steps per epoch of ``job``; None where it does not declare them."""
+    return job.steps_per_epoch if isinstance(job, DeclaresEpoch) else None
 
 
 def check_spec(spec: JobSpec) -> None:

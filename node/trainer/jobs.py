@@ -5,6 +5,8 @@ jobs had a room of their own import ``JobSpec`` from here. The jobs live in
 from gossipd.node.jobs.registry import (
     BUILTIN_JOBS,
     PLUGIN_SYNTAX,
+    DeclaresBatchSize,
+    DeclaresEpoch,
     DigitsJob,
     Job,
     JobSpec,
@@ -16,6 +18,8 @@ from gossipd.node.jobs.registry import (
 __all__ = [
     "BUILTIN_JOBS",
     "PLUGIN_SYNTAX",
+    "DeclaresBatchSize",
+    "DeclaresEpoch",
     "DigitsJob",
     "Job",
     "JobSpec",
