@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,14 @@ from gossipd.node.trainer import checkpoint
 from gossipd.node.trainer.replica import Replica
 
 log = logging.getLogger("gossipd.node.site.site")
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint on disk: where, and the step it holds."""
+
+    path: Path
+    step: int
 
 
 class SiteCheckpoints:
@@ -56,7 +65,9 @@ class SiteCheckpoints:
         self.metrics = metrics
         self.resumed_from: int | None = None
         self.restored_weights: list[float] = []
-        self.saved_step: int | None = None  # step of the newest checkpoint.pt on disk
+        # The step of the newest checkpoint.pt on disk; written on the loop only (a
+        # periodic write's step arrives there as a message).
+        self.saved_step: int | None = None
         self.final_error: CheckpointError | None = None
         self.streak = FailureStreak(
             "periodic checkpoint",
@@ -65,8 +76,10 @@ class SiteCheckpoints:
             "once until a write succeeds",
         )
 
-    def save(self, name: str = checkpoint.FILENAME) -> Path:
-        """Write one checkpoint and count it; raises CheckpointWriteError, the old file intact."""
+    def write(self, name: str = checkpoint.FILENAME) -> Written:
+        """Write one checkpoint and count it, from any thread (it records nothing here: the
+        loop notes the step, :meth:`saved`); raises CheckpointWriteError, the old file
+        intact."""
         started = time.perf_counter()
         ckpt = checkpoint.capture(self.replica, self.node_id, self.optimizer)
         try:
@@ -75,10 +88,20 @@ class SiteCheckpoints:
             self.metrics.checkpoint_failures.inc()
             raise
         if name == checkpoint.FILENAME:
-            self.saved_step = ckpt.step
             self._write_record(ckpt)
             self.metrics.record_checkpoint(time.perf_counter() - started, time.time())
-        return path
+        return Written(path, ckpt.step)
+
+    def saved(self, step: int) -> None:
+        """On the loop: the newest ``checkpoint.pt`` on disk holds ``step``."""
+        self.saved_step = step
+
+    def save(self, name: str = checkpoint.FILENAME) -> Path:
+        """On the loop: :meth:`write`, and note a ``checkpoint.pt``'s step."""
+        written = self.write(name)
+        if name == checkpoint.FILENAME:
+            self.saved(written.step)
+        return written.path
 
     def _write_record(self, ckpt: checkpoint.Checkpoint) -> None:
         """checkpoint.json after checkpoint.pt: its identity never changes within a run, so
@@ -91,14 +114,17 @@ class SiteCheckpoints:
             path = self.data_dir / RECORD_FILENAME
             raise checkpoint.CheckpointWriteError(path, err.strerror or str(err)) from None
 
-    def periodic(self) -> None:
-        """A failed periodic write must not stop training: warn once per streak, retry later."""
+    def periodic(self) -> Written | None:
+        """On the trainer thread: a failed periodic write must not stop training, so it
+        warns once per streak and is retried later (None); the loop is told of a
+        written one."""
         try:
-            path = self.save()
+            written = self.write()
         except checkpoint.CheckpointWriteError as err:
             self.streak.failed(err)
-        else:
-            self.streak.succeeded(path)
+            return None
+        self.streak.succeeded(written.path)
+        return written
 
     def restore(self) -> None:
         """Resume from checkpoint.pt, or write initial.pt; fails if data_dir is not writable."""

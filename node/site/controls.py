@@ -6,21 +6,24 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gossipd.node.net.peers.mqtt import MqttAgent, Presences
 from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.tls import Material
 
+if TYPE_CHECKING:
+    from gossipd.node.site.checkpoints import Written
+
 
 class Checkpoints(Protocol):
-    """The site's checkpoint writer: writes one now (raises CheckpointWriteError)."""
+    """The site's checkpoint writer: writes one now, off the loop (raises
+    CheckpointWriteError), and notes it on the loop once written."""
 
-    saved_step: int | None
+    def write(self) -> Written: ...
 
-    def save_checkpoint(self) -> Path: ...
+    def saved(self, step: int) -> None: ...
 
 
 class StepCount(Protocol):
@@ -56,8 +59,9 @@ class SiteControls:
         return "training resumes" if was_paused else "training was not paused"
 
     async def checkpoint(self) -> str:
-        path = await asyncio.to_thread(self.checkpoints.save_checkpoint)  # an error: a reply
-        return f"wrote {path} at step {self.checkpoints.saved_step}"
+        written = await asyncio.to_thread(self.checkpoints.write)  # an error: a reply
+        self.checkpoints.saved(written.step)
+        return f"wrote {written.path} at step {written.step}"
 
     def leave(self) -> str:
         self.stop.set()

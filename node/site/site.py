@@ -12,13 +12,16 @@ A data_dir that cannot be written stops the daemon only at start-up (one line,
 exit code 2). Later, a failed write (disk full, read-only remount, I/O error)
 is logged once per streak of failures and retried: training and gossip go on,
 and the last good checkpoint stays in place.
+
+The site's own state is written on its event loop; what runs on the trainer thread
+(record, evaluate, checkpoint, summary) is :mod:`gossipd.node.site.training_host`, which
+tells the loop what it must know through :mod:`gossipd.node.site.loop_mail`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import faulthandler
-import json
 import logging
 import os
 import threading
@@ -26,8 +29,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs.registry import Job, build_job
@@ -38,23 +39,28 @@ from gossipd.node.net.status.restart_audit import RestartAudit
 from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.protocols.base import PeerMass
 from gossipd.node.shared.config import NodeConfig
-from gossipd.node.shared.statefiles import FailureStreak, write_json
+from gossipd.node.shared.statefiles import write_json
 from gossipd.node.site.checkpoint_record import SiteIdentity
 from gossipd.node.site.checkpoints import SiteCheckpoints
 from gossipd.node.site.controls import SiteControls, start_mqtt
+from gossipd.node.site.loop_mail import (
+    CheckpointWritten,
+    Evaluated,
+    LoopMail,
+    SiteMessage,
+    TrainerDied,
+)
 from gossipd.node.site.progress_log import ProgressLog
+from gossipd.node.site.training_host import SiteParts, SiteTrainingHost
 from gossipd.node.trainer.ranks import (
     Leader,
     RankEnv,
     join_group,
     model_device,
-    rank_record,
     site_spec,
     sync_gradients,
-    write_record,
 )
 from gossipd.node.trainer.replica import Replica
-from gossipd.node.trainer.report import StepReport
 from gossipd.node.trainer.trainer_loop import TrainingLoop, TrainingPlan
 
 log = logging.getLogger(__name__)
@@ -73,8 +79,6 @@ class Site:
         self.job = job or build_job(site_spec(config, rank_env))
         self.replica = Replica.from_config(config, self.job.model)
         self.rank_env = rank_env
-        self._broadcasts_counted = 0
-        self._outer_counted = 0
         self.ranks = _lead_ranks(config, rank_env, self.job, self.replica)
         self.metrics = NodeMetrics()
         self.metrics.site_ranks.set(1 if rank_env is None else rank_env.world)
@@ -90,18 +94,6 @@ class Site:
                 f"data_dir = {self.data_dir}: cannot create the directory: {err.strerror}; "
                 "point data_dir at a directory this user can write"
             ) from None
-        self.loop_thread = TrainingLoop(
-            config.node_id,
-            replica=self.replica,
-            job=self.job,
-            ranks=self.ranks,
-            budget=self.network.budget,
-            plan=TrainingPlan.from_config(config),
-            host=self,
-        )
-        # The running loop and its stop event, once run() started: a trainer thread that
-        # dies sets it from its own thread (trainer_died).
-        self._stop_from_thread: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.checkpoints = SiteCheckpoints(
             self.data_dir,
             SiteIdentity.of(config),
@@ -110,71 +102,49 @@ class Site:
             metrics=self.metrics,
             every_steps=config.checkpoint.every_steps,
         )
-        self.mqtt: MqttAgent | None = None
-        self.last_eval: dict[str, float] = {}
-        once = "free space (or fix the disk) under data_dir; logged once until a write succeeds"
-        self.history_streak = FailureStreak(
-            "appending to history.jsonl", f"training goes on without these lines: {once}"
+        # The trainer thread's messages to this loop (an evaluation, a checkpoint's step,
+        # training died), delivered once run() attaches the running loop.
+        self.mail = LoopMail(self._on_loop)
+        self.host = SiteTrainingHost(
+            SiteParts(
+                config.node_id,
+                self.data_dir,
+                self.job,
+                self.replica,
+                self.ranks,
+                1 if rank_env is None else rank_env.world,
+                self.metrics,
+                self.network.budget,
+                self.checkpoints,
+            ),
+            self.mail,
         )
-        self.summary_streak = FailureStreak(
-            "writing summary.json", "the daemon goes on; it is written again at exit"
+        self.loop_thread = TrainingLoop(
+            config.node_id,
+            replica=self.replica,
+            job=self.job,
+            ranks=self.ranks,
+            budget=self.network.budget,
+            plan=TrainingPlan.from_config(config),
+            host=self.host,
         )
+        self.mqtt: MqttAgent | None = None  # set on the loop by run()
+        self._stop: asyncio.Event | None = None  # set on the loop by run()
 
-    # -- trainer-thread helpers (TrainingHost) ------------------------------------------
-    def trainer_died(self) -> None:
-        """Training died: the daemon must not idle on as a silent, half-alive peer, so the
-        site shuts down (and `gossipd node` exits 1)."""
-        if self._stop_from_thread is not None:
-            loop, stop = self._stop_from_thread
-            loop.call_soon_threadsafe(stop.set)
+    # -- on the loop ------------------------------------------------------------------
+    def _on_loop(self, message: SiteMessage) -> None:
+        """A message from the trainer thread, handled on the loop (:class:`LoopMail`)."""
+        if isinstance(message, Evaluated):
+            self.network.status.evaluation = (message.metrics, message.step)
+        elif isinstance(message, CheckpointWritten):
+            self.checkpoints.saved(message.step)
+        elif isinstance(message, TrainerDied) and self._stop is not None:
+            self._stop.set()
 
-    def record_merges(self, report: StepReport) -> None:
-        self.metrics.record_merges(report)
-
-    def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
-        world = 1 if self.rank_env is None else self.rank_env.world  # each rank took a batch
-        samples = getattr(self.job, "batch_size", 0) * world
-        self.metrics.record_step(report, step_time_s, loss, samples)
-        outer = self.replica.outer_steps
-        self.metrics.outer_steps.inc(outer - self._outer_counted)
-        self._outer_counted = outer
-        if self.ranks is not None:
-            self.metrics.rank_broadcasts.inc(self.ranks.broadcasts - self._broadcasts_counted)
-            self._broadcasts_counted = self.ranks.broadcasts
-        for failure in report.failed:
-            log.debug("push %d to %s failed: %s", failure.sequence, failure.peer, failure.error)
-
-    def evaluate(self, shared: Mapping[int, torch.Tensor] | None = None) -> None:
-        """Test metrics of this site's model, or of ``shared`` segments in its place (on the
-        trainer thread); every rank of a multi-rank site evaluates the same parameters and
-        records its own result."""
-        with self.replica.lock, self.replica.flat.holding(shared or {}):
-            if self.ranks is not None:
-                self.ranks.evaluate(self.replica.steps)
-            result = {k: float(v) for k, v in self.job.evaluate().items()}
-            step, loss = self.replica.steps, self.replica.last_loss
-            if self.ranks is not None:
-                write_record(self.data_dir, 0, rank_record(0, step, self.replica.flat, result))
-        self.last_eval = result
-        self.network.status.evaluation = (result, step)
-        for key, value in result.items():
-            self.metrics.eval_metric.labels(key).set(value)
-        line = {"unix_s": time.time(), "step": step, "loss": loss, **result}
-        path = self.data_dir / "history.jsonl"
-        try:
-            with open(path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        except OSError as err:
-            self.history_streak.failed(err)
-        else:
-            self.history_streak.succeeded(path)
-
-    def save_checkpoint(self) -> Path:
-        """Write checkpoint.pt now (MQTT's checkpoint command); raises CheckpointWriteError."""
-        return self.checkpoints.save()
-
-    def periodic_checkpoint(self) -> None:
-        self.checkpoints.periodic()
+    @property
+    def last_eval(self) -> dict[str, float]:
+        """The trainer thread's last evaluation ({} before the first)."""
+        return self.host.last_eval
 
     @property
     def saved_step(self) -> int | None:
@@ -183,40 +153,6 @@ class Site:
     @property
     def final_checkpoint_error(self) -> CheckpointError | None:
         return self.checkpoints.final_error
-
-    def write_summary(self, *, training_done: bool) -> None:
-        s = self.replica.summary
-        path = self.data_dir / "summary.json"
-        try:
-            write_json(
-                path,
-                {
-                    "node_id": self.config.node_id,
-                    "steps": s.steps,
-                    "loss": s.loss,
-                    "sum_weights": s.weights,
-                    "wait_s": s.wait_s,
-                    "wait_fraction": s.wait_fraction,
-                    "gossip_cpu_share": round(self.network.budget.share_while_training, 4),
-                    "gossip_cpu_share_mean": round(
-                        self.network.budget.mean_share_while_training(), 4
-                    ),
-                    "pushes_held": self.network.budget.held_pushes,
-                    # persyn's outer optimizer: bursts it stepped on (the recording one
-                    # included); a burst whose pushes did not all merge takes none
-                    "outer_steps": self.replica.outer_steps,
-                    # segments merged, and of them pulled in by the clip (limits.clip_factor)
-                    "merged_segments": self.metrics.merged_segments,
-                    "clipped_segments": self.metrics.clipped_segments,
-                    "training_done": training_done,
-                    "resumed_from_step": self.checkpoints.resumed_from,
-                    **self.last_eval,
-                },
-            )
-        except OSError as err:
-            self.summary_streak.failed(err)
-        else:
-            self.summary_streak.succeeded(path)
 
     def write_node_json(self) -> None:
         write_json(
@@ -263,11 +199,14 @@ class Site:
                 address=self.network.address,
                 incarnation=self.network.incarnation,
                 peers=self.network.peering,
-                controls=SiteControls(self.loop_thread.resumed, self.replica, self, stop),
+                controls=SiteControls(
+                    self.loop_thread.resumed, self.replica, self.checkpoints, stop
+                ),
                 metrics=self.metrics,
                 material=lambda: self.network.tls.material,
             )
-            self._stop_from_thread = (asyncio.get_running_loop(), stop)
+            self._stop = stop
+            self.mail.attach(asyncio.get_running_loop())
             self.loop_thread.start()
             if not await _unless_stopped(self._before_training(), stop):
                 log.info("stopped before training started")
@@ -348,7 +287,7 @@ class Site:
             if not driver.is_alive() or driver.error is not None:
                 driver = threading.Thread(
                     target=self.replica.idle_until,
-                    args=(driver.release, self.record_merges),
+                    args=(driver.release, self.host.record_merges),
                     daemon=True,
                 )
                 driver.start()
@@ -362,7 +301,7 @@ class Site:
                 self.loop_thread.release.set()
                 await asyncio.to_thread(driver.join, max(0.1, deadline - time.monotonic()))
             self.checkpoints.final(trained=self.loop_thread.stepped)
-            self.write_summary(training_done=self.loop_thread.finished.is_set())
+            self.host.write_summary(training_done=self.loop_thread.finished.is_set())
         finally:
             await self.network.close(grace_s=0.5)
             faulthandler.cancel_dump_traceback_later()
