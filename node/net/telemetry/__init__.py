@@ -1,4 +1,5 @@
-"""What a node counts and logs: its Prometheus metrics, every refusal (counted, the first
+"""What a node counts and logs: its Prometheus metrics (:mod:`.metrics`, their rows in
+:mod:`.metric_table`), every refusal (counted, the first
 of each kind logged and reported to the replica), and gRPC's C-core log lines routed
 into the daemon's log.
 
