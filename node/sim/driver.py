@@ -80,8 +80,7 @@ def _one_blas_thread() -> contextlib.AbstractContextManager[object]:
     busy 2-core machine two BLAS threads made an SVD of 128×128 50 times slower (85 ms
     against 1.7 ms) and the N = 1,024 eigenvalue problem 20 times slower (3 s, 0.14 s)."""
     try:
-        # threadpoolctl ships no type information
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+        from threadpoolctl import threadpool_limits
     except ImportError:  # scikit-learn brings it; without it, BLAS keeps its default
         return contextlib.nullcontext()
     limits: contextlib.AbstractContextManager[object] = threadpool_limits(1)
