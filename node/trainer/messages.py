@@ -13,6 +13,9 @@ docs/contributing.md "Threads"):
   the summary it publishes, snapshots under its lock, and the norms its receiving
   workers take; the network imports nothing else of the trainer.
 
+What the trainer thread tells the site's own loop (an evaluation, a checkpoint's step,
+its death) is the site's: ``node/site/loop_mail.py``.
+
 Nothing here imports grpc or protobuf: the loop converts at its edge, so the trainer
 side can be read, tested and driven without a wire.
 """
