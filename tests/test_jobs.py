@@ -316,3 +316,14 @@ def test_bad_plugins_raise_job_error_saying_what_is_wrong(
         build_job(JobSpec(name))
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_the_documented_import_path_of_the_jobs_still_gives_every_name() -> None:
+    # docs/library.md: plugins import JobSpec from gossipd.node.trainer.jobs, where the jobs
+    # lived before they had a room of their own (gossipd.node.jobs).
+    from gossipd.node.jobs import registry
+    from gossipd.node.trainer import jobs as documented
+
+    assert documented.JobSpec is registry.JobSpec
+    assert documented.__all__ == registry.__all__
+    assert all(getattr(documented, name) is getattr(registry, name) for name in registry.__all__)
