@@ -107,7 +107,8 @@ class BulkDialer:
                 seed = new_seed()
                 sock.sendall(MAGIC_SEALED + token + seed)
                 seal = Seal.derive(seed, read_hello(sock, SEED_BYTES), token, dialer=True)
-                sock = leave_tls(sock)  # type: ignore[arg-type]
+                assert isinstance(sock, ssl.SSLSocket), "sealed records are keyed inside TLS"
+                sock = leave_tls(sock)
             else:
                 sock.sendall(MAGIC + token)
             # From here the push's or pull's own deadlines bound every read and write: they

@@ -31,7 +31,7 @@ from gossipd.node.net.bulk.connection import (
     secure_socket_options,
 )
 from gossipd.node.net.bulk.sealing import SEED_BYTES, Seal, new_seed
-from gossipd.node.net.limits.admission import PeerSlots, Slots
+from gossipd.node.net.limits.admission import PeerSlots, Slot, Slots
 from gossipd.node.shared.tls import Credentials, IdentityMismatch
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class BulkServer:
                 continue
             self._spawn(self._admit(sock, where, slot))
 
-    async def _admit(self, sock: socket.socket, where: str, slot: object) -> None:
+    async def _admit(self, sock: socket.socket, where: str, slot: Slot) -> None:
         """TLS, the hello, the per-peer cap; then the connection waits for a push.
 
         The handshake and hello together get ``stream_idle_timeout_s`` (a socket
@@ -137,7 +137,7 @@ class BulkServer:
         hold a slot and a thread twenty times that). Until admitted the connection is
         this coroutine's alone, and it closes whichever socket the worker left.
         """
-        release = [slot.release]  # type: ignore[attr-defined]
+        release = [slot.release]
         held = [sock]  # the socket to close on refusal: the TLS one once wrapped
         fd, family = sock.fileno(), sock.family
         admitted = False
