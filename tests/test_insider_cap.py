@@ -102,9 +102,19 @@ def test_top_ups_to_just_under_the_cap_do_not_stop_honest_gossip(
             assert max(s["sum_weights"]) <= CAP
             assert s["rejected"].get("WeightOverCap", 0) == 0
             assert metric(h, "gossipd_sum_weight_cut") == pytest.approx(s["weight_cut"])
-        # An operator reads INFO: a site that cut names the peer that brought it the most.
-        named = [h for h in mesh if f"brought this node the most weight: {INSIDER}" in h.log()]
-        assert named, "no site named the insider when its merges met the cap"
+        # An operator reads INFO: a site that cut says whose push met the cap and which peer
+        # brought it the most weight, net. The insider is one of the two on some site. Which
+        # one depends on timing: honest peers relay what it brought, so on a loaded machine
+        # a neighbour had brought a site more, net, by its first cut (CI: "push from
+        # inflater ... the most weight: a (+12.72 net)"); the line is said once a minute.
+        lines = [line for h in mesh for line in h.log().splitlines() if "the most weight:" in line]
+        assert lines, "no site said that a push met the cap"
+        named = [
+            line
+            for line in lines
+            if f"push from {INSIDER} " in line or f"the most weight: {INSIDER} " in line
+        ]
+        assert named, f"no site named the insider when its merges met the cap: {lines}"
         assert not insider.weight_taken
         free, held = wait_accounted(mesh, lambda: founding + sum(brought))
         print(
