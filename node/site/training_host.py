@@ -62,6 +62,8 @@ class SiteTrainingHost:
         self.parts = parts
         self.mail = mail
         self.last_eval: dict[str, float] = {}
+        # The job and the ranks do not change: their samples a step, read once.
+        self._samples_per_step = batch_size_of(parts.job) * parts.world
         self._broadcasts_counted = 0
         self._outer_counted = 0
         self.history_streak = FailureStreak(
@@ -80,8 +82,7 @@ class SiteTrainingHost:
 
     def record(self, report: StepReport, step_time_s: float, loss: float) -> None:
         p = self.parts
-        samples = batch_size_of(p.job) * p.world  # each rank took a batch
-        p.metrics.record_step(report, step_time_s, loss, samples)
+        p.metrics.record_step(report, step_time_s, loss, self._samples_per_step)
         outer = p.replica.outer_steps
         p.metrics.outer_steps.inc(outer - self._outer_counted)
         self._outer_counted = outer
