@@ -142,6 +142,13 @@ class CoordinatorClient:
                 f"coordinator {self.address} {method}: {err.code().name}: {err.details()}"
             ) from None
 
+    def readvertise(self, address: str) -> None:
+        """This node is reached at ``address`` from now on (its relays changed): register
+        again with it."""
+        if address != self.advertise:
+            self.advertise = address
+            self._reregister.set()
+
     # -- background: register, heartbeat, follow the view ---------------------------------
     async def _run(self) -> None:
         retry_s = FIRST_RETRY_S

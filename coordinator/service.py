@@ -19,8 +19,8 @@ from gossipd.coordinator.members import Members, View
 from gossipd.coordinator.metrics import CoordinatorMetrics
 from gossipd.node.errors import GossipdError
 from gossipd.node.protocols.scheduler import MAX_TIME_S, SchedulerError
-from gossipd.node.shared.config import check_address
 from gossipd.node.shared.rejections import RejectionLog, peer_host
+from gossipd.node.shared.relay_address import check_advertised
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import coordinator_pb2 as pb
 from gossipd.proto import coordinator_pb2_grpc as pb_grpc
@@ -83,7 +83,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     raise ValueError(
                         f"{address[:64]!r}... is longer than {MAX_ADDRESS_CHARS} characters"
                     )
-                check_address(address)
+                check_advertised(address)
             except ValueError as err:
                 raise Refused(
                     "bad_address",

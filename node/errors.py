@@ -122,3 +122,41 @@ class StaleReference(GossipdError):
 class PayloadOutOfBounds(GossipdError):
     """A finite payload too far from this node's own model to be an honest estimate of it
     (``limits.max_payload_distance``); refused whole, so the sender keeps its weight."""
+
+
+class RelayRefused(GossipdError):
+    """A relay request refused: ``reason`` is the metric label it is counted under
+    (``gossipd_relay_refused_total``)."""
+
+    reason = "refused"
+
+
+class RelayAbsent(RelayRefused):
+    """The site a Dial names is not attached to this relay (unknown, gone, or silent)."""
+
+    reason = "absent"
+
+
+class RelayLoop(RelayRefused):
+    """A Dial that names the relay itself or the dialler: it would go round in a circle."""
+
+    reason = "loop"
+
+
+class RelayBusy(RelayRefused):
+    """A relay's caps (attached sites, connections, connections per dialler) are full."""
+
+    reason = "busy"
+
+
+class RelayForged(RelayRefused):
+    """A Take whose token this relay never gave to that site: a replay or a forgery."""
+
+    reason = "forged"
+
+
+class NotRelaying(RelayRefused):
+    """This node relays for nobody (it cannot be dialled itself, or ``reach.relay`` is off),
+    or an attaching site advertised a direct address."""
+
+    reason = "not_relaying"

@@ -69,7 +69,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., mesh_id: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., protocol: _Optional[str] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol", "bulk_port", "bulk_sealed")
+    __slots__ = ("schema_version", "node", "fingerprint", "step", "peers", "protocol", "bulk_port", "bulk_sealed", "relay")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class HandshakeReply(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_SEALED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     node: NodeInfo
     fingerprint: str
@@ -86,7 +87,54 @@ class HandshakeReply(_message.Message):
     protocol: str
     bulk_port: int
     bulk_sealed: bool
-    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ..., bulk_sealed: _Optional[bool] = ...) -> None: ...
+    relay: bool
+    def __init__(self, schema_version: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., protocol: _Optional[str] = ..., bulk_port: _Optional[int] = ..., bulk_sealed: _Optional[bool] = ..., relay: _Optional[bool] = ...) -> None: ...
+
+class AttachFrame(_message.Message):
+    __slots__ = ("mesh_id", "address", "ping")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    address: str
+    ping: bool
+    def __init__(self, mesh_id: _Optional[str] = ..., address: _Optional[str] = ..., ping: _Optional[bool] = ...) -> None: ...
+
+class RelayOrder(_message.Message):
+    __slots__ = ("ping", "token", "origin")
+    PING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    ping: bool
+    token: bytes
+    origin: str
+    def __init__(self, ping: _Optional[bool] = ..., token: _Optional[bytes] = ..., origin: _Optional[str] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("target", "token", "data")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    token: bytes
+    data: bytes
+    def __init__(self, target: _Optional[str] = ..., token: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReachRequest(_message.Message):
+    __slots__ = ("mesh_id", "node")
+    MESH_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    mesh_id: str
+    node: NodeInfo
+    def __init__(self, mesh_id: _Optional[str] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class ReachReply(_message.Message):
+    __slots__ = ("reachable", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PushOpen(_message.Message):
     __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token", "receiver_incarnation")
@@ -265,7 +313,7 @@ class StatusRequest(_message.Message):
     def __init__(self, checksum: _Optional[bool] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling", "eval", "eval_step", "model_sketch", "pulls", "ranks", "crash", "weight_cut")
+    __slots__ = ("node_id", "mesh_id", "step", "sum_weights", "live_peers", "fingerprint", "params_checksum", "protocol", "loss", "pushes_in_flight", "training_done", "pushes_acked", "pushes_failed", "pushes_merged", "peers", "suspected_peers", "rejected", "reserved_weights", "round", "membership_epoch", "transport_security", "exchanged", "mass_inconsistencies", "wait_s", "wait_fraction", "scheduling", "eval", "eval_step", "model_sketch", "pulls", "ranks", "crash", "weight_cut", "reach", "relay_bytes")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +368,8 @@ class StatusReply(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     CRASH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CUT_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     mesh_id: str
     step: int
@@ -353,7 +403,9 @@ class StatusReply(_message.Message):
     ranks: int
     crash: CrashAudit
     weight_cut: float
-    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ..., eval: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., model_sketch: _Optional[_Iterable[float]] = ..., pulls: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., crash: _Optional[_Union[CrashAudit, _Mapping]] = ..., weight_cut: _Optional[float] = ...) -> None: ...
+    reach: str
+    relay_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., mesh_id: _Optional[str] = ..., step: _Optional[int] = ..., sum_weights: _Optional[_Iterable[float]] = ..., live_peers: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ..., params_checksum: _Optional[str] = ..., protocol: _Optional[str] = ..., loss: _Optional[float] = ..., pushes_in_flight: _Optional[int] = ..., training_done: _Optional[bool] = ..., pushes_acked: _Optional[int] = ..., pushes_failed: _Optional[int] = ..., pushes_merged: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., suspected_peers: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., reserved_weights: _Optional[_Iterable[float]] = ..., round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., transport_security: _Optional[str] = ..., exchanged: _Optional[_Iterable[_Union[PeerMass, _Mapping]]] = ..., mass_inconsistencies: _Optional[int] = ..., wait_s: _Optional[float] = ..., wait_fraction: _Optional[float] = ..., scheduling: _Optional[str] = ..., eval: _Optional[_Mapping[str, float]] = ..., eval_step: _Optional[int] = ..., model_sketch: _Optional[_Iterable[float]] = ..., pulls: _Optional[_Mapping[str, int]] = ..., ranks: _Optional[int] = ..., crash: _Optional[_Union[CrashAudit, _Mapping]] = ..., weight_cut: _Optional[float] = ..., reach: _Optional[str] = ..., relay_bytes: _Optional[int] = ...) -> None: ...
 
 class CrashAudit(_message.Message):
     __slots__ = ("resumed", "done", "weight_lost", "merged_after", "sent_after", "peers_answered", "peers_asked", "checkpoint_step")

@@ -69,6 +69,26 @@ class GossipStub:
                 request_serializer=gossipd_dot_proto_dot_gossip__pb2.StatusRequest.SerializeToString,
                 response_deserializer=gossipd_dot_proto_dot_gossip__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/gossipd.v1.Gossip/Attach',
+                request_serializer=gossipd_dot_proto_dot_gossip__pb2.AttachFrame.SerializeToString,
+                response_deserializer=gossipd_dot_proto_dot_gossip__pb2.RelayOrder.FromString,
+                _registered_method=True)
+        self.Dial = channel.stream_stream(
+                '/gossipd.v1.Gossip/Dial',
+                request_serializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+                response_deserializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                _registered_method=True)
+        self.Take = channel.stream_stream(
+                '/gossipd.v1.Gossip/Take',
+                request_serializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+                response_deserializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                _registered_method=True)
+        self.CheckReach = channel.unary_unary(
+                '/gossipd.v1.Gossip/CheckReach',
+                request_serializer=gossipd_dot_proto_dot_gossip__pb2.ReachRequest.SerializeToString,
+                response_deserializer=gossipd_dot_proto_dot_gossip__pb2.ReachReply.FromString,
+                _registered_method=True)
 
 
 class GossipServicer:
@@ -126,6 +146,39 @@ class GossipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request_iterator, context):
+        """Reach (docs/nat.md). A site that cannot be dialled keeps an Attach stream open to a
+        reachable peer, its relay: the site sends pings, the relay sends pings and orders.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Dial(self, request_iterator, context):
+        """A connection to an attached site through this relay: the first frame names the
+        target, every later frame in both directions carries the connection's bytes, which
+        are the two end sites' own TLS records (the relay cannot read or change them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Take(self, request_iterator, context):
+        """The attached site's side of one dialled connection: the first frame names the token
+        of the relay's order, then bytes in both directions as in Dial.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckReach(self, request, context):
+        """Dial the asking site back at its advertised address (after its certificate is
+        checked) and say whether that worked: how a site learns that it can be dialled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GossipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +216,26 @@ def add_GossipServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=gossipd_dot_proto_dot_gossip__pb2.StatusRequest.FromString,
                     response_serializer=gossipd_dot_proto_dot_gossip__pb2.StatusReply.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=gossipd_dot_proto_dot_gossip__pb2.AttachFrame.FromString,
+                    response_serializer=gossipd_dot_proto_dot_gossip__pb2.RelayOrder.SerializeToString,
+            ),
+            'Dial': grpc.stream_stream_rpc_method_handler(
+                    servicer.Dial,
+                    request_deserializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                    response_serializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            ),
+            'Take': grpc.stream_stream_rpc_method_handler(
+                    servicer.Take,
+                    request_deserializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+                    response_serializer=gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            ),
+            'CheckReach': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckReach,
+                    request_deserializer=gossipd_dot_proto_dot_gossip__pb2.ReachRequest.FromString,
+                    response_serializer=gossipd_dot_proto_dot_gossip__pb2.ReachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +427,114 @@ class Gossip:
             '/gossipd.v1.Gossip/Status',
             gossipd_dot_proto_dot_gossip__pb2.StatusRequest.SerializeToString,
             gossipd_dot_proto_dot_gossip__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipd.v1.Gossip/Attach',
+            gossipd_dot_proto_dot_gossip__pb2.AttachFrame.SerializeToString,
+            gossipd_dot_proto_dot_gossip__pb2.RelayOrder.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Dial(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipd.v1.Gossip/Dial',
+            gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Take(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gossipd.v1.Gossip/Take',
+            gossipd_dot_proto_dot_gossip__pb2.RelayFrame.SerializeToString,
+            gossipd_dot_proto_dot_gossip__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckReach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gossipd.v1.Gossip/CheckReach',
+            gossipd_dot_proto_dot_gossip__pb2.ReachRequest.SerializeToString,
+            gossipd_dot_proto_dot_gossip__pb2.ReachReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,8 @@ from gossipd.node.net.peers.coordinator_view import follow_coordinator
 from gossipd.node.net.peers.departures import Departures
 from gossipd.node.net.peers.health import PeerHealth, Retries
 from gossipd.node.net.peers.peering import Peering, PeeringSettings
+from gossipd.node.net.peers.reachability import build_reach
+from gossipd.node.net.relay.routes import Routes
 from gossipd.node.net.serve.server import add_services, announce, bind, mark_serving, new_server
 from gossipd.node.net.status.reply import StatusReplies
 from gossipd.node.net.telemetry.metrics import NodeMetrics
@@ -48,6 +50,7 @@ from gossipd.node.net.wire.tasks import LoopTasks
 from gossipd.node.protocols.base import Pull
 from gossipd.node.shared.config import NodeConfig, TlsConfig
 from gossipd.node.shared.rejections import RejectionLog
+from gossipd.node.shared.relay_address import reach_of
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import OutboundPull, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
@@ -106,6 +109,9 @@ class Network:
         self.metrics.gossip_cpu_budget.set(config.gossip.cpu_share)
         self.metrics.gossip_cpu_share.set_function(self.budget.gossip_share)
         self._build_parts(config, replica)
+        self.hub, self.reach_checker, self.reach = build_reach(
+            config, self.tls, self.metrics, self.peering, self.tasks, self._readvertise
+        )
         self.status = StatusReplies(
             node_id=config.node_id,
             mesh_id=config.mesh_id,
@@ -128,6 +134,7 @@ class Network:
             shaper=self.shaper,
             bulk=config.bulk,
             tasks=self.tasks,
+            routes=Routes(self.tls, self.metrics),
         )
         self.health = PeerHealth(
             config.node_id, config.membership, replica, self.metrics, Retries()
@@ -218,6 +225,9 @@ class Network:
             await server.start()
             await mark_serving(health_servicer)
             self._serve_as_identity()
+            bound = f"{listen.rpartition(':')[0]}:{port}"
+            assert self.identity is not None
+            self._readvertise(await self.reach.settle(self.identity, bound))
             if self.config.metrics.listen:
                 mhost, _, mport = self.config.metrics.listen.rpartition(":")
                 self.metrics.serve(mhost, int(mport))
@@ -261,6 +271,15 @@ class Network:
             metrics=self.metrics,
         )
         await self.bulk.start(self.config.listen.rpartition(":")[0], self.config.bulk_port)
+
+    def _readvertise(self, address: str) -> None:
+        """This node is reached at ``address`` from now on (an outbound-only site's relays)."""
+        if self.identity is not None and address == self.identity.address:
+            return
+        self.address = address
+        self._serve_as_identity()
+        if self.coordinator is not None:
+            self.coordinator.readvertise(address)
 
     def _serve_as_identity(self) -> None:
         """This node's identity, now that its address is bound, for its dials and replies."""
@@ -309,27 +328,8 @@ class Network:
             await asyncio.sleep(SAMPLE_S)
 
     def reload_tls(self, tls: TlsConfig | None = None) -> None:
-        """SIGHUP: read the certificate files (and ``tls``: paths, allow-list) again.
-
-        The server hands the new certificate to each new connection. Channels to
-        peers are replaced, so this node presents it when dialling too; pushes in
-        flight on an old channel end with an unknown outcome and are retried.
-        """
-        if self.tls.insecure:
-            log.warning("SIGHUP: tls.insecure is set, there is no certificate to reload")
-            return
-        try:
-            material = self.tls.reload(tls)
-        except GossipdError as err:
-            log.warning("SIGHUP: kept the current certificate: %s", err)
-            return
-        self.channels.replace_all()
-        self.tasks.spawn(self.departures.drop_disallowed())
-        log.info(
-            "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
-            material.node_id,
-            material.not_after,
-        )
+        """SIGHUP: read the certificate files (and ``tls``: paths, allow-list) again."""
+        self.departures.reload_tls(tls)
 
     def live_peers(self) -> int:
         """How many peers are live now (for the progress line)."""
@@ -362,9 +362,11 @@ class Network:
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply:
         if self.leaving:
             raise Leaving(f"node {self.node_id} is leaving the mesh; it takes no new peers")
-        bulk = self.bulk
+        bulk = None if self.reach.relayed else self.bulk  # a relayed lane is not reachable
         sealed = bulk is not None and not bulk.tls.insecure
-        return self.peering.answer_handshake(request, 0 if bulk is None else bulk.port, sealed)
+        reply = self.peering.answer_handshake(request, 0 if bulk is None else bulk.port, sealed)
+        reply.relay = self.hub.enabled
+        return reply
 
     def check_sender(self, sender: str, incarnation: int) -> None:
         self.health.check_sender(sender, incarnation)
@@ -389,7 +391,9 @@ class Network:
         return self.peering.answer_peers(request)
 
     async def on_status(self, checksum: bool = False, sketch_size: int = 0) -> pb.StatusReply:
-        return await self.status.reply(checksum, sketch_size)
+        reply = await self.status.reply(checksum, sketch_size)
+        reply.reach, reply.relay_bytes = reach_of(self.address), self.hub.forwarded
+        return reply
 
     def on_rejected(self, peer: str, err: GossipdError) -> None:
         self.refusals.refused(peer, err)

@@ -23,6 +23,7 @@ from gossipd.node.shared.config_ranks import (
     DilocoConfig,
     RanksConfig,
 )
+from gossipd.node.shared.config_reach import ReachConfig
 from gossipd.node.shared.config_sections import (
     CheckpointConfig,
     LimitsConfig,
@@ -132,6 +133,7 @@ class NodeConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     link: LinkConfig = LinkConfig()
+    reach: ReachConfig = ReachConfig()
     ranks: RanksConfig = RanksConfig()
     allreduce: AllreduceConfig | None = Field(
         None, description="the DDP baseline's rendezvous; required with gossip.protocol = allreduce"
@@ -166,6 +168,16 @@ class NodeConfig(_Section):
                     f'"HOST:PORT" (the rendezvous, the same on every site), and [{name}] '
                     "is only for that protocol"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _outbound_only_advertises_nothing(self) -> NodeConfig:
+        if self.reach.reachable is False and self.advertise is not None:
+            raise ValueError(
+                f"reach.reachable = false with advertise = {self.advertise!r}: a site that "
+                "cannot be dialled advertises its relays, not an address; drop advertise, or "
+                "set reach.reachable = auto (or true) if peers can dial it there"
+            )
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gossipd.node.net.dial.client import Identity, PeerClient
+from gossipd.node.net.relay.routes import Routes
 
 if TYPE_CHECKING:
     from gossipd.node.compression.codecs import Codec
@@ -36,8 +37,10 @@ class PeerChannels:
         bulk: bool,
         tasks: LoopTasks,
         feedback: FeedbackSender | None = None,
+        routes: Routes | None = None,
     ) -> None:
-        """``feedback``: this node's copies for error feedback (None: off)."""
+        """``feedback``: this node's copies for error feedback (None: off); ``routes``: how
+        a relayed peer is reached (its loopback port here)."""
         self.tls = tls
         self.codec = codec
         self.feedback = feedback
@@ -46,11 +49,15 @@ class PeerChannels:
         self.bulk = bulk
         self.tasks = tasks
         self.identity: Identity | None = None
+        self.routes = routes or Routes(tls)
         self._clients: dict[str, PeerClient] = {}
 
     def serve_as(self, identity: Identity) -> None:
-        """This node's identity, known once it serves (its bound address is in it)."""
+        """This node's identity, known once it serves (its bound address is in it), and
+        again whenever its address changes (an outbound-only site's relays)."""
         self.identity = identity
+        for client in self._clients.values():
+            client.identity = identity
 
     def client(self, address: str, node_id: str) -> PeerClient:
         """The channel to verified peer ``node_id`` (whose certificate must name it)."""
@@ -69,13 +76,20 @@ class PeerChannels:
                 expected=node_id,
                 shaper=self.shaper,
                 bulk=self.bulk,
+                target=self.routes.target(address),
             )
         return client
 
     def throwaway(self, address: str, expected: str | None) -> PeerClient:
         """A channel for one Handshake with a candidate; the caller closes it."""
         assert self.identity is not None, "start() the node first"
-        return PeerClient(address, self.identity, tls=self.tls, expected=expected)
+        return PeerClient(
+            address,
+            self.identity,
+            tls=self.tls,
+            expected=expected,
+            target=self.routes.target(address),
+        )
 
     def forget(self, address: str) -> None:
         """Close the channel to an address no verified peer holds any more."""
@@ -92,3 +106,4 @@ class PeerChannels:
     async def close(self) -> None:
         for client in list(self._clients.values()):
             await client.close()
+        await self.routes.close()

@@ -103,11 +103,12 @@ class PeerClient:
         expected: str | None = None,
         shaper: LinkShaper | None = None,
         bulk: bool = True,
+        target: str | None = None,
     ) -> None:
-        """``expected``: the node id the server's certificate must name (with TLS);
-        None accepts any site of the mesh, whose claimed id the caller then proves.
-        ``shaper``: the node's ``[link]`` shaping of pushes and pull requests (None: off).
-        ``bulk``: use the peer's bulk lane for large payloads (the node's ``bulk``)."""
+        """``expected``: the node id the server's certificate must name (with TLS); None
+        accepts any site of the mesh, whose claimed id the caller then proves. ``shaper``:
+        the ``[link]`` shaping (None: off); ``bulk``: use the peer's bulk lane for large
+        payloads; ``target``: what the channel dials if not ``address`` (a relay route)."""
         self.address = address
         self.identity = identity
         self.codec = codec
@@ -115,9 +116,8 @@ class PeerClient:
         self.chunk_bytes = shaper.chunk_bytes(chunk_bytes) if shaper else chunk_bytes
         self.streams = max(1, streams)
         self.expected = expected
-        self.channel = tls.channel(address, CHANNEL_OPTIONS, expected)
-        self.stub = gossip_calls(self.channel)
-        self.tls = tls
+        self.channel = tls.channel(target or address, CHANNEL_OPTIONS, expected)
+        self.stub, self.tls = gossip_calls(self.channel), tls
         self.use_bulk = bulk
         exchange, pull_model = _model_calls(self.channel)
         self._streams = StreamPool(exchange)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gossipd.node.net.telemetry.refusals import Refusals
     from gossipd.node.net.wire.tasks import LoopTasks
     from gossipd.node.protocols.base import Receipts
+    from gossipd.node.shared.config_sections import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +157,27 @@ class Departures:
             log.info("peer %s is not in tls.allow any more; dropped", state.node_id)
             self.health.apply(self.membership.drop(state.node_id))
             self.channels.forget(state.address)
+
+    def reload_tls(self, tls: TlsConfig | None = None) -> None:
+        """SIGHUP: read the certificate files (and ``tls``: paths, allow-list) again.
+
+        The server hands the new certificate to each new connection. Channels to
+        peers are replaced, so this node presents it when dialling too; pushes in
+        flight on an old channel end with an unknown outcome and are retried. Peers the
+        new allow-list no longer lists are dropped (:meth:`drop_disallowed`).
+        """
+        if self.tls.insecure:
+            log.warning("SIGHUP: tls.insecure is set, there is no certificate to reload")
+            return
+        try:
+            material = self.tls.reload(tls)
+        except GossipdError as err:
+            log.warning("SIGHUP: kept the current certificate: %s", err)
+            return
+        self.channels.replace_all()
+        self.tasks.spawn(self.drop_disallowed())
+        log.info(
+            "SIGHUP: reloaded the TLS files; certificate for %s valid until %s",
+            material.node_id,
+            material.not_after,
+        )

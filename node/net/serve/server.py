@@ -21,6 +21,7 @@ from gossipd.node.model.segments import SegmentPlan
 from gossipd.node.net.bulk.lane import BulkServer
 from gossipd.node.net.limits.admission import server_options
 from gossipd.node.net.serve import exchange
+from gossipd.node.net.serve.relaying import relay_handlers
 from gossipd.node.net.serve.servicer import SERVICE, GossipServicer, Handlers, add_to_server
 from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
 from gossipd.node.shared.config import NodeConfig
@@ -87,9 +88,11 @@ def new_server(config: NodeConfig, plan: SegmentPlan) -> grpc.aio.Server:
 
 
 def add_services(server: grpc.aio.Server, handlers: Handlers) -> health.aio.HealthServicer:
-    """The gossip service (with its Exchange stream), health checking and reflection."""
+    """The gossip service (with its Exchange stream and the relay's calls), health checking
+    and reflection."""
     servicer = GossipServicer(handlers)
-    add_to_server(servicer, server, {"Exchange": exchange.method_handler(servicer)})
+    relaying = relay_handlers(handlers.hub, handlers.reach_checker, handlers.tls, servicer.refused)
+    add_to_server(servicer, server, {"Exchange": exchange.method_handler(servicer), **relaying})
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -64,6 +64,8 @@ from gossipd.proto import gossip_pb2 as pb
 if TYPE_CHECKING:
     from gossipd.node.net.bulk.listener import BulkServer
     from gossipd.node.net.limits.cpu_budget import CpuBudget
+    from gossipd.node.net.relay.hub import RelayHub
+    from gossipd.node.net.relay.reach import ReachChecker
     from gossipd.node.net.telemetry.metrics import NodeMetrics
     from gossipd.node.shared.config import NodeConfig
 
@@ -107,6 +109,8 @@ class Handlers(Protocol):
     metrics: NodeMetrics
     bulk: BulkServer | None
     budget: CpuBudget
+    hub: RelayHub
+    reach_checker: ReachChecker
 
     def new_assembler(self) -> SegmentAssembler: ...
     def on_handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeReply: ...

@@ -22,12 +22,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.net.relay.routes import Routes
 from gossipd.node.net.status.query import describe_restart, query_status
 from gossipd.node.shared.tls import Credentials
 
 # Buckets of each site's count sketch: this module asks for them and never computes one,
 # so it names the size here instead of importing the sketch's module, which loads torch.
 DEFAULT_SKETCH_SIZE = 4_096
+_COLUMNS = ("site", "weight", "share", "distance", "step", "behind", "loss", "test")
+_COLUMNS += ("activity", "reach")
 
 
 async def query_mesh(
@@ -38,7 +41,18 @@ async def query_mesh(
     sketch_size: int = DEFAULT_SKETCH_SIZE,
 ) -> dict[str, Any]:
     """Every site the node at ``address`` knows, asked at once, and the mesh's figures."""
-    entry = await query_status(address, timeout_s, tls=tls)
+    tls = tls or Credentials(insecure=True)
+    routes = Routes(tls)  # sites behind NAT are asked through their relays
+    try:
+        return await _query_mesh(address, timeout_s, tls, sketch_size, routes)
+    finally:
+        await routes.close()
+
+
+async def _query_mesh(
+    address: str, timeout_s: float, tls: Credentials, sketch_size: int, routes: Routes
+) -> dict[str, Any]:
+    entry = await query_status(address, timeout_s, tls=tls, routes=routes)
     addresses = {entry["node_id"]: address}
     for peer in entry["peers"]:
         addresses.setdefault(peer["node_id"], peer["address"])
@@ -46,7 +60,7 @@ async def query_mesh(
     async def ask(node_id: str, where: str) -> tuple[str, dict[str, Any] | str, float]:
         try:
             reply: dict[str, Any] | str = await query_status(
-                where, timeout_s, sketch_size=sketch_size, tls=tls
+                where, timeout_s, sketch_size=sketch_size, tls=tls, routes=routes
             )
         except GossipdError as err:
             reply = str(err)
@@ -102,6 +116,7 @@ def mesh_figures(sites: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                 "fingerprint": s["fingerprint"],
                 "live_peers": len(s["live_peers"]),
                 "suspected_peers": len(s["suspected_peers"]),
+                "reach": s["reach"],
             }
         )
     return {
@@ -175,7 +190,7 @@ def render_mesh(mesh: Mapping[str, Any]) -> str:
         lines.append(f"unreachable: {node_id} at {gone['address']}: {gone['error']}")
     if not rows:
         return "\n".join(lines or ["no site answered"])
-    header = ("site", "weight", "share", "distance", "step", "behind", "loss", "test", "activity")
+    header = _COLUMNS
     table = [header]
     for r in sorted(rows, key=lambda r: r["node_id"]):
         name = r["node_id"] + (f" ({r['ranks']} ranks)" if r["ranks"] > 1 else "")
@@ -190,6 +205,7 @@ def render_mesh(mesh: Mapping[str, Any]) -> str:
                 "–" if math.isnan(r["loss"]) else f"{r['loss']:.4f}",
                 _metric(r),
                 _activity(r),
+                r["reach"],
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]

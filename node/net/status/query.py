@@ -9,8 +9,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossipd.node.errors import GossipdError
+from gossipd.node.net.relay.routes import Routes
 from gossipd.node.net.wire.calls import gossip_calls
 from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
+from gossipd.node.shared.relay_address import is_relayed
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 
@@ -42,6 +44,8 @@ def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
         "round": reply.round,
         "membership_epoch": reply.membership_epoch,
         "transport_security": reply.transport_security,
+        "reach": reply.reach or "direct",
+        "relay_bytes": reply.relay_bytes,
         "exchanged": {
             m.node_id: {
                 "sent": m.sent,
@@ -102,14 +106,31 @@ async def query_status(
     checksum: bool = False,
     sketch_size: int = 0,
     tls: Credentials | None = None,
+    routes: Routes | None = None,
 ) -> dict[str, Any]:
     """One node's status; ``checksum`` also hashes its model, ``sketch_size`` sketches it
     (:mod:`gossipd.node.model.sketch`; each costs a model copy).
 
     ``tls``: a certificate of the node's mesh (any site's will do); None: plaintext.
+    ``routes``: how a relayed address (``relay://...``) is reached; one made for this
+    call if none is given.
     """
     tls = tls or Credentials(insecure=True)
-    async with tls.channel(address, CHANNEL_OPTIONS) as channel:
+    if routes is None and is_relayed(address):
+        routes = Routes(tls)
+        try:
+            return await query_status(
+                address,
+                timeout_s,
+                checksum=checksum,
+                sketch_size=sketch_size,
+                tls=tls,
+                routes=routes,
+            )
+        finally:
+            await routes.close()
+    target = routes.target(address) if routes is not None else address
+    async with tls.channel(target, CHANNEL_OPTIONS) as channel:
         try:
             reply = await gossip_calls(channel).Status(
                 pb.StatusRequest(checksum=checksum, sketch_size=sketch_size), timeout=timeout_s
@@ -222,6 +243,7 @@ def render_status(status: dict[str, Any]) -> str:
     rows = [
         ("node", f"{status['node_id']} (mesh {status['mesh_id']}, {status['protocol']})"),
         ("security", status["transport_security"] or "–"),
+        ("reach", status["reach"]),
         ("step", f"{status['step']}" + (" (training done)" if status["training_done"] else "")),
         *_ranks_row(status),
         ("loss", "– (no step yet)" if math.isnan(status["loss"]) else _number(status["loss"])),

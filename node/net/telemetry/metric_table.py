@@ -268,4 +268,44 @@ NODE_METRICS: tuple[MetricDef, ...] = (
         "replay)",
         ("reason",),
     ),
+    gauge(
+        "reach_relayed",
+        "gossipd_reach_relayed",
+        "0: this site is dialled directly; 1: it cannot be, and is reached through relays",
+    ),
+    gauge(
+        "relays_attached",
+        "gossipd_relays_attached",
+        "Relays this outbound-only site is attached to now (0 on a direct site)",
+    ),
+    gauge(
+        "relay_sites",
+        "gossipd_relay_attached_sites",
+        "Sites attached to this node as their relay",
+    ),
+    gauge(
+        "relay_sessions",
+        "gossipd_relay_sessions",
+        "Connections this node relays now between a dialler and an attached site",
+    ),
+    counter(
+        "relay_bytes",
+        "gossipd_relay_bytes_total",
+        "Bytes this node forwarded as a relay, by direction (to_site, to_dialer)",
+        ("direction",),
+    ),
+    counter(
+        "relay_refused",
+        "gossipd_relay_refused_total",
+        "Relay requests refused, by reason (absent, loop, busy, forged, direct_address, "
+        "not_relaying, no_answer)",
+        ("reason",),
+    ),
+    counter(
+        "relay_dials",
+        "gossipd_relay_dials_total",
+        "Connections this node opened to a relayed site through a relay, by result "
+        "(connected, refused, failed)",
+        ("result",),
+    ),
 )

@@ -77,6 +77,13 @@ class NodeMetrics:
     mqtt_connected: Gauge
     mqtt_rejected: Counter
     mqtt_control_refused: Counter
+    reach_relayed: Gauge
+    relays_attached: Gauge
+    relay_sites: Gauge
+    relay_sessions: Gauge
+    relay_bytes: Counter
+    relay_refused: Counter
+    relay_dials: Counter
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -16,12 +16,16 @@ from gossipd.proto import gossip_pb2_grpc as pb_grpc
 
 
 class GossipCalls(Protocol):
-    """The unary calls of ``gossipd.v1.Gossip`` on one channel."""
+    """The unary calls of ``gossipd.v1.Gossip`` on one channel, and the relay's streams."""
 
     Handshake: grpc.aio.UnaryUnaryMultiCallable[pb.HandshakeRequest, pb.HandshakeReply]
     Leave: grpc.aio.UnaryUnaryMultiCallable[pb.LeaveRequest, pb.LeaveReply]
     Peers: grpc.aio.UnaryUnaryMultiCallable[pb.PeersRequest, pb.PeersReply]
     Status: grpc.aio.UnaryUnaryMultiCallable[pb.StatusRequest, pb.StatusReply]
+    CheckReach: grpc.aio.UnaryUnaryMultiCallable[pb.ReachRequest, pb.ReachReply]
+    Attach: grpc.aio.StreamStreamMultiCallable[pb.AttachFrame, pb.RelayOrder]
+    Dial: grpc.aio.StreamStreamMultiCallable[pb.RelayFrame, pb.RelayFrame]
+    Take: grpc.aio.StreamStreamMultiCallable[pb.RelayFrame, pb.RelayFrame]
 
 
 def gossip_calls(channel: grpc.aio.Channel) -> GossipCalls:
