@@ -7,7 +7,9 @@ site's bandwidth is shaped by a ``tbf`` qdisc at its rate in both directions: on
 site-side veth (what it uploads) and the bridge-side veth (what it downloads), so a
 transfer between two sites runs at the slower of the two. Latency is not made by
 ``tc`` (this kernel has no ``netem``): gossipd injects it in-process with
-``[link] latency_ms``, and the testbed only reports each site's value.
+``[link] latency_ms``, and the testbed only reports each site's value. Sites named in
+``natted`` sit behind a NAT router instead of on the bridge (:mod:`gossipd.bench.wan_nat`):
+they dial out, nobody dials in.
 
 Building needs root and iproute2 (``ip``, ``tc``). Without them :func:`open_testbed`
 falls back to :class:`LoopbackTestbed`: every site on 127.0.0.1, shaped by gossipd's
@@ -30,7 +32,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Self
 
 from gossipd.bench import wan_cleanup
@@ -48,6 +50,7 @@ from gossipd.bench.wan_iproute import (
     tbf_args,
     tool,
 )
+from gossipd.bench.wan_nat import NAT_IDLE_S, NatRouter, check_natted, nft_missing
 from gossipd.bench.wan_scenarios import SiteLink
 from gossipd.node.errors import ConfigError
 
@@ -73,13 +76,14 @@ class _Sites(abc.ABC):
     kernel_shaping = False
     label = ""
 
-    def __init__(self, links: Sequence[SiteLink]) -> None:
+    def __init__(self, links: Sequence[SiteLink], natted: Iterable[int] = ()) -> None:
         if not 1 <= len(links) <= MAX_SITES:
             raise ConfigError(
                 f"a wide-area testbed needs 1 to {MAX_SITES} sites, got {len(links)}; "
                 f"give one SiteLink per site (Scenario.links(n_sites))"
             )
         self.links = list(links)
+        self.natted = check_natted(natted, len(self.links))
         self.owner_pid = os.getpid()
         self._procs: list[subprocess.Popen[Any]] = []
         self._closed = False
@@ -95,6 +99,10 @@ class _Sites(abc.ABC):
     def rate_mbit(self, i: int) -> float:
         """Site i's bandwidth (both directions)."""
         return self.links[self._site(i)].rate_mbit
+
+    def is_natted(self, i: int) -> bool:
+        """Whether site i is behind the NAT router (only recorded by a loopback testbed)."""
+        return self._site(i) in self.natted
 
     @abc.abstractmethod
     def address(self, i: int) -> str:
@@ -152,8 +160,15 @@ class Testbed(_Sites):
 
     kernel_shaping = True
 
-    def __init__(self, links: Sequence[SiteLink], *, tag: str | None = None) -> None:
-        super().__init__(links)
+    def __init__(
+        self,
+        links: Sequence[SiteLink],
+        *,
+        tag: str | None = None,
+        natted: Iterable[int] = (),
+        nat_idle_s: int = NAT_IDLE_S,
+    ) -> None:
+        super().__init__(links, natted)
         if tag is not None and not re.fullmatch(f"{PREFIX}[0-9a-z]{{7}}", tag):
             raise ConfigError(
                 f"testbed tag {tag!r} is not {PREFIX} and 7 lowercase letters or digits; "
@@ -161,6 +176,7 @@ class Testbed(_Sites):
             )
         self.tag = tag or new_tag()
         self.bridge = f"{self.tag}b"
+        self.nat: NatRouter | None = None
         self._ip = tool("ip")
         self._tc = tool("tc")
         self.label = f"network namespaces, bandwidth shaped by tc tbf (testbed {self.tag})"
@@ -171,6 +187,9 @@ class Testbed(_Sites):
                 self.network = free_network(self.tag, self._ip)
                 self.bridge_address = str(self.network.network_address + 254)
                 self._build_bridge()
+            if self.natted:
+                self.nat = NatRouter(self.tag, self.natted, self.network, nat_idle_s)
+                self.nat.build(self._ip, self.bridge, self.bridge_address, self._run)
             self._build_sites()
         except BaseException:
             self.close()
@@ -192,12 +211,21 @@ class Testbed(_Sites):
         return f"{self.tag}s{self._site(i)}"
 
     def host_interface(self, i: int) -> str:
-        """The bridge-side end of site i's veth pair, in the root namespace."""
+        """The bridge-side end of site i's veth pair: in the root namespace, or in the NAT
+        router's (``nat.netns``) for a natted site."""
         return f"{self.tag}h{self._site(i)}"
 
     def address(self, i: int) -> str:
-        """Site i's IP address (listen there from inside the site, dial it from anywhere)."""
+        """Site i's IP address (listen there from inside the site, dial it from anywhere;
+        a natted site's is private: only it, other natted sites and the router reach it)."""
+        if self.nat is not None and self.is_natted(i):
+            return self.nat.site_address(i)
         return str(self.network.network_address + self._site(i) + 1)
+
+    def router_address(self) -> str | None:
+        """The NAT router's public address, which natted sites' connections come from;
+        None without natted sites."""
+        return None if self.nat is None else str(self.nat.public_address)
 
     def counters(self, i: int) -> tuple[int, int]:
         """(tx_bytes, rx_bytes) of site i's interface, read inside its namespace: the
@@ -226,21 +254,26 @@ class Testbed(_Sites):
         prefix = self.network.prefixlen
         for i, link in enumerate(self.links):
             ns, site, host = self.netns(i), self.interface(i), self.host_interface(i)
+            nat = self.nat if self.is_natted(i) else None  # its private bridge, in the router
+            where, master = (["-n", nat.netns], nat.bridge) if nat else ([], br)
             self._run([ip, "netns", "add", ns], f"creating site {i}'s namespace")
+            veth = [host, "type", "veth", "peer", "name", site, "netns", ns]
+            self._run([ip, *where, "link", "add", *veth], f"creating site {i}'s veth pair")
             self._run(
-                [ip, "link", "add", host, "type", "veth", "peer", "name", site, "netns", ns],
-                f"creating site {i}'s veth pair",
+                [ip, *where, "link", "set", host, "master", master, "up"], f"attaching site {i}"
             )
-            self._run([ip, "link", "set", host, "master", br, "up"], f"attaching site {i}")
             self._run([ip, "-n", ns, "link", "set", "lo", "up"], f"site {i}'s loopback")
             self._run(
                 [ip, "-n", ns, "addr", "add", f"{self.address(i)}/{prefix}", "dev", site],
                 f"site {i}'s address",
             )
             self._run([ip, "-n", ns, "link", "set", site, "up"], f"bringing site {i} up")
+            if nat:  # its private network is a /24 too
+                route = ["route", "add", "default", "via", nat.gateway]
+                self._run([ip, "-n", ns, *route], f"site {i}'s route to the NAT router")
             tbf = tbf_args(link.rate_mbit)
             self._run([tc, "-n", ns, "qdisc", "add", "dev", site, "root", *tbf], f"site {i} up")
-            self._run([tc, "qdisc", "add", "dev", host, "root", *tbf], f"site {i} down")
+            self._run([tc, *where, "qdisc", "add", "dev", host, "root", *tbf], f"site {i} down")
 
     def _teardown(self) -> None:
         remove(self.tag)
@@ -268,8 +301,10 @@ class LoopbackTestbed(_Sites):
     """Every site on 127.0.0.1, without root: the sites' own ``[link] rate_mbit`` and
     ``latency_ms`` shape them in-process, and byte counters are unavailable."""
 
-    def __init__(self, links: Sequence[SiteLink], reason: str) -> None:
-        super().__init__(links)
+    def __init__(
+        self, links: Sequence[SiteLink], reason: str, *, natted: Iterable[int] = ()
+    ) -> None:
+        super().__init__(links, natted)
         self.reason = reason
         self.label = f"in-process shaping ({reason})"
         wan_cleanup.register(self)
@@ -288,16 +323,25 @@ class LoopbackTestbed(_Sites):
 
 
 def open_testbed(
-    links: Sequence[SiteLink], *, force_loopback: bool = False
+    links: Sequence[SiteLink],
+    *,
+    force_loopback: bool = False,
+    natted: Iterable[int] = (),
+    nat_idle_s: int = NAT_IDLE_S,
 ) -> Testbed | LoopbackTestbed:
-    """A :class:`Testbed` when namespaces and tc work here, else a :class:`LoopbackTestbed`
-    (or that one when ``force_loopback``); logs at INFO which one and why."""
+    """A :class:`Testbed` when namespaces and tc (and nft, for ``natted`` sites) work here,
+    else a :class:`LoopbackTestbed` (or that one when ``force_loopback``); logs at INFO
+    which one and why."""
+    natted = frozenset(natted)
     if force_loopback:
         reason = "loopback asked for"
     else:
-        usable, reason = have_root()
+        usable, why = have_root()
+        reason = f"not root: {why}"
+        if usable and natted and nft_missing():
+            usable, reason = False, str(nft_missing())
         if usable:
-            bed = Testbed(links)
+            bed = Testbed(links, natted=natted, nat_idle_s=nat_idle_s)
             log.info(
                 "wide-area testbed: %d sites in %s; site 0 at %s",
                 bed.n_sites,
@@ -305,8 +349,7 @@ def open_testbed(
                 bed.address(0),
             )
             return bed
-        reason = f"not root: {reason}"
-    loop = LoopbackTestbed(links, reason)
+    loop = LoopbackTestbed(links, reason, natted=natted)
     log.info(
         "wide-area testbed: %d sites on 127.0.0.1 with %s; each site's [link] rate_mbit and "
         "latency_ms shape it. For kernel shaping run as root with iproute2 installed",

@@ -4,16 +4,16 @@
 # Prometheus (and promtool) serve the dashboard tests; docker-compose validates the
 # compose files; Mosquitto is the MQTT broker of the discovery tests, and its client
 # mosquitto_sub the compose broker's health check; iproute2's ip and tc build and
-# shape the wide-area testbed's namespaces (those tests need root). They are
-# installed when missing and apt-get can run (root, or sudo without a password);
-# otherwise this says which are missing and how to install them, and stops before
-# pytest, since the tests that need them would fail.
+# shape the wide-area testbed's namespaces, and nftables' nft makes its NAT router
+# (those tests need root). They are installed when missing and apt-get can run (root,
+# or sudo without a password); otherwise this says which are missing and how to
+# install them, and stops before pytest, since the tests that need them would fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# mosquitto lands in /usr/sbin, outside a normal user's PATH: looked for there too.
-packages=(prometheus docker-compose mosquitto mosquitto-clients iproute2)
-commands=(prometheus docker-compose mosquitto mosquitto_sub tc)
+# mosquitto and nft land in /usr/sbin, outside a normal user's PATH: looked for there too.
+packages=(prometheus docker-compose mosquitto mosquitto-clients iproute2 nftables)
+commands=(prometheus docker-compose mosquitto mosquitto_sub tc nft)
 
 missing=()
 for i in "${!commands[@]}"; do
