@@ -32,7 +32,9 @@ MAX_REQUEST_ID = 128
 # reply's bytes could be re-cut at (control_signing's reply form).
 _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{0,{MAX_REQUEST_ID}}}")
 _ID = re.compile(r"[A-Za-z0-9._-]+")
-_ADDRESS = re.compile(r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}")
+_HOST_PORT = r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}"
+# A direct address, or a relayed site's (docs/nat.md): relay://SITE@HOST:PORT,HOST:PORT
+_ADDRESS = re.compile(rf"{_HOST_PORT}|relay://[A-Za-z0-9._\-]+@(?:{_HOST_PORT}(?:,{_HOST_PORT})*)?")
 REASONS = (
     "oversize",
     "bad_json",
