@@ -116,7 +116,7 @@ def mesh_figures(sites: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
                 "fingerprint": s["fingerprint"],
                 "live_peers": len(s["live_peers"]),
                 "suspected_peers": len(s["suspected_peers"]),
-                "reach": s["reach"],
+                "reach": s.get("reach", "direct"),
             }
         )
     return {

@@ -12,8 +12,14 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.bdp_probe", 1),
-    ("grpc.keepalive_time_ms", 20_000),
+    # Keepalives on idle connections too, every 15 s: below the idle timeouts of common NATs
+    # and firewalls (30 s and up), so a connection a site behind one dialled stays mapped;
+    # the server side accepts pings that often (docs/nat.md).
+    ("grpc.keepalive_time_ms", 15_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     # A peer that was down at first contact must be reachable soon after it starts:
     # grpc's default reconnect backoff (1 s, growing to 120 s) fails RPCs fast meanwhile.
     ("grpc.initial_reconnect_backoff_ms", 100),
