@@ -178,8 +178,8 @@ class Peering:
             return False
         if known is not None and known.incarnation != reply.node.incarnation:
             self.replica.post(RestartNotice(reply.node.node_id, reply.node.incarnation))
-            if known.address != address:
-                self.channels.forget(known.address)
+        if known is not None and known.address != address:
+            self.channels.forget(known.address)  # moved, or a relayed site's relays changed
         for info in reply.peers:
             self.hear(info)
         return True
