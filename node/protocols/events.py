@@ -31,10 +31,12 @@ class ViewChanged:
     """The live members of the mesh as this node sees them, itself included.
 
     A simulator hands the same frozenset to thousands of cores; they keep it
-    instead of copying it, and rank it once through :func:`ranked`.
+    instead of copying it, and rank it once through :func:`ranked`. ``relayed``: the
+    members reached only through a relay (docs/nat.md), a slower link than a direct one.
     """
 
     members: frozenset[str]
+    relayed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

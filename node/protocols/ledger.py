@@ -142,6 +142,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self._to: dict[str, tuple[Push, ...]] = {}
         self.round = 0
         self.view: View = ranked(frozenset({node_id}))
+        self.relayed: frozenset[str] = frozenset()  # peers reached only through a relay
         self.numberings = Numberings()  # of this node's pushes, per receiver
         self.windows = Windows()  # what this node merged, per sender numbering
         self.exchanged = ExchangedBook()
@@ -189,6 +190,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
                 return list(self.on_step(event))
             case ViewChanged():
                 self.set_members(event.members)
+                self.relayed = event.relayed
                 return []
             case PeerRestarted():
                 self.on_peer_restarted(event.peer, event.incarnation)

@@ -121,8 +121,8 @@ class Arrivals:
                     self._pulled(out, event.pulled, event.error, report)
             case Granted(granted=granted):
                 self.dispatch.carry_out(self.core.handle(granted))
-            case ViewNotice(members=members):
-                self._handle(ViewChanged(members))
+            case ViewNotice(members=members, relayed=relayed):
+                self._handle(ViewChanged(members, relayed))
             case RestartNotice(peer=peer, incarnation=incarnation):
                 self._handle(PeerRestarted(peer, incarnation))
             case Rejected(peer=peer, reason=reason, detail=detail):

@@ -148,6 +148,7 @@ class ViewNotice:
     notice; the replica hands the core a ``ViewChanged`` event from it)."""
 
     members: frozenset[str]
+    relayed: frozenset[str] = frozenset()  # of those, the ones reached through a relay
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from gossipd.node.errors import UnknownPeer
 from gossipd.node.net.peers.membership import Change, Membership
+from gossipd.node.shared.relay_address import is_relayed
 from gossipd.node.trainer.messages import ViewNotice
 
 if TYPE_CHECKING:
@@ -72,8 +73,10 @@ class PeerHealth:
     def apply(self, change: Change | None) -> None:
         if change is not None:
             log.info("peer %s is %s", change.node_id, "live" if change.live else "down")
-            live = frozenset(p.node_id for p in self.membership.live())
-            self.replica.post(ViewNotice(live | {self.node_id}))
+            peers = self.membership.live()
+            live = frozenset(p.node_id for p in peers)
+            relayed = frozenset(p.node_id for p in peers if is_relayed(p.address))
+            self.replica.post(ViewNotice(live | {self.node_id}, relayed))
             if change.live:
                 self.retries.fire()  # pushes waiting for it need not wait out a backoff
         self.metrics.live_peers.set(len(self.membership.live()))
