@@ -45,7 +45,7 @@ async def dial_back(tls: Credentials, address: str, node_id: str) -> tuple[bool,
     """Whether ``node_id`` answers a health check at ``address``, over its own certificate."""
     channel = tls.channel(address, CHANNEL_OPTIONS, node_id or None)
     try:
-        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
+        stub = health_pb2_grpc.HealthStub(channel)
         await stub.Check(health_pb2.HealthCheckRequest(), timeout=DIAL_BACK_S)
         return True, f"{address} answered as {node_id}"
     except grpc.aio.AioRpcError as err:

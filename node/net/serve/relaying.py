@@ -9,7 +9,7 @@ answered with the status its error maps to.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -22,11 +22,11 @@ from gossipd.node.net.wire.statuscodes import status_code
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
 
-T = TypeVar("T")
 Refused = Callable[[str, GossipdError], None]
 
 
-async def _checked(frames: AsyncIterator[T | Malformed]) -> AsyncIterator[T]:
+async def _checked(frames: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The stream's frames, each parsed (a malformed one ends the call as refused)."""
     async for frame in frames:
         yield require(frame)
 

@@ -29,8 +29,8 @@ from gossipd.node.shared.tls import Credentials
 # Buckets of each site's count sketch: this module asks for them and never computes one,
 # so it names the size here instead of importing the sketch's module, which loads torch.
 DEFAULT_SKETCH_SIZE = 4_096
-_COLUMNS = ("site", "weight", "share", "distance", "step", "behind", "loss", "test")
-_COLUMNS += ("activity", "reach")
+_COLUMNS: tuple[str, ...] = ("site", "weight", "share", "distance", "step", "behind", "loss")
+_COLUMNS += ("test", "activity", "reach")
 
 
 async def query_mesh(
@@ -191,7 +191,7 @@ def render_mesh(mesh: Mapping[str, Any]) -> str:
     if not rows:
         return "\n".join(lines or ["no site answered"])
     header = _COLUMNS
-    table = [header]
+    table: list[tuple[str, ...]] = [header]
     for r in sorted(rows, key=lambda r: r["node_id"]):
         name = r["node_id"] + (f" ({r['ranks']} ranks)" if r["ranks"] > 1 else "")
         table.append(
