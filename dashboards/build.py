@@ -6,8 +6,8 @@ what this script generates, so an edit to the JSON by hand, or to this file
 without regenerating, fails CI instead of drifting.
 
 The panels themselves (PromQL, descriptions, how nodes are named) are in
-``panels.py`` and ``overlap_panels.py``; this file only puts their rows in order, maps
-them onto the SDK and writes the JSON.
+``panels.py``, ``overlap_panels.py`` and ``reach_panels.py``; this file only puts their
+rows in order, maps them onto the SDK and writes the JSON.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from grafana_foundation_sdk.models.dashboard import (
 # dashboards/*.py: run as a script, this folder is on the path
 from overlap_panels import COORDINATOR, OVERLAP
 from panels import GOSSIP, HEALTH, MESH_OVERVIEW, TRAINING, Panel
+from reach_panels import REACH
 
 OUTPUT = Path(__file__).resolve().parent / "gossipd.json"
 DASHBOARD_UID = "gossipd"
@@ -41,7 +42,7 @@ DASHBOARD_UID = "gossipd"
 # so the dashboard opens on it without asking; the variable lets a user pick another.
 DATASOURCE_UID = "gossipd-prometheus"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-ROWS = [MESH_OVERVIEW, TRAINING, GOSSIP, OVERLAP, COORDINATOR, HEALTH]
+ROWS = [MESH_OVERVIEW, TRAINING, GOSSIP, OVERLAP, COORDINATOR, HEALTH, REACH]
 
 
 def _panel(spec: Panel, panel_id: int) -> db.Panel:
@@ -146,7 +147,7 @@ def build() -> dict[str, object]:
     dash = (
         db.Dashboard("gossipd mesh")
         .uid(DASHBOARD_UID)
-        .description("gossipd: mesh, training, gossip traffic, overlap and health per site")
+        .description("gossipd: mesh, training, gossip traffic, overlap, health and reach per site")
         .tags(["gossipd"])
         .time("now-30m", "now")
         .refresh("10s")

@@ -24,13 +24,16 @@ from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.net.wire.identity import Identity
 from gossipd.node.net.wire.tasks import LoopTasks
 from gossipd.node.shared.config import NodeConfig
-from gossipd.node.shared.relay_address import reach_of
+from gossipd.node.shared.config_reach import ReachConfig
+from gossipd.node.shared.relay_address import is_relayed, reach_of
 from gossipd.node.shared.tls import Credentials
 
 log = logging.getLogger(__name__)
 
 # An outbound-only site with no relay this long after start says so at WARNING.
 NO_RELAY_WARN_S = 15.0
+# A site no peer could dial back at start asks again this often until one answers.
+RECHECK_S = 10.0
 
 
 def loopback_of(bound: str) -> str:
@@ -47,7 +50,8 @@ class Reach:
     def __init__(
         self,
         *,
-        config: NodeConfig,
+        config: ReachConfig,
+        seeds: list[str],
         tls: Credentials,
         hub: RelayHub,
         metrics: NodeMetrics,
@@ -55,9 +59,11 @@ class Reach:
         tasks: LoopTasks,
         readvertise: Callable[[str], None],
     ) -> None:
-        """``readvertise``: the node's own hook for a new address (its identity, the
+        """``seeds``: the peers asked to dial this site back, and its first relays;
+        ``readvertise``: the node's own hook for a new address (its identity, the
         coordinator's registration)."""
         self.config = config
+        self.seeds = seeds
         self.tls = tls
         self.hub = hub
         self.metrics = metrics
@@ -75,31 +81,54 @@ class Reach:
 
     async def settle(self, identity: Identity, bound: str) -> str:
         """Find this site's reach; returns the address it advertises from now on."""
-        wanted = self.config.reach.reachable
+        wanted = self.config.reachable
         self.checked_at = identity.address
         if wanted == "auto":
-            seeds = [s for s in self.config.seeds if s != identity.address]
-            self.finding = await ask_reach(self.tls, self.config.mesh_id, identity.info(), seeds)
+            seeds = [s for s in self.seeds if s != identity.address]
+            self.finding = await ask_reach(self.tls, identity.mesh_id, identity.info(), seeds)
             if self.finding.reachable is None:
                 log.info(
-                    "reach: %s; taken as direct at %s (set reach.reachable = false if peers "
-                    "cannot dial it there)",
+                    "reach: %s; taken as direct at %s for now, asked again every %.0f s "
+                    "until a peer answers",
                     self.finding.detail,
                     identity.address,
+                    RECHECK_S,
                 )
+                self.tasks.spawn(self._ask_again(identity, bound), "reach-check")
             wanted = self.finding.reachable is not False
         if wanted:
-            self.hub.enabled = self.config.reach.relay
-            self.metrics.reach_relayed.set(0)
-            if self.finding is not None and self.finding.reachable:
-                log.info(
-                    "reach: dialled back at %s by %s: direct%s",
-                    identity.address,
-                    self.finding.peer,
-                    ", relaying for sites that cannot be dialled" if self.hub.enabled else "",
-                )
+            self._go_direct(identity)
             return identity.address
         return self._go_outbound(identity, bound)
+
+    def _go_direct(self, identity: Identity) -> None:
+        self.hub.enabled = self.config.relay
+        self.metrics.reach_relayed.set(0)
+        if self.finding is not None and self.finding.reachable:
+            log.info(
+                "reach: dialled back at %s by %s: direct%s",
+                identity.address,
+                self.finding.peer,
+                ", relaying for sites that cannot be dialled" if self.hub.enabled else "",
+            )
+
+    async def _ask_again(self, identity: Identity, bound: str) -> None:
+        """No peer could be asked at start (this site came up before its seeds): ask the
+        seeds and the peers that turned up since, until one answers."""
+        while True:
+            await asyncio.sleep(RECHECK_S)
+            live = [p.address for p in self.peering.membership.live() if not is_relayed(p.address)]
+            asked = [a for a in dict.fromkeys([*live, *self.seeds]) if a != identity.address]
+            finding = await ask_reach(self.tls, identity.mesh_id, identity.info(), asked)
+            if finding.reachable is None:
+                continue
+            self.finding = finding
+            if finding.reachable:
+                self._go_direct(identity)
+            else:
+                self.hub.enabled = False
+                self.readvertise(self._go_outbound(identity, bound))
+            return
 
     def _go_outbound(self, identity: Identity, bound: str) -> str:
         self.metrics.reach_relayed.set(1)
@@ -108,7 +137,7 @@ class Reach:
             mesh_id=identity.mesh_id,
             tls=self.tls,
             local=loopback_of(bound),
-            config=self.config.reach,
+            config=self.config,
             metrics=self.metrics,
             candidates=self._candidates,
             on_change=self._changed,
@@ -124,7 +153,7 @@ class Reach:
 
     def _candidates(self) -> list[tuple[str, str]]:
         live = [(p.node_id, p.address) for p in self.peering.membership.live()]
-        return live + [("", seed) for seed in self.config.seeds]
+        return live + [("", seed) for seed in self.seeds]
 
     def _changed(self, address: str) -> None:
         if not self._said and self.attachments and self.attachments.active:
@@ -169,7 +198,8 @@ def build_reach(
     """A node's relay, its answer to reach checks, and its own reach."""
     hub = RelayHub(config.node_id, config.mesh_id, config.reach, metrics)
     reach = Reach(
-        config=config,
+        config=config.reach,
+        seeds=config.seeds,
         tls=tls,
         hub=hub,
         metrics=metrics,

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 5.0  # a relay that refused or failed is tried again after this
 MAX_TAKES = 64  # connections one relay may have this site take at once
+LASTED_S = 30.0  # an attachment that lasted this long did not fail: no wait to attach again
 
 
 class Attachments:
@@ -127,6 +128,8 @@ class Attachments:
         call: Any = gossip_calls(channel).Attach()
         reason = "closed"
         pinger: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        since = loop.time()
         try:
             prospective = Relayed(self.node_id, (*self.active, relay)).address()
             await call.write(pb.AttachFrame(mesh_id=self.mesh_id, address=prospective))
@@ -147,7 +150,9 @@ class Attachments:
             reason = str(err) or "no answer"
         finally:
             self.trying.discard(relay)
-            self.failed_at[relay] = asyncio.get_running_loop().time()
+            if loop.time() - since < LASTED_S:
+                self.failed_at[relay] = loop.time()  # a relay that served a while (and
+                # ended at its connection age, say) may be attached again at once
             if pinger is not None:
                 pinger.cancel()
             call.cancel()

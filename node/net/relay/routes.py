@@ -56,7 +56,9 @@ class Routes:
             sock.listen(64)
 
             async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                await self._forward(relayed, reader, writer)
+                # Routes.close() cancels the connections it holds: their end, not an error.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._forward(relayed, reader, writer)
 
             started = asyncio.get_running_loop().create_task(
                 asyncio.start_server(handle, sock=sock)

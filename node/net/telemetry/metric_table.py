@@ -297,8 +297,10 @@ NODE_METRICS: tuple[MetricDef, ...] = (
     counter(
         "relay_refused",
         "gossipd_relay_refused_total",
-        "Relay requests refused, by reason (absent, loop, busy, forged, direct_address, "
-        "not_relaying, no_answer)",
+        "Relay requests refused, by reason (absent: the site is not attached here or did not "
+        "take; loop; busy: a cap is full; forged: a take with a token not given to that "
+        "site; not_relaying: this node relays for nobody, or a site attached with a direct "
+        "address)",
         ("reason",),
     ),
     counter(
