@@ -56,6 +56,7 @@ class PeerChannels:
         """This node's identity, known once it serves (its bound address is in it), and
         again whenever its address changes (an outbound-only site's relays)."""
         self.identity = identity
+        self.routes.me = identity.address
         for client in self._clients.values():
             client.identity = identity
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import socket
 from typing import Any
@@ -41,6 +42,7 @@ class Routes:
         self._ports: dict[str, tuple[int, asyncio.Task[asyncio.Server]]] = {}
         self._relays: dict[str, grpc.aio.Channel] = {}
         self._good: dict[str, str] = {}  # site -> the relay that last joined a connection
+        self.me = ""  # this node's own address, once it serves (PeerChannels.serve_as)
 
     def target(self, address: str) -> str:
         """What a channel to ``address`` dials: the address itself, or a loopback port."""
@@ -73,6 +75,18 @@ class Routes:
         else:
             started.cancel()
 
+    def order(self, relayed: Relayed) -> list[str]:
+        """The relays to try: this node itself if it is one (the connection then crosses no
+        other site), then the one that last worked, then an order that differs from dialler
+        to dialler (a hash of both names), so the diallers of a site spread over its relays."""
+        good = self._good.get(relayed.site)
+
+        def rank(relay: str) -> tuple[bool, bool, bytes]:
+            spread = hashlib.sha256(f"{self.me}|{relayed.site}|{relay}".encode()).digest()
+            return relay != self.me, relay != good, spread
+
+        return sorted(relayed.relays, key=rank)
+
     def _channel(self, relay: str) -> grpc.aio.Channel:
         channel = self._relays.get(relay)
         if channel is None:
@@ -86,8 +100,7 @@ class Routes:
     async def _forward(
         self, relayed: Relayed, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        good = self._good.get(relayed.site)
-        order = sorted(relayed.relays, key=lambda r: r != good)
+        order = self.order(relayed)
         for relay in order:
             call: Any = gossip_calls(self._channel(relay)).Dial()
             try:
