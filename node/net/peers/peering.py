@@ -270,7 +270,15 @@ class Peering:
 
     async def round(self) -> None:
         async with self._round:
-            await self._round_once()
+            try:
+                await self._round_once()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # A call of this round ended because its channel was closed under it (the
+                # peer moved, or a relayed peer's relays changed): the next round asks again.
+                log.debug("a call of this membership round was cancelled with its channel")
 
     async def _round_once(self) -> None:
         m = self.membership

@@ -19,7 +19,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     # A peer that was down at first contact must be reachable soon after it starts:
     # grpc's default reconnect backoff (1 s, growing to 120 s) fails RPCs fast meanwhile.
     ("grpc.initial_reconnect_backoff_ms", 100),
