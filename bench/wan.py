@@ -15,6 +15,10 @@ an averaged outer step). A last pair of
 runs measures what gossip costs the trainer: the same N sites with ``sumweight`` on,
 then with no seeds (each trains alone, the same CPU contention).
 
+With ``--natted K`` the last K sites sit behind the testbed's NAT router and are reached
+through relays (:mod:`gossipd.bench.wan_reach`); each row then says how many bytes each
+public site relayed.
+
 ``--json`` puts one JSON object on the last stdout line (the table then goes to stderr).
 """
 
@@ -81,6 +85,8 @@ def protocol_row(run: SitesRun, target: results.Target, budget_s: float) -> dict
         "steps_per_s": None if results.mean(steps) is None else results.mean(steps) / budget_s,
         "load_average": run.load_average,
         "finished": run.finished,
+        # What each public site forwarded as a relay for the natted ones (None: none natted)
+        "relay_bytes": run.relay_bytes,
         "workdir": str(run.workdir),
     }
 
@@ -143,6 +149,8 @@ def run(args: argparse.Namespace, out: IO[str]) -> dict[str, Any]:
         persyn_outer=args.persyn_outer,
         site_ranks=checked.site_ranks,
         seed=args.seed,
+        natted=args.natted,
+        tls=args.tls,
     )
     log.info("bench wan: protocols %s, files in %s", ", ".join(checked.protocols), workdir)
     runs, rows = run_protocols(spec, checked, args.persyn_outer, out)
@@ -214,6 +222,8 @@ def _result(
         "persyn_outer": args.persyn_outer,
         "site_ranks": list(checked.site_ranks),
         "seed": args.seed,
+        "natted": args.natted,  # the last sites, behind the NAT router
+        "tls": bool(args.tls or args.natted),
         "protocols": rows,
     }
 

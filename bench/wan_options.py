@@ -138,6 +138,23 @@ def _add_site_flags(p: argparse.ArgumentParser) -> None:
         help="site i seeds its job (initial model, batch order) with 1000·SEED + i: repeat "
         "a comparison with other seeds to see its noise (default: %(default)s)",
     )
+    p.add_argument(
+        "--natted",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the last K sites sit behind the testbed's NAT router (masqueraded, nobody "
+        "dials in): each finds out at start, attaches to public sites as relays and is "
+        "reached through them; every site then runs mutual TLS, as relays need. Gossip "
+        "protocols only (the baselines' rendezvous needs every site reachable); on "
+        "loopback they are told reach.reachable = false (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="every site runs mutual TLS with a certificate of its own, as --natted does: "
+        "an all-direct run to compare a natted one with (default: plaintext)",
+    )
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -189,7 +206,24 @@ def check(args: argparse.Namespace) -> Checked:
         )
     if args.inner_steps < 1:
         raise ConfigError(f"--inner-steps {args.inner_steps}: DiLoCo needs H >= 1 local steps")
+    _check_natted(args.natted, args.sites, names)
     return Checked(names, codecs, target, _site_ranks(args.site_ranks, args.sites))
+
+
+def _check_natted(natted: int, sites: int, protocols: list[str]) -> None:
+    """Natted sites need a public one to relay for them, and no baseline: a rendezvous
+    (DDP's, DiLoCo's) is dialled by every site, and nobody can dial a natted one."""
+    if not 0 <= natted < sites:
+        raise ConfigError(
+            f"--natted {natted} with --sites {sites}: give 0 to {sites - 1}; at least one site "
+            "must be public to relay for the natted ones"
+        )
+    baselines = [p for p in protocols if p in BASELINE_SECTIONS]
+    if natted and baselines:
+        raise ConfigError(
+            f"--natted {natted} with {', '.join(baselines)}: the baselines' rendezvous needs "
+            "every site reachable; give --protocols with gossip protocols only"
+        )
 
 
 def _protocols(text: str) -> list[str]:

@@ -31,20 +31,22 @@ def print_table(result: dict[str, Any], file: IO[str]) -> None:
     print(
         f"gossipd bench wan · {result['date']} · {result['machine']} · scenario "
         f"{result['scenario']} · {result['sites']} sites · job {result['job']} · target "
-        f"{target['describe']}\ntestbed: {result['testbed']}",
+        f"{target['describe']}{_reach_words(result)}\ntestbed: {result['testbed']}",
         file=file,
     )
     metric = "final loss" if target["lower_is_better"] else "final acc"
+    natted = bool(result.get("natted"))
     head = (
         f"{'protocol':<17} {'to target':>9} {'vs DDP':>8} {'vs DiLoCo':>9} {metric:>10} "
         f"{'MB/site':>8} {'MB to tgt':>9} {'wait':>6} {'steps/site':>10} {'shares':>11} "
-        f"{'load':>5}"
+        f"{'load':>5}" + (f" {'MB/relay':>8}" if natted else "")
     )
     print(head, file=file)
     print("-" * len(head), file=file)
     for name, row in result["protocols"].items():
-        print(_row_line(name, row), file=file)
+        print(_row_line(name, row) + (f" {_relayed_mean(row):>8}" if natted else ""), file=file)
     _print_throughput(result, file)
+    _print_relays(result, file)
     _print_consensus(result, file)
     print(
         "'-': never reached (or no baseline run to compare with); shares: each site's share "
@@ -70,6 +72,34 @@ def _row_line(name: str, row: dict[str, Any]) -> str:
         f"{num(wait, '5.1f') + '%':>6} {num(row['steps_per_site'], '10.0f'):>10} "
         f"{spread:>11} {row['load_average']:>5.1f}"
     )
+
+
+def _reach_words(result: dict[str, Any]) -> str:
+    """The header's word on NAT and TLS (nothing for a plain run, as before)."""
+    natted, sites = result.get("natted") or 0, result["sites"]
+    if natted:
+        first = sites - natted
+        which = f"site {first}" if natted == 1 else f"sites {first}-{sites - 1}"
+        return f" · {which} natted (reached through relays) · mutual TLS"
+    return " · mutual TLS" if result.get("tls") else ""
+
+
+def _relayed_mean(row: dict[str, Any]) -> str:
+    """MB relayed per public site (the mean over those that answered)."""
+    counts = [b for b in (row.get("relay_bytes") or {}).values() if b is not None]
+    return num(sum(counts) / len(counts) / 1e6 if counts else None, ".1f")
+
+
+def _print_relays(result: dict[str, Any], file: IO[str]) -> None:
+    """Per protocol, the bytes each public site relayed for the natted ones."""
+    for name, row in result["protocols"].items():
+        relayed = row.get("relay_bytes")
+        if relayed:
+            each = ", ".join(
+                f"{site} {num(None if b is None else b / 1e6, '.1f')} MB"
+                for site, b in relayed.items()
+            )
+            print(f"{name}: relayed (both directions) by {each}", file=file)
 
 
 def _print_throughput(result: dict[str, Any], file: IO[str]) -> None:

@@ -9,7 +9,9 @@ each site, waits (bounded) until every site has written ``summary.json`` with
 the interfaces' byte counters and tears the testbed down, also on failure or Ctrl-C.
 
 The sites run plaintext gRPC (``[tls] insecure = true``): the bench times protocols,
-and the all-reduce baseline it compares with has no TLS either. Checkpoints are
+and the all-reduce baseline it compares with has no TLS either. With ``natted`` sites
+(behind the testbed's NAT router, reached through relays) or ``tls``, every site runs
+mutual TLS instead, as relays need (:mod:`gossipd.bench.wan_reach`). Checkpoints are
 written only at shutdown, so no site spends its budget on the disk.
 """
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossipd.bench import wan_cleanup
+from gossipd.bench import wan_cleanup, wan_reach
 from gossipd.bench.wan_net import LoopbackTestbed, Testbed, open_testbed
 from gossipd.bench.wan_results import History, eval_every_steps
 from gossipd.bench.wan_scenarios import Scenario
@@ -69,6 +71,18 @@ class WanSpec:
     # different speed. The baselines run one rank per site.
     site_ranks: tuple[int, ...] = ()
     seed: int = 0  # a repeat with other initial models and batches (SEED_STRIDE)
+    # The last `natted` sites sit behind the testbed's NAT router and are reached through
+    # relays; with any, or with `tls`, every site runs mutual TLS (wan_reach.py).
+    natted: int = 0
+    tls: bool = False
+
+    @property
+    def ca_dir(self) -> Path | None:
+        """Where the run's certificates are, or None for plaintext."""
+        return self.workdir / wan_reach.CA_DIR if self.tls or self.natted else None
+
+    def is_natted(self, index: int) -> bool:
+        return index >= self.sites - self.natted
 
 
 @dataclass
@@ -87,6 +101,9 @@ class SitesRun:
     exit_codes: list[int | None]
     load_average: float
     finished: bool  # every site wrote training_done (or exited) before the deadline
+    # Bytes each public site forwarded as a relay (Status relay_bytes) at the end, by
+    # node id; None without natted sites
+    relay_bytes: dict[str, int | None] | None = None
 
 
 def site_toml(
@@ -100,18 +117,19 @@ def site_toml(
     *,
     gossip: bool = True,
     master: str | None = None,
+    unreachable: bool = False,
 ) -> str:
     """Site ``index``'s config: ``rate_mbit`` only where gossipd must shape the rate itself
     (the loopback fallback; the baselines model latency only); ``gossip`` False: no
-    seeds, the site trains alone; ``master``: a baseline's rendezvous."""
+    seeds, the site trains alone; ``master``: a baseline's rendezvous; ``unreachable``:
+    ``reach.reachable = false`` (a natted site on loopback, where no NAT stops a dial)."""
     baseline = protocol in BASELINE_SECTIONS
     n = len(addresses)
-    seeds = [a for i, a in enumerate(addresses) if i != index] if gossip else []
     top = {
         "mesh_id": f"wan-{protocol}",
         "node_id": f"site-{index}",
         "listen": addresses[index],
-        "seeds": seeds,
+        "seeds": _seeds(spec, index, addresses) if gossip else [],
         "data_dir": str(data_dir),
         "progress_interval_s": 10,
     }
@@ -126,8 +144,10 @@ def site_toml(
         "membership": {"start_after_peers": n - 1 if gossip and not baseline else 0},
         "checkpoint": {"every_steps": 0},
         "link": link,
-        "tls": {"insecure": True},
+        "tls": wan_reach.tls_table(spec.ca_dir, f"site-{index}"),
     }
+    if unreachable:
+        tables["reach"] = {"reachable": False}
     if protocol == "persyn" and spec.persyn_outer:
         tables["gossip.persyn"] = {
             "average_every_steps": spec.inner_steps,
@@ -144,6 +164,13 @@ def site_toml(
     for name, values in tables.items():
         lines += ["", f"[{name}]", *_toml_keys(values)]
     return "\n".join(lines) + "\n"
+
+
+def _seeds(spec: WanSpec, index: int, addresses: list[str]) -> list[str]:
+    """The other sites, or with natted sites the public ones only: nobody can dial a natted
+    site, and a natted neighbour would dial one back and call it reachable."""
+    public = len(addresses) - spec.natted
+    return [a for i, a in enumerate(addresses) if i != index and (i < public or not spec.natted)]
 
 
 def _gossip(spec: WanSpec, protocol: str, index: int, baseline: bool) -> dict[str, Any]:
@@ -201,7 +228,10 @@ def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     load = os.getloadavg()[0]
-    with open_testbed(spec.scenario.links(spec.sites), force_loopback=spec.loopback) as bed:
+    if spec.ca_dir is not None:
+        wan_reach.ensure_certificates(spec.workdir, spec.sites)
+    links, natted = spec.scenario.links(spec.sites), wan_reach.natted_sites(spec.sites, spec.natted)
+    with open_testbed(links, force_loopback=spec.loopback, natted=natted) as bed:
         label = testbed_label(bed)
         log.info(
             "running %s: %d sites, job %s, %g s of training each, files in %s (%s)",
@@ -213,9 +243,10 @@ def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = 
             label,
         )
         dirs = [root / f"site-{i}" for i in range(spec.sites)]
-        procs = _start(spec, bed, protocol, gossip, root, dirs)
+        procs, addresses = _start(spec, bed, protocol, gossip, root, dirs)
         samples: list[tuple[float, float]] = []
         finished = _wait(spec, procs, dirs, lambda: _sample(bed, spec.sites, samples))
+        relayed = _relay_bytes(spec, addresses) if spec.natted else None
         wan_cleanup.stop_processes(procs)
         counters = [bed.counters(i) for i in range(spec.sites)]
     codes = [p.returncode for p in procs]
@@ -238,7 +269,14 @@ def run_sites(spec: WanSpec, protocol: str, *, gossip: bool = True, name: str = 
         exit_codes=codes,
         load_average=load,
         finished=finished,
+        relay_bytes=relayed,
     )
+
+
+def _relay_bytes(spec: WanSpec, addresses: list[str]) -> dict[str, int | None]:
+    """What each public site forwarded as a relay, read before the sites stop."""
+    public = {f"site-{i}": a for i, a in enumerate(addresses) if not spec.is_natted(i)}
+    return wan_reach.relay_bytes(public, wan_reach.harness_tls(spec.ca_dir))
 
 
 def testbed_label(bed: Testbed | LoopbackTestbed) -> str:
@@ -253,12 +291,17 @@ def _start(
     gossip: bool,
     root: Path,
     dirs: list[Path],
-) -> list[Any]:
+) -> tuple[list[Any], list[str]]:
+    """Every site's process, and the addresses they listen at. Natted sites start once the
+    public ones listen: a natted site's reach check needs a seed to answer
+    (:mod:`gossipd.bench.wan_reach`)."""
     ports = free_ports(spec.sites + 1)
     addresses = [f"{bed.address(i)}:{ports[i]}" for i in range(spec.sites)]
     master = f"{bed.address(0)}:{ports[-1]}" if protocol in BASELINE_SECTIONS else None
     procs = []
     for i, data_dir in enumerate(dirs):
+        if spec.natted and i == spec.sites - spec.natted:
+            wan_reach.wait_listening(addresses[:i], STARTUP_S)
         data_dir.mkdir(parents=True)
         config = root / f"site-{i}.toml"
         rate = None if bed.kernel_shaping else bed.rate_mbit(i)
@@ -273,21 +316,32 @@ def _start(
                 data_dir,
                 gossip=gossip,
                 master=master,
+                unreachable=spec.is_natted(i) and not bed.kernel_shaping,
             )
         )
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if isinstance(bed, Testbed):
-            # gloo would pick the interface of the machine's hostname, absent in a namespace.
-            env["GLOO_SOCKET_IFNAME"] = bed.interface(i)
-        argv = [sys.executable, "-m", "gossipd.node.cli", "--log-level", "INFO", "node"]
-        ranks = spec.site_ranks[i] if spec.site_ranks else 1
-        if ranks > 1 and protocol not in BASELINE_SECTIONS:
-            argv += ["--ranks", str(ranks)]
-        with open(data_dir / "node.log", "ab") as out:
-            procs.append(
-                bed.popen(i, [*argv, "--config", str(config)], stdout=out, stderr=out, env=env)
-            )
-    return procs
+        procs.append(_popen(spec, bed, protocol, i, config, data_dir))
+    return procs, addresses
+
+
+def _popen(
+    spec: WanSpec,
+    bed: Testbed | LoopbackTestbed,
+    protocol: str,
+    i: int,
+    config: Path,
+    data_dir: Path,
+) -> Any:
+    """``gossipd node`` as site ``i``, its output to its ``node.log``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if isinstance(bed, Testbed):
+        # gloo would pick the interface of the machine's hostname, absent in a namespace.
+        env["GLOO_SOCKET_IFNAME"] = bed.interface(i)
+    argv = [sys.executable, "-m", "gossipd.node.cli", "--log-level", "INFO", "node"]
+    ranks = spec.site_ranks[i] if spec.site_ranks else 1
+    if ranks > 1 and protocol not in BASELINE_SECTIONS:
+        argv += ["--ranks", str(ranks)]
+    with open(data_dir / "node.log", "ab") as out:
+        return bed.popen(i, [*argv, "--config", str(config)], stdout=out, stderr=out, env=env)
 
 
 def _sample(bed: Testbed | LoopbackTestbed, sites: int, samples: list[tuple[float, float]]) -> None:

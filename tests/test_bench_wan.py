@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
-from gossipd.bench import wan_net
+from gossipd.bench import wan_nat, wan_net
 from gossipd.bench.wan import add_speedups, build_parser, run, runs_of
-from gossipd.bench.wan_options import _codecs, _site_ranks
+from gossipd.bench.wan_options import _codecs, _site_ranks, check
+from gossipd.bench.wan_report import print_table
 from gossipd.bench.wan_results import (
     DEFAULT_TARGETS,
     Target,
@@ -46,6 +47,7 @@ from gossipd.node.shared.config_ranks import BASELINE_SECTIONS
 from tests.conftest import left_running
 
 ROOT, WHY_NOT = wan_net.have_root()
+NFT_MISSING = wan_nat.nft_missing()
 RUN_TIMEOUT_S = 400.0
 ROW_FIELDS = {
     "time_to_target_s",
@@ -290,6 +292,75 @@ def test_a_credit_or_clip_factor_not_over_0_is_refused_before_anything_starts(
     assert not work.exists()
 
 
+def test_natted_sites_are_the_last_ones_run_tls_and_refuse_the_baselines(
+    tmp_path: Path,
+) -> None:
+    def args(*more: str) -> Any:
+        return build_parser().parse_args(["--scenario", "mixed", "--sites", "4", *more])
+
+    assert (args().natted, args().tls) == (0, False)
+    check(args("--natted", "2", "--protocols", "persyn"))
+    for bad, said in (
+        (["--natted", "4", "--protocols", "sumweight"], "give 0 to 3"),
+        (["--natted", "-1", "--protocols", "sumweight"], "give 0 to 3"),
+        (["--natted", "1"], "rendezvous needs every site reachable"),  # the default has both
+        (["--natted", "1", "--protocols", "sumweight,diloco"], "with diloco"),
+    ):
+        with pytest.raises(ConfigError, match=f"--natted {bad[1]} .*{said}"):
+            check(args(*bad))
+    spec = WanSpec(
+        scenario=scenario("mixed"), sites=4, job="digits", budget_s=1.0, workdir=tmp_path
+    )
+    assert _site_config(spec, "sumweight")["tls"] == {"insecure": True}  # as before
+    natted = replace(spec, natted=2)
+    addresses = [f"127.0.0.1:{9000 + i}" for i in range(4)]
+    text = site_toml(natted, "sumweight", 3, addresses, 20.0, 10.0, tmp_path, unreachable=True)
+    table = tomllib.loads(text)
+    assert table["seeds"] == addresses[:2]  # the public sites only
+    assert table["reach"] == {"reachable": False}  # loopback: nothing stops a dial
+    assert table["tls"]["cert"] == str(tmp_path / "ca" / "site-3.pem")
+    assert _site_config(natted, "sumweight", 0)["seeds"] == addresses[1:2]
+    assert "reach" not in _site_config(natted, "sumweight", 0)
+
+
+def test_the_table_has_a_relayed_column_only_with_natted_sites() -> None:
+    row = {
+        "time_to_target_s": 12.0,
+        "speedup_vs_allreduce": None,
+        "speedup_vs_diloco": None,
+        "final_accuracy": 1.7,
+        "bytes_per_site": 5e6,
+        "bytes_per_site_to_target": 2e6,
+        "wait_fraction": 0.0,
+        "steps_per_site": 300,
+        "weight_shares": [1.0, 1.0],
+        "load_average": 1.0,
+        "relay_bytes": {"site-0": 3_000_000, "site-1": None},
+    }
+    result: dict[str, Any] = {
+        "date": "2026-12-02",
+        "machine": "x86_64, 2 CPUs",
+        "scenario": "uniform-10mbit-50ms",
+        "sites": 4,
+        "job": "shakespeare",
+        "target": {"describe": "test_loss <= 1.74", "lower_is_better": True},
+        "testbed": "network namespaces",
+        "natted": 2,
+        "tls": True,
+        "protocols": {"persyn+outer": row},
+    }
+    out = io.StringIO()
+    print_table(result, out)
+    text = out.getvalue()
+    assert "sites 2-3 natted (reached through relays) · mutual TLS" in text
+    head = next(line for line in text.splitlines() if line.startswith("protocol"))
+    assert head.split()[-1] == "MB/relay"
+    assert "persyn+outer: relayed (both directions) by site-0 3.0 MB, site-1 - MB" in text
+    plain = io.StringIO()
+    print_table({**result, "natted": 0, "tls": False}, plain)
+    assert "MB/relay" not in plain.getvalue() and "TLS" not in plain.getvalue()
+
+
 # -- real runs ---------------------------------------------------------------------------
 def bench(tmp_path: Path, *args: str) -> tuple[dict[str, Any], subprocess.Popen[str], str]:
     """`gossipd bench wan ... --json`, bounded: on timeout it gets SIGTERM (it then stops
@@ -392,3 +463,37 @@ def test_loopback_run_says_so_and_counts_no_bytes(tmp_path: Path) -> None:
     assert "each site alone (no gossip): to target" in err
     assert left_running(tmp_path / "work") == []
     assert os.path.exists(result["plot"])
+
+
+@pytest.mark.skipif(
+    not ROOT or NFT_MISSING is not None,
+    reason=f"the NAT router needs namespaces and nftables: {WHY_NOT if not ROOT else NFT_MISSING}",
+)
+def test_a_natted_site_is_reached_through_a_relay_and_the_bytes_relayed_are_counted(
+    tmp_path: Path,
+) -> None:
+    result, proc, err = bench(
+        tmp_path,
+        "--scenario",
+        "uniform-100mbit-5ms",
+        "--sites",
+        "3",
+        "--natted",
+        "1",
+        "--protocols",
+        "sumweight",
+        "--budget-s",
+        "4",
+        "--no-throughput",
+    )
+    check_fields(result, ["sumweight"])
+    assert (result["natted"], result["tls"]) == (1, True)
+    row = result["protocols"]["sumweight"]
+    assert set(row["relay_bytes"]) == {"site-0", "site-1"}  # the public sites
+    assert sum(row["relay_bytes"].values()) > 0
+    assert sum(row["weight_shares"]) == pytest.approx(3.0)
+    log = (tmp_path / "work" / "sumweight" / "site-2" / "node.log").read_text()
+    assert "outbound-only, relayed by " in log
+    assert "site 2 natted (reached through relays)" in err and "MB/relay" in err
+    assert wan_net.leftovers(wan_net.process_prefix(proc.pid)) == []
+    assert left_running(tmp_path / "work") == []
