@@ -7,40 +7,16 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from gossipd.node.net.wire.calls import gossip_calls
-from gossipd.node.shared import certs
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
+from tests.outsider import MESH
 
 T = TypeVar("T")
-MESH = "test-mesh"
-
-
-def make_pki(directory: Path, node_ids: list[str]) -> Path:
-    certs.init_ca(directory, mesh_id=MESH)
-    for node_id in node_ids:
-        certs.issue(node_id, directory)
-    return directory
-
-
-def credentials(pki: Path, node_id: str) -> Credentials:
-    return Credentials(
-        ca=pki / certs.CA_CERT_FILE, cert=pki / f"{node_id}.pem", key=pki / f"{node_id}.key"
-    )
-
-
-def tls_section(pki: Path, node_id: str) -> dict[str, Any]:
-    return {
-        "insecure": False,
-        "ca": str(pki / certs.CA_CERT_FILE),
-        "cert": str(pki / f"{node_id}.pem"),
-        "key": str(pki / f"{node_id}.key"),
-    }
 
 
 class Hand:

@@ -20,21 +20,22 @@ from gossipd.node.launch.localmesh import free_ports
 from gossipd.proto import gossip_pb2 as pb
 from tests.daemons import DaemonHandle, start_daemon
 from tests.meshes import status_of, stop_all
-from tests.relaying import Hand, credentials, make_pki, tls_section
+from tests.relaying import Hand
+from tests.tls_mesh import Pki
 
 PER_ORIGIN = 2
 
 
 @pytest.fixture
-def relay(tmp_path: Path) -> Iterator[tuple[DaemonHandle, Path]]:
-    pki = make_pki(tmp_path / "pki", ["r", "c", "m"])
+def relay(tmp_path: Path) -> Iterator[tuple[DaemonHandle, Pki]]:
+    pki = Pki.create(tmp_path / "pki", ["r", "c", "m"])
     (port,) = free_ports(1)
     handle = start_daemon(
         tmp_path,
         "r",
         port,
-        client_tls=credentials(pki, "m"),
-        tls=tls_section(pki, "r"),
+        client_tls=pki.creds("m"),
+        tls=pki.tls_config("r"),
         reach={"reachable": True, "max_sessions_per_origin": PER_ORIGIN},
     )
     try:
@@ -48,10 +49,10 @@ def rejected(handle: DaemonHandle) -> dict[str, Any]:
 
 
 def test_a_dial_to_a_site_not_attached_or_in_a_loop_is_refused_and_counted(
-    relay: tuple[DaemonHandle, Path],
+    relay: tuple[DaemonHandle, Pki],
 ) -> None:
     handle, pki = relay
-    member = Hand(credentials(pki, "m"), handle.address)
+    member = Hand(pki.creds("m"), handle.address)
     try:
         absent = member.open_stream("Dial", pb.RelayFrame(target="nobody"))
         assert member.code(absent) == grpc.StatusCode.UNAVAILABLE
@@ -65,10 +66,10 @@ def test_a_dial_to_a_site_not_attached_or_in_a_loop_is_refused_and_counted(
 
 
 def test_a_site_that_attaches_with_a_direct_address_is_refused(
-    relay: tuple[DaemonHandle, Path],
+    relay: tuple[DaemonHandle, Pki],
 ) -> None:
     handle, pki = relay
-    site = Hand(credentials(pki, "c"), handle.address)
+    site = Hand(pki.creds("c"), handle.address)
     try:
         direct = site.open_stream(
             "Attach", pb.AttachFrame(mesh_id="test-mesh", address="1.2.3.4:5")
@@ -85,13 +86,13 @@ def test_a_site_that_attaches_with_a_direct_address_is_refused(
 
 
 def test_a_connection_is_joined_only_for_the_site_its_token_was_given_to(
-    relay: tuple[DaemonHandle, Path],
+    relay: tuple[DaemonHandle, Pki],
 ) -> None:
     """The dialler's bytes reach the attached site and back; a token taken by another
     member, or taken twice (a replay), or made up, is refused as forged."""
     handle, pki = relay
-    site = Hand(credentials(pki, "c"), handle.address)
-    member = Hand(credentials(pki, "m"), handle.address)
+    site = Hand(pki.creds("c"), handle.address)
+    member = Hand(pki.creds("m"), handle.address)
     try:
         attach = site.open_stream(
             "Attach", pb.AttachFrame(mesh_id="test-mesh", address=f"relay://c@{handle.address}")
@@ -122,13 +123,13 @@ def test_a_connection_is_joined_only_for_the_site_its_token_was_given_to(
 
 
 def test_a_flood_through_the_relay_is_refused_past_the_per_dialler_cap(
-    relay: tuple[DaemonHandle, Path],
+    relay: tuple[DaemonHandle, Pki],
 ) -> None:
     """Connections a site has not taken still count: a member cannot hold more than its
     share open, and the site's own attachment is untouched by the refusal."""
     handle, pki = relay
-    site = Hand(credentials(pki, "c"), handle.address)
-    member = Hand(credentials(pki, "m"), handle.address)
+    site = Hand(pki.creds("c"), handle.address)
+    member = Hand(pki.creds("m"), handle.address)
     try:
         attach = site.open_stream(
             "Attach", pb.AttachFrame(mesh_id="test-mesh", address=f"relay://c@{handle.address}")
@@ -153,13 +154,13 @@ def test_a_flood_through_the_relay_is_refused_past_the_per_dialler_cap(
 
 
 def test_the_reach_check_dials_back_only_the_asker_s_own_address(
-    relay: tuple[DaemonHandle, Path],
+    relay: tuple[DaemonHandle, Pki],
 ) -> None:
     """A member cannot ask for another site's dial-back, a relayed address is not dialled,
     an address where the asker does not answer is reported unreachable, and asking again
     at once is refused."""
     handle, pki = relay
-    member = Hand(credentials(pki, "m"), handle.address)
+    member = Hand(pki.creds("m"), handle.address)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             member.check_reach(pb.NodeInfo(node_id="c", address=handle.address))

@@ -35,7 +35,8 @@ from gossipd.proto import SCHEMA_VERSION
 from gossipd.proto import gossip_pb2 as pb
 from tests.daemons import DaemonHandle, start_daemon, wait_until
 from tests.meshes import status_of, stop_all
-from tests.relaying import MESH, credentials, make_pki, tls_section
+from tests.outsider import MESH
+from tests.tls_mesh import Pki
 
 
 class LyingHub(RelayHub):
@@ -141,9 +142,9 @@ class LyingRelay:
 
 
 @pytest.fixture
-def behind_liar(tmp_path: Path) -> Iterator[tuple[LyingRelay, DaemonHandle, Path]]:
-    pki = make_pki(tmp_path / "pki", ["a", "c", "m"])
-    relay = LyingRelay(credentials(pki, "m"))
+def behind_liar(tmp_path: Path) -> Iterator[tuple[LyingRelay, DaemonHandle, Pki]]:
+    pki = Pki.create(tmp_path / "pki", ["a", "c", "m"])
+    relay = LyingRelay(pki.creds("m"))
     handles: list[DaemonHandle] = []
     try:
         (port,) = free_ports(1)
@@ -152,8 +153,8 @@ def behind_liar(tmp_path: Path) -> Iterator[tuple[LyingRelay, DaemonHandle, Path
                 tmp_path,
                 "c",
                 port,
-                client_tls=credentials(pki, "a"),
-                tls=tls_section(pki, "c"),
+                client_tls=pki.creds("a"),
+                tls=pki.tls_config("c"),
                 seeds=[relay.address],
                 reach={"reachable": False, "relays": 1},
             )
@@ -184,10 +185,10 @@ def status_through(relay: LyingRelay, tls: Credentials) -> grpc.StatusCode | Non
 
 
 def test_a_relay_that_flips_or_replays_bytes_breaks_the_connection_not_the_site(
-    behind_liar: tuple[LyingRelay, DaemonHandle, Path],
+    behind_liar: tuple[LyingRelay, DaemonHandle, Pki],
 ) -> None:
     relay, site, pki = behind_liar
-    a = credentials(pki, "a")
+    a = pki.creds("a")
     assert status_through(relay, a) is None  # honest: the path works
     checksum = status_of(site, checksum=True)["params_checksum"]
     for mode in ("flip", "replay"):
@@ -200,14 +201,14 @@ def test_a_relay_that_flips_or_replays_bytes_breaks_the_connection_not_the_site(
 
 
 def test_a_relay_cannot_speak_for_another_site(
-    behind_liar: tuple[LyingRelay, DaemonHandle, Path],
+    behind_liar: tuple[LyingRelay, DaemonHandle, Pki],
 ) -> None:
     """Its order names ``a`` as the origin, and it introduces itself as ``a``: the site
     believes the certificate (``m``), refuses, and counts the refusal."""
     relay, site, pki = behind_liar
-    code = relay.run(relay.hub.forge("c", credentials(pki, "m")))
+    code = relay.run(relay.hub.forge("c", pki.creds("m")))
     assert code == grpc.StatusCode.PERMISSION_DENIED
     assert status_of(site)["rejected"].get("IdentityMismatch") == 1
-    assert asyncio.run(query_status(site.address, 10.0, tls=credentials(pki, "a")))["reach"] == (
+    assert asyncio.run(query_status(site.address, 10.0, tls=pki.creds("a")))["reach"] == (
         f"relayed by {relay.address}"
     )
