@@ -81,7 +81,8 @@ __all__ = [
 # the other has run out of work, which was a few minutes of the suite's wall time.
 SLOW_FILES_FIRST = (
     "test_demo.py", "test_mesh_digits.py", "test_mesh_averaging.py", "test_ranks.py",
-    "test_bench_wan.py", "test_job_meshes.py", "test_diloco.py",
+    "test_nat_mesh.py", "test_bench_wan_runs.py", "test_job_meshes.py", "test_diloco.py",
+    "test_relay_mesh.py",
     "test_overlap_mesh.py", "test_allreduce.py", "test_insider_streams.py",
     "test_dashboards.py", "test_containers.py", "test_crash_all_sites.py",
     "test_crash_one_site.py", "test_crash_recovery.py", "test_insider_weight.py",
