@@ -101,24 +101,28 @@ class AttachFrame(_message.Message):
     def __init__(self, mesh_id: _Optional[str] = ..., address: _Optional[str] = ..., ping: _Optional[bool] = ...) -> None: ...
 
 class RelayOrder(_message.Message):
-    __slots__ = ("ping", "token", "origin")
+    __slots__ = ("ping", "token", "origin", "leaving")
     PING_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     ping: bool
     token: bytes
     origin: str
-    def __init__(self, ping: _Optional[bool] = ..., token: _Optional[bytes] = ..., origin: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, ping: _Optional[bool] = ..., token: _Optional[bytes] = ..., origin: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class RelayFrame(_message.Message):
-    __slots__ = ("target", "token", "data")
+    __slots__ = ("target", "token", "data", "leaving")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     target: str
     token: bytes
     data: bytes
-    def __init__(self, target: _Optional[str] = ..., token: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, target: _Optional[str] = ..., token: _Optional[bytes] = ..., data: _Optional[bytes] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
     __slots__ = ("mesh_id", "node")

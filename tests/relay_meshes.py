@@ -137,10 +137,8 @@ def relayed_first(handles: list[DaemonHandle]) -> list[DaemonHandle]:
     """``handles`` in the order they leave: outbound-only sites first, while relays are
     still there to carry their hand-offs and Leaves, then the direct ones.
 
-    The other order (relays first) is the case of
-    :func:`test_the_last_relay_leaving_first_keeps_the_sum_of_weights_exact`: when the last
-    relay between two outbound-only sites leaves, a push between them whose
-    acknowledgement was crossing it can never be settled.
+    The other order (the last relay first) is
+    :func:`test_the_last_relay_leaving_first_keeps_the_sum_of_weights_exact`'s case.
     """
     relayed = [h for h in handles if status_of(h)["reach"] != "direct"]
     return relayed + [h for h in handles if h not in relayed]

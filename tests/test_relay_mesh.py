@@ -268,3 +268,39 @@ def test_a_site_that_cannot_be_dialled_back_finds_it_by_itself_and_goes_through_
     assert "outbound-only" in said[0] and "relayed by" in said[0], said
     assert not re.search(r"WARNING .*reach:", x.log()), x.log()[-3000:]
     assert scrape_metrics(x.node_json()["metrics_port"])["gossipd_reach_relayed"] == 1.0
+
+
+LAST_RELAY_ROUNDS = 2  # fresh meshes: the push cut at the relay's stop is a matter of timing
+
+
+@pytest.mark.parametrize("round_", range(LAST_RELAY_ROUNDS))
+def test_the_last_relay_leaving_first_keeps_the_sum_of_weights_exact(
+    tmp_path: Path, sites: list[DaemonHandle], round_: int
+) -> None:
+    """Two outbound-only sites whose only relay, the one direct site a, leaves first
+    while they push to each other through it: after a goes, c and d can never reach each
+    other again, so a push between them whose answer was crossing a when it stopped could
+    never be settled (it would count twice, or be lost). A leaving relay tells both
+    ends first: they push to each other no more (refused before a byte goes), the pushes
+    under way finish through a, which joins their connections until they close (or half
+    its shutdown_timeout_s passed: tests/test_relay_leaving.py), and then it stops. Σw is
+    exactly 3 per segment after all three leave (a, then c, then d); before the relay
+    told them, it was 3.5 in one round of three."""
+    by_id = start_sites(tmp_path, sites, ["a"], ["c", "d"], relayed_reach={"relays": 1})
+    a, c, d = (by_id[n] for n in "acd")
+    wait_mesh_live(sites, LIVE_TIMEOUT_S)
+    wait_until(
+        lambda: exchanged_both_ways(c, d) and exchanged_both_ways(d, c),
+        "c and d to exchange weight through a",
+        30.0,
+        lambda: check_alive(sites),
+    )
+    inconsistencies = {h.node_id: status_of(h)["mass_inconsistencies"] for h in sites}
+    weights = stop_in_turn([a, c, d])
+    totals = segment_totals(weights)
+    assert inconsistencies == dict.fromkeys("acd", 0), inconsistencies
+    assert all(abs(t - len(sites)) <= TOLERANCE for t in totals), (totals, weights)
+    # Told them: the connections c and d held through a when it began to leave.
+    assert re.search(r"relay: \d+ connection\(s\) joined here for other sites", a.log())
+    for h in (c, d):
+        assert f"relay {a.address} is leaving" in h.log(), h.log()[-3000:]

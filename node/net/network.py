@@ -350,7 +350,7 @@ class Network:
         await asyncio.wrap_future(out.adopted)
 
     async def leave_mesh(self) -> None:
-        await self.leaver.leave_mesh()
+        await self.hub.leave(self.leaver.leave_mesh(), self.config.shutdown_timeout_s / 2)
 
     async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
         return await self.peering.wait_for_peers(count, timeout_s)

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 # The deadline of one control RPC to a peer (Handshake, Peers, Leave).
 RPC_TIMEOUT_S = 5.0
+# How long a retired channel's calls may go on before it closes (a push on a slow link).
+RETIRE_GRACE_S = 30.0
 
 
 class PeerChannels:
@@ -50,6 +52,7 @@ class PeerChannels:
         self.tasks = tasks
         self.identity: Identity | None = None
         self.routes = routes or Routes(tls)
+        self.routes.on_leaving = self.retire
         self._clients: dict[str, PeerClient] = {}
 
     def serve_as(self, identity: Identity) -> None:
@@ -97,6 +100,17 @@ class PeerChannels:
         client = self._clients.pop(address, None)
         if client is not None:
             self.tasks.spawn(client.close())
+
+    def retire(self, address: str) -> None:
+        """The relay of ``address``'s connection is leaving: let the calls on the channel
+        finish, then close it (the relay waits for that); the next call opens a new one."""
+        client = self._clients.pop(address, None)
+        if client is not None:
+            self.tasks.spawn(client.close(grace_s=RETIRE_GRACE_S))
+
+    def cut_off(self, address: str) -> bool:
+        """Whether every relay of ``address`` is leaving (:meth:`Routes.cut_off`)."""
+        return self.routes.cut_off(address)
 
     def replace_all(self) -> None:
         """Close every channel (new certificates): the next call opens a fresh one."""

@@ -38,12 +38,13 @@ from gossipd.node.net.dial.streams import StreamPool
 from gossipd.node.net.wire.assembly import Limits
 from gossipd.node.net.wire.calls import gossip_calls
 from gossipd.node.net.wire.frames import DEFAULT_CHUNK_BYTES, pull_frame
-from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
+from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS, RELAYED_CHANNEL_OPTIONS
 from gossipd.node.net.wire.identity import Identity
 from gossipd.node.net.wire.lastwords import to_messages
 from gossipd.node.net.wire.outcomes import OutcomeUnknown, PartialPush, remote_error, stream_failure
 from gossipd.node.net.wire.shaping import LinkShaper
 from gossipd.node.protocols.base import Receipts
+from gossipd.node.shared.relay_address import is_relayed
 from gossipd.node.shared.tls import Credentials
 from gossipd.node.trainer.messages import Ack, OutboundPush, Pulled
 from gossipd.proto import SCHEMA_VERSION
@@ -109,14 +110,13 @@ class PeerClient:
         accepts any site of the mesh, whose claimed id the caller then proves. ``shaper``:
         the ``[link]`` shaping (None: off); ``bulk``: use the peer's bulk lane for large
         payloads; ``target``: what the channel dials if not ``address`` (a relay route)."""
-        self.address = address
-        self.identity = identity
-        self.codec = codec
-        self.shaper = shaper
+        self.address, self.identity = address, identity
+        self.codec, self.shaper = codec, shaper
         self.chunk_bytes = shaper.chunk_bytes(chunk_bytes) if shaper else chunk_bytes
         self.streams = max(1, streams)
         self.expected = expected
-        self.channel = tls.channel(target or address, CHANNEL_OPTIONS, expected)
+        options = RELAYED_CHANNEL_OPTIONS if is_relayed(address) else CHANNEL_OPTIONS
+        self.channel = tls.channel(target or address, options, expected)
         self.stub, self.tls = gossip_calls(self.channel), tls
         self.use_bulk = bulk
         exchange, pull_model = _model_calls(self.channel)
@@ -161,10 +161,11 @@ class PeerClient:
     def _bulk(self, dialer: BulkDialer | None) -> None:
         self._lane.dialer = dialer
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float | None = None) -> None:
+        """Close the channel: at once, or once its calls finished (at most ``grace_s``)."""
         self._streams.close()
         self._lane.close()
-        await self.channel.close(grace=None)
+        await self.channel.close(grace=grace_s)
 
     async def handshake(self, timeout_s: float) -> pb.HandshakeReply:
         request = pb.HandshakeRequest(

@@ -88,6 +88,7 @@ class StreamPool:
     ) -> None:
         self._open = open_stream
         self._idle: list[Stream] = []
+        self.closed = False  # a stream handed back after close() is retired, not kept
 
     def take(self, fresh: bool = False) -> Stream:
         now = time.monotonic()
@@ -106,9 +107,13 @@ class StreamPool:
 
     def put_back(self, stream: Stream) -> None:
         stream.used_s = time.monotonic()
-        self._idle.append(stream)
+        if self.closed:
+            stream.retire()
+        else:
+            self._idle.append(stream)
 
     def close(self) -> None:
+        self.closed = True
         for stream in self._idle:
             stream.retire()
         self._idle.clear()

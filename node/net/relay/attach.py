@@ -69,13 +69,28 @@ class Attachments:
         self.candidates = candidates
         self.on_change = on_change
         self.active: dict[str, str] = {}  # relay address -> its node id ("" if unknown)
+        self.leaving: set[str] = set()  # active relays that said they are leaving
         self.trying: set[str] = set()
         self.failed_at: dict[str, float] = {}
         self.wake = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
 
     def address(self) -> str:
-        return Relayed(self.node_id, tuple(self.active)).address()
+        """``relay://SITE@RELAYS``: the relays that stay, or all while none other is found."""
+        staying = tuple(r for r in self.active if r not in self.leaving)
+        return Relayed(self.node_id, staying or tuple(self.active)).address()
+
+    def _relay_leaving(self, relay: str) -> None:
+        """``relay`` is leaving: attach to another peer and advertise that one instead. The
+        attachment stays until the relay ends it, taking the connections it still joins."""
+        if relay in self.leaving:
+            return
+        before = self.address()
+        self.leaving.add(relay)
+        log.info("relay %s is leaving the mesh; attaching to another reachable peer", relay)
+        if self.address() != before:
+            self.on_change(self.address())
+        self.wake.set()
 
     async def run(self) -> None:
         """Attach, and replace lost relays, until cancelled."""
@@ -92,7 +107,8 @@ class Attachments:
 
     def _fill(self) -> None:
         now = asyncio.get_running_loop().time()
-        wanted = self.config.relays - len(self.active) - len(self.trying)
+        staying = len(self.active.keys() - self.leaving)
+        wanted = self.config.relays - staying - len(self.trying)
         if wanted <= 0:
             return
         for node_id, address in self._ranked():
@@ -150,6 +166,7 @@ class Attachments:
             reason = str(err) or "no answer"
         finally:
             self.trying.discard(relay)
+            self.leaving.discard(relay)
             if loop.time() - since < LASTED_S:
                 self.failed_at[relay] = loop.time()  # a relay that served a while (and
                 # ended at its connection age, say) may be attached again at once
@@ -178,6 +195,8 @@ class Attachments:
         takes: set[asyncio.Task[None]] = set()
         try:
             while order is not grpc.aio.EOF:
+                if order.leaving:
+                    self._relay_leaving(relay)
                 if order.token and len(takes) < MAX_TAKES:
                     task = asyncio.ensure_future(self._take(channel, order.token))
                     takes.add(task)

@@ -13,15 +13,21 @@ never a name in a frame. Everything here is bounded: attached sites
 ``reach.max_sessions_per_origin`` for one dialler, so a flood through a relay is
 refused), frames queued per connection (``QUEUE_FRAMES`` of at most ``MAX_FRAME_BYTES``
 each way), and the bytes forwarded per second (``reach.rate_mbit``).
+
+A relay that leaves (:meth:`RelayHub.begin_leaving`) tells its attached sites to attach
+elsewhere and each dialler to finish its calls and close its connection, and waits for
+that (:meth:`RelayHub.drained`, bounded) before its server stops: cut at once, a push
+between two sites with no other relay would stay half-answered for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -73,20 +79,29 @@ class _Session:
     to_dialer: asyncio.Queue[bytes] = field(default_factory=lambda: asyncio.Queue(QUEUE_FRAMES))
     taken: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    leaving: asyncio.Event = field(default_factory=asyncio.Event)  # the relay is leaving
+    told: bool = False  # the dialler was told so
 
-    async def next(self, queue: asyncio.Queue[bytes]) -> bytes | None:
-        """The next frame of ``queue``, or None once either end has gone and it is empty."""
+    async def next(self, queue: asyncio.Queue[bytes], notice: bool = False) -> bytes | None:
+        """The next frame of ``queue``, or None once either end has gone and it is empty;
+        with ``notice``, b"" once when the relay starts leaving (the dialler is told)."""
         while True:
+            if notice and self.leaving.is_set() and not self.told:
+                self.told = True
+                return b""
             if not queue.empty():
                 return queue.get_nowait()
             if self.done.is_set():
                 return None
             get = asyncio.ensure_future(queue.get())
-            stop = asyncio.ensure_future(self.done.wait())
+            stops = {asyncio.ensure_future(self.done.wait())}
+            if notice and not self.told:
+                stops.add(asyncio.ensure_future(self.leaving.wait()))
             try:
-                await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({get, *stops}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                stop.cancel()
+                for stop in stops:
+                    stop.cancel()
                 if not get.done():
                     get.cancel()
             if get.done() and not get.cancelled():
@@ -126,6 +141,8 @@ class RelayHub:
         self.per_origin: Counter[str] = Counter()
         self.pace = Pace(config.rate_mbit)
         self.forwarded = 0
+        self.leaving = False  # begin_leaving: no new attachment, diallers told to move
+        self._ended = asyncio.Event()  # a joined connection ended (drained() waits on it)
         metrics.relay_sites.set_function(lambda: len(self.sites))
         metrics.relay_sessions.set_function(lambda: len(self.sessions))
 
@@ -138,6 +155,62 @@ class RelayHub:
                 f"{self.node_id} relays for nobody (it cannot be dialled itself, or its "
                 "reach.relay is off); attach to another reachable peer"
             )
+
+    # -- leaving ---------------------------------------------------------------------
+    async def leave(self, leave_mesh: Awaitable[None], drain_s: float) -> None:
+        """This node leaves: the sites relayed here are told to move first (their pushes
+        to each other through here settle while ``leave_mesh`` hands this node's weight
+        off), then the connections they still hold here get up to ``drain_s`` to finish
+        before the server stops (docs/nat.md, "A relay leaving")."""
+        joined = self.begin_leaving()
+        await leave_mesh
+        if not joined:
+            return
+        left = await self.drained(drain_s)
+        log.info(
+            "relay: %d connection(s) joined here for other sites when leaving; %s",
+            len(joined),
+            f"{len(left)} still open after {drain_s:g} s are cut ({', '.join(left)}): "
+            "a push on them is retried through another relay, or folds back"
+            if left
+            else "all finished their calls first",
+        )
+
+    def begin_leaving(self) -> list[str]:
+        """This node is leaving the mesh: tell every attached site to attach elsewhere, and
+        every dialler (but this node) to finish the calls on its connection and open the
+        next ones through another relay. Connections keep being joined meanwhile, new
+        ones too: a push whose answer is crossing, or its retry, still settles here.
+        Returns the connections other sites hold here now (:meth:`others_sessions`)."""
+        self.leaving = True
+        for site in self.sites.values():
+            site.orders.put_nowait(pb.RelayOrder(leaving=True))
+        for session in self.sessions.values():
+            if session.origin != self.node_id:
+                session.leaving.set()
+        return self.others_sessions()
+
+    def others_sessions(self) -> list[str]:
+        """Joined connections that other sites dialled (this node's own end with it), as
+        "origin -> target"."""
+        return [
+            f"{s.origin} -> {s.target}" for s in self.sessions.values() if s.origin != self.node_id
+        ]
+
+    async def drained(self, within_s: float) -> list[str]:
+        """Wait until the connections other sites dialled through here have ended (their
+        diallers close them once their calls finished), at most ``within_s``; returns
+        those still open, which this node's stop cuts."""
+        deadline = asyncio.get_running_loop().time() + within_s
+        while left := self.others_sessions():
+            self._ended.clear()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return left
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._ended.wait()
+        return []
 
     # -- an attached site ----------------------------------------------------------
     async def attach(
@@ -154,6 +227,10 @@ class RelayHub:
                 f"{site} attaches with address {first.address!r}: a site that needs a relay "
                 f"cannot be dialled, so it must advertise relay://{site}@... (its relays), "
                 "not a direct address"
+            )
+        if self.leaving:
+            raise NotRelaying(
+                f"{self.node_id} is leaving the mesh; attach to another reachable peer"
             )
         if site not in self.sites and len(self.sites) >= self.config.max_sites:
             raise RelayBusy(
@@ -215,6 +292,8 @@ class RelayHub:
         self._check_room(origin)
         token = os.urandom(TOKEN_BYTES)
         session = self.sessions[token] = _Session(origin, target)
+        if self.leaving and origin != self.node_id:
+            session.leaving.set()
         self.per_origin[origin] += 1
         pump: asyncio.Future[None] | None = None
         try:
@@ -228,13 +307,14 @@ class RelayHub:
                 ) from None
             yield pb.RelayFrame(target=target)  # joined: the dialler may send
             pump = asyncio.ensure_future(self._pump(frames, session, session.to_site, "to_site"))
-            while (data := await session.next(session.to_dialer)) is not None:
-                yield pb.RelayFrame(data=data)
+            while (data := await session.next(session.to_dialer, notice=True)) is not None:
+                yield pb.RelayFrame(data=data) if data else pb.RelayFrame(leaving=True)
         finally:
             session.done.set()
             if pump is not None:
                 pump.cancel()
             self.sessions.pop(token, None)
+            self._ended.set()
             self.per_origin[origin] -= 1
             if self.per_origin[origin] <= 0:
                 del self.per_origin[origin]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -14,9 +15,15 @@ from gossipd.proto import gossip_pb2 as pb
 RelayCall = grpc.aio.StreamStreamCall[pb.RelayFrame, pb.RelayFrame]
 
 
-async def join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, call: RelayCall) -> None:
+async def join(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    call: RelayCall,
+    on_leaving: Callable[[], None] | None = None,
+) -> None:
     """Copy until the socket or the stream ends, then close both; memory is bounded by
-    gRPC's flow control one way and the socket's drain the other."""
+    gRPC's flow control one way and the socket's drain the other. ``on_leaving`` is
+    called when the relay says it is leaving (a dialler's side only)."""
 
     async def up() -> None:
         while data := await reader.read(MAX_FRAME_BYTES):
@@ -31,6 +38,8 @@ async def join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, call:
             if frame.data:
                 writer.write(frame.data)
                 await writer.drain()
+            elif frame.leaving and on_leaving is not None:
+                on_leaving()
 
     tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
     try:

@@ -6,15 +6,25 @@ one of the site's relays (the last one that worked first). gRPC's TLS runs insid
 end to end, with the name the channel expects: the site must prove its certificate,
 and the relay sees only TLS records. A relay that refuses or does not answer within
 ``JOIN_S`` is passed over for the next.
+
+A relay that is leaving says so on each connection it joins; the connection's gRPC
+channel is then retired (``on_leaving``: its calls finish, then it closes, and the next
+call opens a connection through another relay), and the relay is tried last for
+``LEAVING_S``. A site whose every relay is leaving is *cut off* (:meth:`Routes.cut_off`):
+new pushes to it are refused before a byte goes, so none is left half-answered when
+the relay stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -31,6 +41,7 @@ log = logging.getLogger(__name__)
 
 JOIN_S = 5.0  # the most a relay may take to join a connection before the next is tried
 MAX_ROUTES = 256  # relayed addresses with a loopback port at once (oldest closed first)
+LEAVING_S = 30.0  # a relay that said it is leaving is tried last, and cuts off, this long
 
 
 class Routes:
@@ -42,7 +53,11 @@ class Routes:
         self._ports: dict[str, tuple[int, asyncio.Task[asyncio.Server]]] = {}
         self._relays: dict[str, grpc.aio.Channel] = {}
         self._good: dict[str, str] = {}  # site -> the relay that last joined a connection
+        self._leaving: dict[str, float] = {}  # relay -> when it said it is leaving
         self.me = ""  # this node's own address, once it serves (PeerChannels.serve_as)
+        # Called with a relayed address whose connection's relay is leaving (PeerChannels
+        # retires that address's channel).
+        self.on_leaving: Callable[[str], None] | None = None
 
     def target(self, address: str) -> str:
         """What a channel to ``address`` dials: the address itself, or a loopback port."""
@@ -60,7 +75,7 @@ class Routes:
             async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
                 # Routes.close() cancels the connections it holds: their end, not an error.
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._forward(relayed, reader, writer)
+                    await self._forward(address, relayed, reader, writer)
 
             started = asyncio.get_running_loop().create_task(
                 asyncio.start_server(handle, sock=sock)
@@ -80,12 +95,40 @@ class Routes:
         other site), then the one that last worked, then an order that differs from dialler
         to dialler (a hash of both names), so the diallers of a site spread over its relays."""
         good = self._good.get(relayed.site)
+        leaving = self._leaving_now()
 
-        def rank(relay: str) -> tuple[bool, bool, bytes]:
+        def rank(relay: str) -> tuple[bool, bool, bool, bytes]:
             spread = hashlib.sha256(f"{self.me}|{relayed.site}|{relay}".encode()).digest()
-            return relay != self.me, relay != good, spread
+            return relay in leaving, relay != self.me, relay != good, spread
 
         return sorted(relayed.relays, key=rank)
+
+    def _leaving_now(self) -> set[str]:
+        now = time.monotonic()
+        for relay in [r for r, t in self._leaving.items() if now - t > LEAVING_S]:
+            del self._leaving[relay]
+        return set(self._leaving)
+
+    def cut_off(self, address: str) -> bool:
+        """Whether ``address`` is a relayed site whose every relay said it is leaving: a
+        connection opened now would cross a relay about to stop."""
+        relayed = parse(address)
+        return relayed is not None and set(relayed.relays) <= self._leaving_now()
+
+    def _relay_leaving(self, address: str, relayed: Relayed, relay: str) -> None:
+        first = relay not in self._leaving_now()
+        self._leaving[relay] = time.monotonic()
+        if first:
+            others = set(relayed.relays) - self._leaving_now()
+            log.info(
+                "relay %s is leaving: calls through it finish, then their connections close; %s",
+                relay,
+                f"new ones to {relayed.site} go through {', '.join(sorted(others))}"
+                if others
+                else f"no push goes to {relayed.site} until it advertises another relay",
+            )
+        if self.on_leaving is not None:
+            self.on_leaving(address)
 
     def _channel(self, relay: str) -> grpc.aio.Channel:
         channel = self._relays.get(relay)
@@ -98,7 +141,11 @@ class Routes:
             self.metrics.relay_dials.labels(result).inc()
 
     async def _forward(
-        self, relayed: Relayed, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        address: str,
+        relayed: Relayed,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         order = self.order(relayed)
         for relay in order:
@@ -117,7 +164,8 @@ class Routes:
                 continue
             self._count("connected")
             self._good[relayed.site] = relay
-            await join(reader, writer, call)
+            leaving = functools.partial(self._relay_leaving, address, relayed, relay)
+            await join(reader, writer, call, leaving)
             return
         self._count("failed")
         log.debug("no relay of %s joined a connection (%s)", relayed.site, ", ".join(order))

@@ -26,3 +26,14 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# A channel to a site behind a relay (a loopback port of Routes joined to a Dial stream):
+# - its own connection (no subchannel shared with the other channels to that port), so
+#   a channel retired because its relay is leaving takes its connection with it;
+# - 5 s to set the connection up, since grpc also takes the least reconnect backoff as its
+#   connect timeout and a relayed TLS handshake crosses the relay's streams several times
+#   (at 100 ms such a connection failed until the backoff had grown, for 10-40 s).
+RELAYED_CHANNEL_OPTIONS = [
+    *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.min_reconnect_backoff_ms"),
+    ("grpc.min_reconnect_backoff_ms", 5_000),
+    ("grpc.use_local_subchannel_pool", 1),
+]
