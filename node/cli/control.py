@@ -28,7 +28,8 @@ import aiomqtt
 from cryptography import x509
 
 from gossipd.node.errors import GossipdError
-from gossipd.node.net.peers.mqtt import CONNECT_TIMEOUT_S, BrokerLogin
+from gossipd.node.net.peers.mqtt import CONNECT_TIMEOUT_S
+from gossipd.node.net.peers.mqtt_login import BrokerLogin
 from gossipd.node.net.peers.mqtt_messages import Topics
 from gossipd.node.shared.cert_checks import operator_name_of
 from gossipd.node.shared.cert_files import (

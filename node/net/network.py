@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -142,9 +142,9 @@ class Network:
         self.membership = self.health.membership
         self._build_gossip(config, replica)
         self._build_peering(config, replica)
-        # The coordinator's client, started with the node once its address is known
-        # (None: no coordinator configured, the node schedules alone).
+        # The coordinator's client, started with the node (None: the node schedules alone).
         self.coordinator: CoordinatorClient | None = None
+        self.readvertised: list[Callable[[str], None]] = []  # told this node's new address
 
     def _build_gossip(self, config: NodeConfig, replica: ReplicaLink) -> None:
         """The parts that carry the model: pushes out and in, pulls, and the leave."""
@@ -244,6 +244,7 @@ class Network:
             self.coordinator = await follow_coordinator(
                 self.config.coordinator, self.mesh_id, self.address, self.tls, self.peering
             )
+            self.readvertised.append(self.coordinator.readvertise)
         self.replica.attach(
             NetworkPort(
                 loop=asyncio.get_running_loop(),
@@ -278,8 +279,8 @@ class Network:
             return
         self.address = address
         self._serve_as_identity()
-        if self.coordinator is not None:
-            self.coordinator.readvertise(address)
+        for tell in self.readvertised:
+            tell(address)
 
     def _serve_as_identity(self) -> None:
         """This node's identity, now that its address is bound, for its dials and replies."""

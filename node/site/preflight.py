@@ -40,7 +40,7 @@ def check_site(config: NodeConfig) -> None:
     check_checkpoint_owner(config)
     check_job_package(config.job.name)
     if config.mqtt is not None:
-        from gossipd.node.net.peers.mqtt import BrokerLogin
+        from gossipd.node.net.peers.mqtt_login import BrokerLogin
 
         BrokerLogin.from_config(config.mqtt)  # reads mqtt.password_file, ca, cert and key
 

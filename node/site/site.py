@@ -205,6 +205,8 @@ class Site:
                 metrics=self.metrics,
                 material=lambda: self.network.tls.material,
             )
+            if self.mqtt is not None:  # an outbound-only site's relays change its address
+                self.network.readvertised.append(self.mqtt.readvertise)
             self._stop = stop
             self.mail.attach(asyncio.get_running_loop())
             self.loop_thread.start()

@@ -24,16 +24,16 @@ import asyncio
 import json
 import logging
 import random
-import ssl
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from importlib import metadata
 from typing import TYPE_CHECKING, Protocol
 
 import aiomqtt
 
-from gossipd.node.errors import ConfigError, GossipdError
+from gossipd.node.errors import GossipdError
+from gossipd.node.net.peers.mqtt_login import BrokerLogin
 from gossipd.node.net.peers.mqtt_messages import (
     Command,
     Junk,
@@ -45,7 +45,7 @@ from gossipd.node.net.peers.mqtt_messages import (
 from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.shared import certs
 from gossipd.node.shared.cert_files import load_cert
-from gossipd.node.shared.config import MqttConfig, NodeConfig
+from gossipd.node.shared.config import NodeConfig
 from gossipd.node.shared.control_signing import (
     MAX_DETAIL_CHARS,
     ControlRefused,
@@ -81,53 +81,6 @@ class Presences(Protocol):
     def heard_presence(self, node_id: str, address: str, incarnation: int) -> None: ...
 
 
-@dataclass(frozen=True)
-class BrokerLogin:
-    """The connection settings of ``[mqtt]``, with its files read: checked before start."""
-
-    host: str
-    port: int
-    username: str | None
-    password: str | None
-    tls: ssl.SSLContext | None
-    keepalive_s: int
-
-    @classmethod
-    def from_config(cls, config: MqttConfig) -> BrokerLogin:
-        host, _, port = config.broker.rpartition(":")
-        password = config.password
-        if config.password_file is not None:
-            try:
-                password = config.password_file.read_text().splitlines()[0]
-            except (OSError, IndexError) as err:
-                why = getattr(err, "strerror", None) or "the file is empty"
-                raise ConfigError(
-                    f"mqtt.password_file = {config.password_file}: cannot read a password: "
-                    f"{why}; write the broker password on its first line"
-                ) from None
-        return cls(
-            host.strip("[]"),
-            int(port),
-            config.username,
-            password,
-            _tls_context(config) if config.uses_tls else None,
-            config.keepalive_s,
-        )
-
-
-def _tls_context(config: MqttConfig) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=str(config.ca) if config.ca else None)
-        if config.cert is not None and config.key is not None:
-            context.load_cert_chain(str(config.cert), str(config.key))
-    except (OSError, ssl.SSLError) as err:
-        raise ConfigError(
-            f"mqtt.ca/cert/key: cannot load them: {err}; give PEM files this user can read "
-            "(ca: the CA that signed the broker's certificate)"
-        ) from None
-    return context
-
-
 class MqttAgent:
     def __init__(
         self,
@@ -152,9 +105,10 @@ class MqttAgent:
         if not config.tls.insecure:
             assert config.tls.cert is not None, "a site with TLS names its certificate"
             fingerprint = certs.describe(config.tls.cert)["sha256"]
-        self.presence = Presence(
+        self.me = Presence(
             config.node_id, address, incarnation, fingerprint, config.mesh_id, _version()
-        ).payload()
+        )
+        self.presence = self.me.payload()
         self.peers = peers
         self.controls = controls
         self.metrics = metrics
@@ -165,6 +119,7 @@ class MqttAgent:
         self.client: aiomqtt.Client | None = None
         self.task: asyncio.Task[None] | None = None
         self.failures = 0  # attempts in a row that did not reach the broker
+        self._republish: asyncio.Future[None] | None = None  # a new address's presence
         self._closing = False
         metrics.mqtt_connected.set(0)
 
@@ -267,6 +222,20 @@ class MqttAgent:
                 self.failures,
                 err,
             )
+
+    def readvertise(self, address: str) -> None:
+        """This node is reached at ``address`` from now on (an outbound-only site's relays
+        changed): its retained presence says so, now if connected, else on connecting."""
+        self.me = replace(self.me, address=address)
+        self.presence = self.me.payload()
+        if self.client is not None and not self._closing:
+            self._republish = asyncio.ensure_future(self._publish_presence(self.client))
+
+    async def _publish_presence(self, client: aiomqtt.Client) -> None:
+        try:
+            await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
+        except aiomqtt.MqttError as err:  # the connection is lost: the next one publishes it
+            log.debug("could not publish the new presence yet: %s", err)
 
     # -- messages -----------------------------------------------------------------------
     async def on_message(self, client: aiomqtt.Client, topic: str, payload: bytes) -> None:
