@@ -87,6 +87,9 @@ def test_kill_9_and_restart_of_one_site_costs_at_most_what_its_checkpoint_lacks(
             )
 
         wait_until(restart_seen, "a and b to verify c's new incarnation", 120)
+        # Its reach check's dial-back tried the address afresh, not through the peers' pooled
+        # connection to the killed incarnation (which failed it at once: outbound-only).
+        assert status_of(c)["reach"] == "direct", c.log()[-3000:]
         # Gossip to and from the new incarnation, long enough for the defect to show.
         wait_counters_grow(handles, ("pushes_acked", "pushes_merged"), 20, "gossip after", 180)
         survivors = [status_of(h) for h in (a, b)]

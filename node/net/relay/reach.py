@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gossipd.node.errors import Busy, MeshMismatch
 from gossipd.node.net.wire.calls import gossip_calls
-from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS
+from gossipd.node.net.wire.grpc_options import CHANNEL_OPTIONS, FRESH_CHANNEL_OPTIONS
 from gossipd.node.shared.relay_address import is_relayed
 from gossipd.node.shared.tls import Credentials, check_claim
 from gossipd.proto import gossip_pb2 as pb
@@ -43,7 +43,7 @@ class Finding:
 
 async def dial_back(tls: Credentials, address: str, node_id: str) -> tuple[bool, str]:
     """Whether ``node_id`` answers a health check at ``address``, over its own certificate."""
-    channel = tls.channel(address, CHANNEL_OPTIONS, node_id or None)
+    channel = tls.channel(address, FRESH_CHANNEL_OPTIONS, node_id or None)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         await stub.Check(health_pb2.HealthCheckRequest(), timeout=DIAL_BACK_S)

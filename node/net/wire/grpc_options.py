@@ -26,6 +26,12 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# A channel that shares no connection with the node's others: grpc pools connections by
+# target and options, so a new channel to an address another channel failed to reach
+# (a site killed and restarted there) fails at once with that connection's last error
+# until its backoff ends. A reach check's dial-back must try the address now: through
+# the pool, a restarted site was told "connection refused" and went outbound-only.
+FRESH_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 # A channel to a site behind a relay (a loopback port of Routes joined to a Dial stream):
 # - its own connection (no subchannel shared with the other channels to that port), so
 #   a channel retired because its relay is leaving takes its connection with it;
@@ -33,7 +39,6 @@ CHANNEL_OPTIONS = [
 #   connect timeout and a relayed TLS handshake crosses the relay's streams several times
 #   (at 100 ms such a connection failed until the backoff had grown, for 10-40 s).
 RELAYED_CHANNEL_OPTIONS = [
-    *(o for o in CHANNEL_OPTIONS if o[0] != "grpc.min_reconnect_backoff_ms"),
+    *(o for o in FRESH_CHANNEL_OPTIONS if o[0] != "grpc.min_reconnect_backoff_ms"),
     ("grpc.min_reconnect_backoff_ms", 5_000),
-    ("grpc.use_local_subchannel_pool", 1),
 ]
