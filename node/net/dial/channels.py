@@ -108,10 +108,6 @@ class PeerChannels:
         if client is not None:
             self.tasks.spawn(client.close(grace_s=RETIRE_GRACE_S))
 
-    def cut_off(self, address: str) -> bool:
-        """Whether every relay of ``address`` is leaving (:meth:`Routes.cut_off`)."""
-        return self.routes.cut_off(address)
-
     def replace_all(self) -> None:
         """Close every channel (new certificates): the next call opens a fresh one."""
         old, self._clients = self._clients, {}

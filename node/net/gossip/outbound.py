@@ -199,7 +199,7 @@ class Outbound:
         peer, gossip = out.push.peer, self.gossip
         if peer not in self.membership.peers:
             return Delivery([], f"peer {peer} left the view")
-        if self.channels.cut_off(address := self.membership.peers[peer].address):
+        if self.channels.routes.cut_off(address := self.membership.peers[peer].address):
             # Nothing sent, so refused exactly; a push already under way (a retry below)
             # still crosses the leaving relay, which joins connections until it stops.
             return Delivery([], f"every relay of {peer} is leaving ({address})")

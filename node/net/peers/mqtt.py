@@ -108,7 +108,6 @@ class MqttAgent:
         self.me = Presence(
             config.node_id, address, incarnation, fingerprint, config.mesh_id, _version()
         )
-        self.presence = self.me.payload()
         self.peers = peers
         self.controls = controls
         self.metrics = metrics
@@ -177,7 +176,7 @@ class MqttAgent:
         )
 
     async def _serve(self, client: aiomqtt.Client) -> None:
-        await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
+        await client.publish(self.topics.presence(), self.me.payload(), qos=1, retain=True)
         await client.subscribe(
             [
                 (self.topics.presence_filter, 1),
@@ -227,13 +226,12 @@ class MqttAgent:
         """This node is reached at ``address`` from now on (an outbound-only site's relays
         changed): its retained presence says so, now if connected, else on connecting."""
         self.me = replace(self.me, address=address)
-        self.presence = self.me.payload()
         if self.client is not None and not self._closing:
             self._republish = asyncio.ensure_future(self._publish_presence(self.client))
 
     async def _publish_presence(self, client: aiomqtt.Client) -> None:
         try:
-            await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
+            await client.publish(self.topics.presence(), self.me.payload(), qos=1, retain=True)
         except aiomqtt.MqttError as err:  # the connection is lost: the next one publishes it
             log.debug("could not publish the new presence yet: %s", err)
 
@@ -256,7 +254,7 @@ class MqttAgent:
         if node_id == self.topics.node_id:
             if presence is None and not self._closing:
                 # A previous incarnation's will (or someone) cleared ours: put it back.
-                await client.publish(self.topics.presence(), self.presence, qos=1, retain=True)
+                await client.publish(self.topics.presence(), self.me.payload(), qos=1, retain=True)
             return
         if presence is not None:
             self.peers.heard_presence(presence.node_id, presence.address, presence.incarnation)
