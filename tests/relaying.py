@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
+from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.net.wire.calls import gossip_calls
 from gossipd.node.shared.tls import Credentials
 from gossipd.proto import gossip_pb2 as pb
+from tests.daemons import DaemonHandle, start_daemon
 from tests.outsider import MESH
+from tests.tls_mesh import Pki
 
 T = TypeVar("T")
 
@@ -81,3 +85,22 @@ class Hand:
         self.run(self.channel.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def start_relay(
+    tmp_path: Path, *, reach: dict[str, Any], **config: Any
+) -> tuple[DaemonHandle, Pki]:
+    """A direct daemon r that relays (``reach`` over ``reachable = true``), with certificates
+    for r, an attaching site c and a member m; the test presents m's."""
+    pki = Pki.create(tmp_path / "pki", ["r", "c", "m"])
+    (port,) = free_ports(1)
+    handle = start_daemon(
+        tmp_path,
+        "r",
+        port,
+        client_tls=pki.creds("m"),
+        tls=pki.tls_config("r"),
+        reach={"reachable": True, **reach},
+        **config,
+    )
+    return handle, pki

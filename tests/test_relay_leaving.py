@@ -19,29 +19,13 @@ from typing import Any
 import grpc
 import pytest
 
-from gossipd.node.launch.localmesh import free_ports
 from gossipd.proto import gossip_pb2 as pb
-from tests.daemons import DaemonHandle, start_daemon
+from tests.daemons import DaemonHandle
 from tests.meshes import stop_all
-from tests.relaying import Hand
+from tests.relaying import Hand, start_relay
 from tests.tls_mesh import Pki
 
 EXIT_S = 60.0  # a relay's SIGTERM to its exit, on 2 busy cores
-
-
-def start_relay(tmp_path: Path, shutdown_timeout_s: float) -> tuple[DaemonHandle, Pki]:
-    pki = Pki.create(tmp_path / "pki", ["r", "c", "m"])
-    (port,) = free_ports(1)
-    handle = start_daemon(
-        tmp_path,
-        "r",
-        port,
-        client_tls=pki.creds("m"),
-        tls=pki.tls_config("r"),
-        reach={"reachable": True},
-        shutdown_timeout_s=shutdown_timeout_s,
-    )
-    return handle, pki
 
 
 @pytest.fixture
@@ -103,7 +87,7 @@ def test_a_leaving_relay_tells_both_ends_and_joins_until_their_connections_close
     once, a new attachment is refused; once both connections are closed the relay
     exits and says that they finished first. Its shutdown_timeout_s of 120 s gives the
     connections a 60 s drain, far longer than the test takes, so nothing here is cut."""
-    relay, pki = start_relay(tmp_path, shutdown_timeout_s=120.0)
+    relay, pki = start_relay(tmp_path, reach={}, shutdown_timeout_s=120.0)
     daemons.append(relay)
     site, attach, member = attached(relay, pki, hands)
     dial, take = joined(site, attach, member)
@@ -141,7 +125,7 @@ def test_a_connection_left_open_is_cut_after_half_the_shutdown_timeout(
 ) -> None:
     """A dialler that ignores the notice (or one hung) does not hold the relay: after
     half its shutdown_timeout_s it stops, cuts the connection and says so."""
-    relay, pki = start_relay(tmp_path, shutdown_timeout_s=4.0)
+    relay, pki = start_relay(tmp_path, reach={}, shutdown_timeout_s=4.0)
     daemons.append(relay)
     site, attach, member = attached(relay, pki, hands)
     dial, _ = joined(site, attach, member)

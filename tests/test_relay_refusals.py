@@ -16,11 +16,10 @@ from typing import Any
 import grpc
 import pytest
 
-from gossipd.node.launch.localmesh import free_ports
 from gossipd.proto import gossip_pb2 as pb
-from tests.daemons import DaemonHandle, start_daemon
+from tests.daemons import DaemonHandle
 from tests.meshes import status_of, stop_all
-from tests.relaying import Hand
+from tests.relaying import Hand, start_relay
 from tests.tls_mesh import Pki
 
 PER_ORIGIN = 2
@@ -28,16 +27,7 @@ PER_ORIGIN = 2
 
 @pytest.fixture
 def relay(tmp_path: Path) -> Iterator[tuple[DaemonHandle, Pki]]:
-    pki = Pki.create(tmp_path / "pki", ["r", "c", "m"])
-    (port,) = free_ports(1)
-    handle = start_daemon(
-        tmp_path,
-        "r",
-        port,
-        client_tls=pki.creds("m"),
-        tls=pki.tls_config("r"),
-        reach={"reachable": True, "max_sessions_per_origin": PER_ORIGIN},
-    )
+    handle, pki = start_relay(tmp_path, reach={"max_sessions_per_origin": PER_ORIGIN})
     try:
         yield handle, pki
     finally:
