@@ -23,6 +23,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
+    CODEC_TOPK2: _ClassVar[Codec]
+    CODEC_TOPK4: _ClassVar[Codec]
 
 class SegmentResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +42,8 @@ CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
+CODEC_TOPK2: Codec
+CODEC_TOPK4: Codec
 SEGMENT_RESULT_UNSPECIFIED: SegmentResult
 SEGMENT_RESULT_MERGED: SegmentResult
 SEGMENT_RESULT_DUPLICATE: SegmentResult

@@ -199,6 +199,13 @@ def test_assembler_refuses_unknown_codec_naming_it(plan, codec):
     _refused(SegmentAssembler(plan, Limits()), header, match=rf"unknown codec {codec} ")
 
 
+@pytest.mark.parametrize("codec", [pb.CODEC_TOPK2, pb.CODEC_TOPK4])
+def test_assembler_refuses_the_simulator_only_sparse_codecs_saying_so(plan, codec):
+    header, _ = _frames(plan, 0)
+    header.codec = codec
+    _refused(SegmentAssembler(plan, Limits()), header, match=r"topk\d, which only the simulator")
+
+
 def test_assembler_refuses_segment_over_size_limit_before_allocating(plan):
     header, _ = _frames(plan, 0)
     asm = SegmentAssembler(plan, Limits(max_segment_bytes=147))

@@ -14,6 +14,10 @@ The scales come first, then the values. A block's error is at most half its scal
 so one outlier coarsens only its own block. Sent as whole models, their error is a
 fraction of the weights themselves and never shrinks; their use is for differences
 (:mod:`gossipd.node.compression.feedback`), whose size falls as the sites agree.
+
+``topk2`` and ``topk4`` (:mod:`gossipd.node.compression.sparse`) send only the largest
+entries of a difference, so their size is not fixed: a header says it, and the receiver
+checks it against :func:`max_encoded_nbytes` before it allocates.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from enum import IntEnum
 import torch
 import xxhash
 
+from gossipd.node.compression import sparse
 from gossipd.node.errors import InvalidFrame, NonFinitePayload
 from gossipd.proto import gossip_pb2 as pb
 
@@ -38,6 +43,8 @@ class Codec(IntEnum):
     BF16 = pb.CODEC_BF16
     INT8 = pb.CODEC_INT8
     INT4 = pb.CODEC_INT4
+    TOPK2 = pb.CODEC_TOPK2
+    TOPK4 = pb.CODEC_TOPK4
 
     @classmethod
     def parse(cls, name: str) -> Codec:
@@ -58,6 +65,16 @@ WIRE_TO_DTYPE = {v: k for k, v in DTYPE_TO_WIRE.items()}
 _WIRE_DTYPE = {Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}
 BLOCK = 256  # elements per scale of int8 and int4: 2 bytes of scale per 256 values
 _LEVELS = {Codec.INT8: 127, Codec.INT4: 7}  # the largest magnitude of a quantised value
+_SPARSE_BITS = {Codec.TOPK2: 2, Codec.TOPK4: 4}
+# What a sparse codec's sender sends values whole in (to a receiver with no copy to add to):
+# a quarter of float32, and what it drops is fed back like any other codec's.
+SPARSE_WHOLE = Codec.INT8
+DEFAULT_FRACTION = 0.01  # of a segment's entries a sparse codec sends (SparseLoCo: 1-3%)
+
+
+def is_sparse(codec: Codec) -> bool:
+    """Whether ``codec`` sends some entries only: a difference's, never values whole."""
+    return codec in _SPARSE_BITS
 
 
 def _blocks(numel: int) -> int:
@@ -66,7 +83,10 @@ def _blocks(numel: int) -> int:
 
 def encoded_nbytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
     """The exact size of ``numel`` values of ``dtype`` encoded in ``codec``: what a
-    receiver expects before it allocates a byte."""
+    receiver expects before it allocates a byte. A sparse codec's size varies: this is
+    the most it may be."""
+    if codec in _SPARSE_BITS:
+        return sparse.max_nbytes(numel)
     if codec == Codec.INT8:
         return 2 * _blocks(numel) + numel
     if codec == Codec.INT4:
@@ -77,13 +97,31 @@ def encoded_nbytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
 def decoded_copy_bytes(codec: Codec, dtype: torch.dtype, numel: int) -> int:
     """Bytes :func:`decode` allocates besides its input: none when the wire dtype is the
     model's (the tensor is then a view of the received buffer), else a tensor of ``dtype``."""
-    if codec not in _LEVELS and _WIRE_DTYPE.get(codec, dtype) == dtype:
+    if (
+        codec not in _LEVELS
+        and codec not in _SPARSE_BITS
+        and _WIRE_DTYPE.get(codec, dtype) == dtype
+    ):
         return 0
     return numel * dtype.itemsize
 
 
-def encode(flat: torch.Tensor, codec: Codec) -> memoryview:
-    """A byte view of ``flat`` in ``codec``; for ``raw`` on CPU this is zero-copy."""
+def size_error(codec: Codec, dtype: torch.dtype, numel: int, nbytes: int) -> str | None:
+    """Why a payload that says it is ``nbytes`` cannot be ``numel`` values in ``codec``
+    (None: it can be)."""
+    expected = encoded_nbytes(codec, dtype, numel)
+    if codec in _SPARSE_BITS and not sparse.HEADER.size <= nbytes <= expected:
+        return f"need at most {expected}"
+    if codec not in _SPARSE_BITS and nbytes != expected:
+        return f"need {expected}"
+    return None
+
+
+def encode(flat: torch.Tensor, codec: Codec, fraction: float = DEFAULT_FRACTION) -> memoryview:
+    """A byte view of ``flat`` in ``codec``; for ``raw`` on CPU this is zero-copy.
+    ``fraction``: of the entries a sparse codec sends."""
+    if codec in _SPARSE_BITS:
+        return sparse.encode(flat, _SPARSE_BITS[codec], fraction)
     if codec in _LEVELS:
         return memoryview(_quantise(flat.detach().to("cpu"), codec).numpy()).cast("B")
     wire_dtype = _WIRE_DTYPE.get(codec, flat.dtype)
@@ -149,14 +187,20 @@ def decode(
     """Bytes to a flat tensor of the model's ``dtype``, refusing NaN and infinity
     (``check_finite`` False: the caller proves finiteness itself, see
     :meth:`~gossipd.node.model.payload_bound.PayloadBound.gauge`)."""
-    expected = encoded_nbytes(codec, dtype, numel)
-    if len(data) != expected:
+    wrong = size_error(codec, dtype, numel, len(data))
+    if wrong:
         raise InvalidFrame(
             f"payload is {len(data)} bytes but {numel} elements of {dtype} in "
-            f"{codec.name.lower()} need {expected}"
+            f"{codec.name.lower()} {wrong}"
         )
     if numel == 0:
         return torch.empty(0, dtype=dtype)
+    if codec in _SPARSE_BITS:
+        values = sparse.decode(data, _SPARSE_BITS[codec], numel)
+        values = values if dtype == torch.float32 else values.to(dtype)
+        if check_finite:
+            require_finite(values)
+        return values
     if codec in _LEVELS:
         values = _dequantise(torch.frombuffer(data, dtype=torch.uint8), codec, dtype, numel)
         if check_finite:

@@ -102,13 +102,22 @@ class Encoded:
     base: int
     version: int
     rebuilt: torch.Tensor
+    codec: Codec
 
 
 class FeedbackSender:
     """A node's sending side: its copies of what each peer holds of its segments."""
 
-    def __init__(self, codec: Codec, max_peers: int, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        max_peers: int,
+        rng: random.Random | None = None,
+        fraction: float = wirecodec.DEFAULT_FRACTION,
+    ) -> None:
+        """``fraction``: of a segment's entries a sparse codec sends."""
         self.codec = codec
+        self.fraction = fraction
         self.copies = Copies(max_peers)
         self._rng = rng or random.SystemRandom()
         # (peer, segment) -> (sequence, what that message sends): a retry of a push sends
@@ -124,18 +133,22 @@ class FeedbackSender:
             return pending[1]
         held = self.copies.get(peer, segment)
         values = values.detach().to("cpu")
+        codec = self.codec
         if held is None:
             base, change = WHOLE, values
-            if not wirecodec.decoded_copy_bytes(self.codec, values.dtype, values.numel()):
+            if wirecodec.is_sparse(codec):
+                codec = wirecodec.SPARSE_WHOLE  # no copy to add entries to
+            if not wirecodec.decoded_copy_bytes(codec, values.dtype, values.numel()):
                 change = values.clone()  # the codec would send (and keep) a view of them
         else:
             base, change = held[0], values - held[1]
-        data = wirecodec.encode(change, self.codec)
+        data = wirecodec.encode(change, codec, self.fraction)
         decoded = wirecodec.decode(
-            data, self.codec, values.dtype, values.numel(), check_finite=False
+            data, codec, values.dtype, values.numel(), check_finite=False
         ).view(values.shape)
         rebuilt = decoded if held is None else held[1] + decoded
-        encoded = Encoded(data.toreadonly(), base, self._rng.getrandbits(63) | 1, rebuilt)
+        version = self._rng.getrandbits(63) | 1
+        encoded = Encoded(data.toreadonly(), base, version, rebuilt, codec)
         with self._lock:
             self._pending[(peer, segment)] = (sequence, encoded)
         return encoded

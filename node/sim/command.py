@@ -117,9 +117,14 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "--codec",
-        "how pushed segments travel, as gossip.codec: raw, fp16, bf16, int8, int4 (bytes "
-        "scaled by the codec's size against float32)",
-        {"choices": ["raw", "fp16", "bf16", "int8", "int4"], "default": "raw"},
+        "how pushed segments travel, as gossip.codec: raw, fp16, bf16, int8, int4, or topk2 "
+        "and topk4 with --error-feedback (bytes: the encoded segment's against float32's)",
+        {"choices": ["raw", "fp16", "bf16", "int8", "int4", "topk2", "topk4"], "default": "raw"},
+    ),
+    Flag(
+        "--topk-fraction",
+        "of a segment's entries topk2 and topk4 send (gossip.topk_fraction)",
+        {"type": float, "default": 0.01},
     ),
     Flag(
         "--error-feedback",
@@ -227,6 +232,7 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
         codec=args.codec,
         error_feedback=args.error_feedback,
         feedback_peers=args.feedback_peers,
+        topk_fraction=args.topk_fraction,
         options=protocol_options(args),
         learning_rate=args.learning_rate,
         target_error=args.target_error,

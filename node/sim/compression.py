@@ -36,7 +36,15 @@ def _like(values: torch.Tensor, original: Any) -> Any:
 class SimCodec:
     """Every simulated node's codec state: one sending and one receiving side per node."""
 
-    def __init__(self, codec: Codec, error_feedback: bool, max_peers: int, seed: int) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        error_feedback: bool,
+        max_peers: int,
+        seed: int,
+        fraction: float = 0.01,
+    ) -> None:
+        """``fraction``: of a segment's entries a sparse codec sends."""
         import torch
 
         from gossipd.node.compression import codecs as wirecodec
@@ -46,16 +54,16 @@ class SimCodec:
         self.codec = codec
         self.error_feedback = error_feedback
         self.max_peers = max_peers
+        self.fraction = fraction
         self._rng = random.Random(seed)  # versions only: they never change a value
         self._senders: dict[str, FeedbackSender] = {}
         self._receivers: dict[str, FeedbackReceiver] = {}
         self.stale = 0  # segments refused as differences from a copy the receiver lacked
 
-    def wire_bytes(self, raw_nbytes: int, numel: int) -> int:
-        """What a segment of ``raw_nbytes`` simulated bytes costs in this codec."""
-        f32 = self._torch.float32
-        ratio = self._wire.encoded_nbytes(self.codec, f32, numel) / max(4 * numel, 1)
-        return max(1, round(raw_nbytes * ratio))
+    def wire_bytes(self, raw_nbytes: int, numel: int, sent: Encoded) -> int:
+        """What a segment of ``raw_nbytes`` simulated bytes costs as ``sent``: its encoded
+        bytes against float32's (a sparse codec's vary from push to push)."""
+        return max(1, round(raw_nbytes * len(sent.data) / max(4 * numel, 1)))
 
     def send(
         self, sender: str, peer: str, sequence: int, values: Mapping[int, Any]
@@ -65,11 +73,13 @@ class SimCodec:
             out = {}
             for s, v in values.items():
                 data = self._wire.encode(_tensor(v), self.codec)
-                out[s] = self._feedback.Encoded(data, 0, 0, self._torch.empty(0))
+                out[s] = self._feedback.Encoded(data, 0, 0, self._torch.empty(0), self.codec)
             return out
         side = self._senders.get(sender)
         if side is None:
-            side = self._feedback.FeedbackSender(self.codec, self.max_peers, self._rng)
+            side = self._feedback.FeedbackSender(
+                self.codec, self.max_peers, self._rng, self.fraction
+            )
             self._senders[sender] = side
         return {s: side.encode(peer, s, _tensor(v), sequence) for s, v in values.items()}
 
@@ -83,7 +93,7 @@ class SimCodec:
         for s, enc in sent.items():
             original = _tensor(like[s])
             data = bytearray(enc.data)  # what a receiver holds: its own, writable buffer
-            decoded = self._wire.decode(data, self.codec, original.dtype, original.numel())
+            decoded = self._wire.decode(data, enc.codec, original.dtype, original.numel())
             decoded = decoded.view(original.shape)
             if self.error_feedback:
                 if side is None:

@@ -95,14 +95,20 @@ def make_codec(spec: SimSpec) -> SimCodec | None:
     """The simulated wire's codec; None for raw values (then torch is never imported)."""
     if spec.codec == "raw" and not spec.error_feedback:
         return None
-    from gossipd.node.compression.codecs import Codec
+    from gossipd.node.compression.codecs import Codec, is_sparse
+    from gossipd.node.compression.sparse import fraction_error
     from gossipd.node.sim.compression import SimCodec
 
     try:
         codec = Codec.parse(spec.codec)
     except ValueError as err:
         raise GossipdError(f"--codec: {err}") from None
-    return SimCodec(codec, spec.error_feedback, spec.feedback_peers, spec.seed)
+    if is_sparse(codec) and not spec.error_feedback:
+        raise GossipdError(f"--codec {spec.codec} sends differences only: add --error-feedback")
+    wrong = fraction_error(spec.topk_fraction)
+    if wrong:
+        raise GossipdError(f"--topk-fraction: {wrong}")
+    return SimCodec(codec, spec.error_feedback, spec.feedback_peers, spec.seed, spec.topk_fraction)
 
 
 class Simulation(PushSide, PullSide):

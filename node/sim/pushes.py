@@ -100,7 +100,9 @@ class PushSide:
                 mine = {s: values[s] for s in push.weights}
                 sent = self.codec.send(node.id, push.peer, push.sequence, mine)
                 nbytes = sum(
-                    self.codec.wire_bytes(self.payload.segment_nbytes[s], _numel(values[s]))
+                    self.codec.wire_bytes(
+                        self.payload.segment_nbytes[s], _numel(values[s]), sent[s]
+                    )
                     for s in push.weights
                 )
             flight = Flight(push, node, values, rows, nbytes)

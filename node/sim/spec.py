@@ -46,6 +46,9 @@ class SimSpec:
     codec: str = "raw"  # how pushed segments travel (gossip.codec)
     error_feedback: bool = False  # differences from shared copies (gossip.error_feedback)
     feedback_peers: int = 8  # peers whose copies a node keeps (gossip.feedback_peers)
+    topk_fraction: float = (
+        0.01  # of a segment's entries topk2 and topk4 send (gossip.topk_fraction)
+    )
     # The protocol's own settings, as in its [gossip.<protocol>] table; unset, the sim's
     # round_steps above and average_every_steps = ⌈log2 N⌉ (one burst right after another)
     # where the protocol has such a setting, else the protocol's defaults.

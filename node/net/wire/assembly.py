@@ -82,10 +82,7 @@ class SegmentAssembler:
         if header.segment in self._seen:
             raise InvalidFrame(f"segment {header.segment} sent twice in one stream")
         seg = self.plan.segments[header.segment]
-        try:
-            codec = Codec(header.codec)
-        except ValueError:
-            raise InvalidFrame(f"unknown codec {header.codec} for segment {seg.index}") from None
+        codec = _codec(header.codec, seg.index)
         dtype = wirecodec.WIRE_TO_DTYPE.get(header.dtype)
         if dtype != seg.dtype:
             raise InvalidFrame(
@@ -246,3 +243,17 @@ class SegmentAssembler:
                 f"checksum mismatch on segment {header.segment}: header says "
                 f"{header.checksum:#018x}, payload hashes to {actual:#018x}"
             )
+
+
+def _codec(value: int, segment: int) -> Codec:
+    """The codec a header names, if this daemon takes it."""
+    try:
+        codec = Codec(value)
+    except ValueError:
+        raise InvalidFrame(f"unknown codec {value} for segment {segment}") from None
+    if wirecodec.is_sparse(codec):
+        raise InvalidFrame(
+            f"segment {segment} is in {codec.name.lower()}, which only the simulator runs: "
+            "sparse differences from the copies do not converge (docs/protocols/index.md)"
+        )
+    return codec

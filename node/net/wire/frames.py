@@ -62,7 +62,7 @@ def encoded_segment(
         sum_weight=sum_weight,
         dtype=cast("pb.DType", wirecodec.DTYPE_TO_WIRE[flat.dtype]),
         numel=flat.numel(),
-        codec=wire_codec(codec),
+        codec=wire_codec(codec if sent is None else sent.codec),
         payload_bytes=len(data),
         checksum=wirecodec.checksum(data) if checksum else 0,
         base_version=sent.base if sent is not None else 0,
