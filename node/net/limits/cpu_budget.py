@@ -20,10 +20,7 @@ model, whose pushes are many per window, but a 17 MB model's push and the one it
 receives cost tens of CPU-ms each, one or two per window: a window without one
 measured under the share and let the next push go at once, so gossip took twice
 its share (5.9% at 0.03). Credit keeps every CPU-ms measured until it is paid for,
-whatever a push costs and whenever it lands. A push is charged its estimated cost the
-moment it goes, and the charge is paid off as its CPU shows in the samples, so a burst
-of pushes stops at the credit before its CPU is measured (a token bucket: see
-:meth:`CpuBudget.wait_s`). Each node waits out its own debt, so
+whatever a push costs and whenever it lands. Each node waits out its own debt, so
 pushes spread at the interval they really cost rather than every node of a mesh
 stopping while a shared window is over and bursting together once it is under.
 Credit saved while gossip is quiet is capped (``CREDIT_S`` of the share), so a
