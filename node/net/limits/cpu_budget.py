@@ -183,10 +183,6 @@ class CpuBudget:
         # CPU-seconds gossip may still spend (below 0: a debt), as of the last sample
         self._credit = 0.0
         self._push_cpu_s = 0.0  # gossip CPU between one push and the next (a moving mean)
-        # What the pushes released lately will cost (a push's estimated cost each), less the
-        # gossip CPU measured since: charged at once, so that a burst of pushes stops at the
-        # credit before the CPU it has started to spend shows in a sample.
-        self._pending = 0.0
         self._push_cost_learned = False  # it was measured while nothing was refused
         self._last_release: _Point | None = None
         self._lock = threading.Lock()  # the loop (metrics, pushes) and the trainer (summary) ask
@@ -246,9 +242,6 @@ class CpuBudget:
                 rate = self.share * self.cpus
                 earned = self._credit + rate * (now - prev.wall) - gossip_s
                 self._credit = min(rate * CREDIT_S, max(-rate * DEBT_S, earned))
-                self._pending = max(0.0, self._pending - max(0.0, gossip_s))
-            elif not self.training:
-                self._pending = 0.0  # nothing is held while the trainer does not step
             samples.append(sample)
             while len(samples) > 2 and now - samples[1].wall >= WINDOW_S:
                 samples.popleft()
@@ -270,30 +263,23 @@ class CpuBudget:
 
     def wait_s(self) -> float:
         """How much longer a push should wait before it goes: 0 while the trainer does
-        not step; else until the credit (earned at share × cores CPU-seconds a second,
-        at most ``CREDIT_S`` of it saved, at most ``DEBT_S`` owed), less what the pushes
-        already released will cost, covers what a push costs (or the most that can be
-        saved, for a push that costs more).
-
-        A token bucket: a burst of pushes goes at once while the saved credit lasts, so
-        persyn's sub-rounds are not spread over its deadlines (a turn per push, the cost
-        of one push at the share's rate, held a 3 ms `mnist1d` burst's second push some
-        80 ms: its burst went partial and took no outer step, at 1.7% of the cores); lumpy
-        pushes that cost the whole bucket go one at a time, at the interval they cost.
-        Over any stretch of T seconds gossip spends at most share × cores × (T +
-        ``CREDIT_S``) plus one push; over the run, the share. The very first push goes
-        at once."""
+        not step; else until both the node has no debt (earned back at share × cores
+        CPU-seconds a second, at most ``DEBT_S``) and the last push's turn is over (what
+        gossip spends between one push and the next, at that rate). The debt keeps the
+        run's share; the turn spreads pushes out before the CPU a push has just started
+        to spend is measured. The very first push goes at once."""
         if self.share >= 1.0 or not self.training:
             return 0.0
         with self._lock:
             now = self._clock()
             self._sample(now)
             rate = self.share * self.cpus
-            need = min(self._push_cpu_s, rate * CREDIT_S)
-            short = need + self._pending - self._credit
-            if short <= 0.0:
-                return 0.0
-            return max(0.0, short / rate - (now - self._samples[-1].wall))
+            wait = 0.0
+            if self._credit < 0.0:
+                wait = -self._credit / rate - (now - self._samples[-1].wall)
+            if self._last_release is not None:
+                wait = max(wait, self._last_release.wall + self._push_cpu_s / rate - now)
+            return max(0.0, wait)
 
     def released(self) -> None:
         """A push went now (held or not): what gossip spent since the one before, while
@@ -307,8 +293,6 @@ class CpuBudget:
                 self._push_cpu_s += PUSH_COST_WEIGHT * (spent - self._push_cpu_s)
                 self._push_cost_learned = True
             self._last_release = now
-            if self.training:
-                self._pending += self._push_cpu_s
 
     def held(self) -> None:
         """A push waited for the budget before going."""
