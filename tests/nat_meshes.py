@@ -35,7 +35,10 @@ START_S = 120.0  # a daemon answering, on 2 busy cores (torch imports)
 MESH_S = 90.0  # every site live to every other, the natted ones through relays
 GOSSIP_S = 120.0  # each site's counters grow by the margin
 STOP_S = 60.0  # one daemon's SIGTERM, hand-off and exit; the rest seeing it gone
-REATTACH_S = 10.0  # a natted site attached to a new relay after losing its only one
+# A natted site attached to a new relay after losing its only one: about 6-10 s on an idle
+# box (3 silent keepalive periods, then the attach), printed by the test; the bound is a
+# timeout for a loaded one (CI, two workers: over 10 s once), not the claim.
+REATTACH_S = 60.0
 ASK_S = 10.0  # one Status call (2 cores shared with other tests: a generous bound)
 TOLERANCE = 1e-9
 # Each protocol's own settings that make it exchange often, so every site, natted or not,
