@@ -17,7 +17,7 @@ fraction of the weights themselves and never shrinks; their use is for differenc
 
 ``topk2`` and ``topk4`` (:mod:`gossipd.node.compression.sparse`) send only the largest
 entries of a difference, so their size is not fixed: a header says it, and the receiver
-checks it against :func:`max_encoded_nbytes` before it allocates.
+checks it against :func:`encoded_nbytes`, the most it may be, before it allocates.
 """
 
 from __future__ import annotations

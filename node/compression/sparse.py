@@ -1,6 +1,6 @@
 """Sparse differences: the ``topk2`` and ``topk4`` codecs send the k largest entries of a
-segment's difference from a copy both ends hold (SparseLoCo's top-k at 2 bits, Sarfi et
-al. 2025), and error feedback (:mod:`gossipd.node.compression.feedback`) sends what they
+segment's difference from a copy both ends hold (SparseLoCo's top-k at 2 bits), and
+error feedback (:mod:`gossipd.node.compression.feedback`) sends what they
 left out later. They have no meaning for values whole: a sender sends those dense.
 
 Layout, little-endian, every field's size following from the ones before it, so a payload

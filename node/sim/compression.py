@@ -42,7 +42,7 @@ class SimCodec:
         error_feedback: bool,
         max_peers: int,
         seed: int,
-        fraction: float = 0.01,
+        fraction: float,
     ) -> None:
         """``fraction``: of a segment's entries a sparse codec sends."""
         import torch
