@@ -241,12 +241,13 @@ def test_lumpy_pushes_keep_the_share_over_the_run_and_go_evenly() -> None:
     """A 17 MB model's push and the one it receives cost tens of CPU-ms, one every few
     seconds: no 2 s window sees a steady share, yet gossip takes its share over the run
     (a window let the first push after a quiet window go at once: twice the share),
-    and pushes go at the interval they cost, not in bursts."""
+    and pushes that cost the whole saved credit go at the interval they cost, one at a
+    time, once their cost is learned (its moving mean settles within 10 pushes)."""
     clocks = Clocks()
     b = budget(0.03, clocks)
     went = _run_lumpy_pushes(b, clocks, push_cpu_s=0.06, run_s=300.0)
     assert b.mean_share_while_training() == pytest.approx(0.03, rel=0.05)
-    gaps = [later - earlier for earlier, later in itertools.pairwise(went[3:])]  # once paced
+    gaps = [later - earlier for earlier, later in itertools.pairwise(went[10:])]
     assert max(gaps) - min(gaps) <= 0.125, "pushes should go evenly, a tick or two apart"
     assert sum(gaps) / len(gaps) == pytest.approx(0.06 / 0.03, rel=0.05)
 
@@ -265,11 +266,89 @@ def test_refusals_are_not_gossip_so_pushes_go_at_the_pace_their_own_cost_sets() 
         options = {} if case == "alone" else {**flood, "reported": case == "refusals"}
         runs[case] = (b, _run_lumpy_pushes(b, clocks, 0.06, 150.0, **options))
     flooded, went = runs["refusals"]
-    assert len(went) == len(runs["alone"][1]), "as many pushes as without the refusals"
+    assert abs(len(went) - len(runs["alone"][1])) <= 1, "as many pushes as without refusals"
     assert flooded.mean_share_while_training() == pytest.approx(0.03, rel=0.05)
     refusing_s = 56 * 0.0005 * (150.0 - 30.0) / 0.0625
     assert flooded.refusing_cpu_s == pytest.approx(refusing_s, rel=0.01)
     assert len(runs["refusals charged"][1]) < len(went) / 3, "what the refusals cost to pushes"
+
+
+def _pairs_of_pushes(share: float, run_s: float) -> tuple[CpuBudget, int, float]:
+    """persyn's sub-rounds on 2 cores: two pushes of 5 CPU-ms (sent and received) due
+    together every 0.25 s, each going if ``wait_s`` allows. Returns the budget, the pushes
+    that went, and the most gossip spent in any 10 s."""
+    clocks = Clocks()
+    b = CpuBudget(share, cpus=2.0, process_cpu=lambda: clocks.cpu, clock=lambda: clocks.wall)
+    b.training = True
+    b.gossip_share()
+    tick, owed, went = 0.0625, 0.0, 0
+    spent = [0.0]  # gossip CPU so far, at each tick
+    for i in range(int(run_s / tick)):
+        for _ in range(2 if i % 4 == 0 else 0):
+            if b.wait_s() == 0.0:
+                b.released()
+                owed += 0.005
+                went += 1
+        gossip = min(owed, tick)
+        owed -= gossip
+        clocks.advance(tick, 2 * tick)
+        b.add_training(2 * tick - gossip)
+        spent.append(spent[-1] + gossip)
+    window = int(10.0 / tick)  # spent only grows: a window's most is between its two ends
+    return b, went, max(late - early for early, late in zip(spent, spent[window:], strict=False))
+
+
+def test_a_burst_of_cheap_pushes_goes_at_once_and_any_10_s_keeps_the_share() -> None:
+    """4% of a core against a share of 3% of two: under it, every push goes when due (a
+    turn per push, its cost at the share's rate, held the second of each pair 83 ms).
+    Over it (0.5% of two cores), pushes wait, and any 10 s spends at most the share's
+    10 s and the credit saved, and the run the share."""
+    under, went, _ = _pairs_of_pushes(0.03, 120.0)
+    due = 2 * int(120.0 / 0.0625) // 4
+    assert went >= due - 2, "only while the first credit is earned (a node starts with none)"
+    assert under.wait_s() == 0.0
+    over, went, most = _pairs_of_pushes(0.005, 120.0)
+    assert 0 < went < int(120.0 / 0.0625) // 4
+    assert most <= 0.005 * 2.0 * (10.0 + CREDIT_S) + 0.005
+    assert over.mean_share_while_training() == pytest.approx(0.005, rel=0.1)
+
+
+def test_pushes_keep_their_pace_after_refusals_on_a_starved_cpu() -> None:
+    """Observation (tests/test_insider_streams.py, the reopen flood): while a node refused
+    streams on cores it shared with three other processes, its pushes' CPU showed up
+    later and smaller than their estimated cost. A bucket that kept that estimate owed
+    until the CPU was measured owed 410-415 CPU-ms during the flood, over its 400 ms of
+    credit, and held honest pushes during it and after (0.18-0.32 of their rate; in this
+    script none went after). Charged only until the next sample, the pushes after the
+    flood go as they did before it.
+
+    persyn's pairs of 5 CPU-ms pushes every 0.25 s, at a share of 3% of two cores; from
+    30 s to 60 s the node refuses a stream every tick and its gossip gets 1 CPU-ms a
+    tick (the rest of what pushes cost is never spent: the cores are busy elsewhere)."""
+    clocks = Clocks()
+    b = CpuBudget(0.03, cpus=2.0, process_cpu=lambda: clocks.cpu, clock=lambda: clocks.wall)
+    b.training = True
+    b.gossip_share()
+    tick, owed = 0.0625, 0.0
+    went: list[float] = []
+    for i in range(int(120.0 / tick)):
+        now = i * tick
+        flood = 30.0 <= now < 60.0
+        for _ in range(2 if i % 4 == 0 else 0):
+            if b.wait_s() == 0.0:
+                b.released()
+                owed += 0.005
+                went.append(now)
+        gossip = min(owed, 0.001 if flood else tick)
+        owed = 0.0 if flood else owed - gossip
+        if flood:
+            b.refused()
+        clocks.advance(tick, 2 * tick)
+        b.add_training(2 * tick - gossip)
+    before = sum(5.0 <= t < 30.0 for t in went)
+    after = sum(95.0 <= t < 120.0 for t in went)
+    assert before >= 2 * 25 * 4 - 2, before  # every push when due: under the share
+    assert after >= before - 2, (before, after)
 
 
 def test_cheap_pushes_under_the_share_never_wait() -> None:
