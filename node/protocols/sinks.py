@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Peers whose score is kept; beyond this, a peer with score 0 (or the oldest) is forgotten.
+# Peers whose score is kept; beyond this, the peer with the lowest score is forgotten.
 SCORES_KEPT = 1024
 
 
@@ -53,6 +53,11 @@ class SinkWatch:
     bound: float
     allowance: float
     scores: dict[str, float] = field(default_factory=dict)
+    # A peer with no row is taken to have this score: the highest a forgotten peer had.
+    # Forgetting the lowest score and remembering it here means no peer gains anything
+    # by being forgotten: not the oldest (a sink that takes weight and then stays quiet
+    # would be evicted first and come back with a clean score), nor by recency.
+    floor: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bound > 0:  # inf: no peer is ever suspected
@@ -77,26 +82,29 @@ class SinkWatch:
         self._move(peer, -(1 + self.allowance) * share)
 
     def suspected(self, peer: str) -> bool:
-        return self.scores.get(peer, 0.0) > self.bound
+        return self.scores.get(peer, self.floor) > self.bound
 
     def sinks(self) -> frozenset[str]:
-        """Every peer suspected now."""
+        """Every peer suspected now (of those with a row)."""
         return frozenset(p for p, s in self.scores.items() if s > self.bound)
 
     def _move(self, peer: str, delta: float) -> None:
         score = self.scores.get(peer)
         if score is None:
-            if delta <= 0:
-                return  # a score of 0 need not be kept
+            if delta == 0.0 or (delta < 0.0 and self.floor == 0.0):
+                return  # the floor's score need not be kept
             if len(self.scores) >= SCORES_KEPT:
-                idle = next((p for p, s in self.scores.items() if s == 0.0), None)
-                self.scores.pop(idle if idle is not None else next(iter(self.scores)))
-            score = 0.0
+                lowest = min(self.scores, key=self.scores.__getitem__)
+                self.floor = max(self.floor, self.scores.pop(lowest))
+            score = self.floor
         self.scores[peer] = max(0.0, score + delta)
 
-    def state(self) -> dict[str, float]:
-        return dict(self.scores)
+    def state(self) -> dict[str, Any]:
+        """The rows, and the floor under the key ``""`` (no node id is empty)."""
+        return {**self.scores, "": self.floor} if self.floor else dict(self.scores)
 
     def restore(self, scores: Mapping[str, Any]) -> None:
         """Scores from a checkpoint: a sink does not escape suspicion by outlasting a restart."""
-        self.scores = {str(p): float(s) for p, s in scores.items()}
+        rows = {str(p): float(s) for p, s in scores.items()}
+        self.floor = rows.pop("", 0.0)
+        self.scores = rows
