@@ -270,8 +270,8 @@ class CpuBudget:
         """How much longer a push should wait before it goes: 0 while the trainer does
         not step; else until the credit (earned at share × cores CPU-seconds a second,
         at most ``CREDIT_S`` of it saved, at most ``DEBT_S`` owed), less what the pushes
-        released since the last sample will cost, covers what a push costs (or the most that can be
-        saved, for a push that costs more).
+        released since the last sample will cost, covers what a push costs (or the most
+        that can be saved, for a push that costs more).
 
         A token bucket: a burst of pushes goes at once while the saved credit lasts, so
         persyn's sub-rounds are not spread over its deadlines (a turn per push, the cost
