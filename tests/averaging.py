@@ -40,7 +40,7 @@ def averaging_spec(protocol: str, **settings: Any) -> MeshSpec:
         push_probability=1.0,
         # 3,000 synthetic steps take well under a second of CPU: a budget of that
         # little wall-clock time pays for too few pushes to reach the mean (0.002
-        # apart at the default 0.03). The budget is tested in test_cpu_budget.
+        # apart at the default 0.03). The budget is tested in test_cpu_budget_holds.
         cpu_share=1.0,
         eval_every_steps=0,
         checkpoint_every_steps=0,

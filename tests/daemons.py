@@ -133,7 +133,7 @@ def write_node_config(
 ) -> Path:
     """A daemon's TOML with the test defaults (synthetic job, lr 0, no pushes, no periodic
     checkpoints, no CPU budget for gossip: tests count pushes against their own timeouts
-    on loaded machines, and tests/test_cpu_budget.py covers the budget); sections given
+    on loaded machines, and tests/test_cpu_budget_holds.py covers the budget); sections given
     in ``config`` are merged key by key over them.
 
     The trainer is paced to ``TEST_STEPS_PER_S``: these tests wait on gossip, not on
