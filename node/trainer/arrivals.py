@@ -24,6 +24,7 @@ from gossipd.node.protocols.base import (
     Push,
     PushSettled,
     Settle,
+    SettleArrived,
     ViewChanged,
 )
 from gossipd.node.trainer.messages import (
@@ -205,6 +206,13 @@ class Arrivals:
         """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
+        if item.closes:  # a settle: its sender closed a numbering, no weight to merge
+            arrived = SettleArrived(
+                item.sender, item.incarnation, item.sequence_base, item.sequence
+            )
+            self._handle(arrived)
+            item.reply.set_result([])
+            return
         cpu0 = time.thread_time()
         try:
             acks, record = self.merger.merge_push(item)

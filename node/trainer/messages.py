@@ -43,7 +43,6 @@ from gossipd.node.protocols.base import (
     Receipts,
     ReportTransfer,
     Settle,
-    SettleArrived,
 )
 
 if TYPE_CHECKING:
@@ -88,6 +87,7 @@ class InboundPush:
     merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
     sequence_base: int = 1  # the sender's numbering (protocols.ledger)
     settled: int = 0  # what of that numbering the sender settled before this push
+    closes: bool = False  # a settle: no segments, the numbering closed up to ``sequence``
     reply: concurrent.futures.Future[list[Ack]] = field(default_factory=concurrent.futures.Future)
 
 
@@ -391,7 +391,6 @@ class ReplicaLink(Protocol):
     ) -> concurrent.futures.Future[dict[str, list[Receipts]]]: ...
     def barrier(self) -> concurrent.futures.Future[int]: ...
     def grant(self, granted: PeerGranted) -> None: ...
-    def forget_settled(self, settled: SettleArrived) -> None: ...
     def fire_due_timers(self) -> None: ...
     def gauge(
         self, segment: int, values: torch.Tensor, each: Callable[[torch.Tensor], None] | None = None

@@ -21,7 +21,6 @@ from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.net.wire.assembly import Limits, SegmentAssembler
 from gossipd.node.net.wire.frames import segment_frames
 from gossipd.node.net.wire.shaping import LinkShaper
-from gossipd.node.protocols.base import SettleArrived
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
 
@@ -94,12 +93,6 @@ class Inbound:
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
         self.health.check_sender(open_.sender, open_.incarnation)
-        if open_.closes:  # a settle: forgotten at once, off the loop, never queued
-            settled = SettleArrived(
-                open_.sender, open_.incarnation, open_.sequence_base, open_.sequence
-            )
-            await asyncio.to_thread(self.replica.forget_settled, settled)
-            return pb.PushReply()
         # A leaving node merges nothing new (its weight is being handed off), but it
         # still answers DUPLICATE for what it merged: that answer is what lets a
         # sender whose acknowledgement was lost commit exactly instead of folding
@@ -114,6 +107,7 @@ class Inbound:
             merge_new=not self.departure.leaving,
             sequence_base=open_.sequence_base,
             settled=open_.settled,
+            closes=open_.closes,
         )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)
