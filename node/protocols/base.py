@@ -43,7 +43,6 @@ from gossipd.node.protocols.actions import (
     Pull,
     Push,
     ReportTransfer,
-    Settle,
     StartTimer,
 )
 from gossipd.node.protocols.events import (
@@ -57,7 +56,6 @@ from gossipd.node.protocols.events import (
     PullFailed,
     PullMerged,
     PushSettled,
-    SettleArrived,
     StepEnded,
     TimerFired,
     TrainingEnded,
@@ -94,8 +92,6 @@ __all__ = [
     "Receipts",
     "Refused",
     "ReportTransfer",
-    "Settle",
-    "SettleArrived",
     "StartTimer",
     "StepEnded",
     "TimerFired",

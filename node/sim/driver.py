@@ -55,7 +55,6 @@ from gossipd.node.protocols.base import (
     Pull,
     Push,
     ReportTransfer,
-    Settle,
     StartTimer,
     StepEnded,
     TimerFired,
@@ -144,7 +143,7 @@ class Simulation(PushSide, PullSide):
         self.members: frozenset[str] = frozenset(self.by_id)
         self.member_idx = np.arange(spec.nodes)
         self.stopped = False
-        self.messages = self.settles = self.acks = self.retries = self.refused = 0
+        self.messages = self.acks = self.retries = self.refused = 0
         self.bytes_sent = 0
         self.book = MassBook(self.payload)
         if spec.check_invariants:
@@ -280,8 +279,6 @@ class Simulation(PushSide, PullSide):
                 self._ask(node, action)
             elif isinstance(action, ReportTransfer):
                 self._report(node, action)
-            elif isinstance(action, Settle):
-                self._send_settle(node, action)
             elif isinstance(action, OuterStep):
                 self._outer_step(node, action)
             else:

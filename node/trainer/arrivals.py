@@ -23,8 +23,6 @@ from gossipd.node.protocols.base import (
     PeerRestarted,
     Push,
     PushSettled,
-    Settle,
-    SettleArrived,
     ViewChanged,
 )
 from gossipd.node.trainer.messages import (
@@ -173,7 +171,6 @@ class Arrivals:
                 PushSettled(out.push.peer, out.push.sequence, acked, reported)
             )
             self.merger.fold_back(out, settled)
-            self.dispatch.carry_out([a for a in settled if isinstance(a, Settle)])
             if rebuilt:
                 self.merger.keep_dropped(out, rebuilt, acked, self.core.status())
             if len(acked) == len(out.push.weights):
@@ -206,13 +203,6 @@ class Arrivals:
         """Merge a whole push or nothing: plan, compute every blend, check, then commit."""
         if not item.reply.set_running_or_notify_cancel():
             return  # the loop gave up waiting; the sender keeps its weight
-        if item.closes:  # a settle: its sender closed a numbering, no weight to merge
-            arrived = SettleArrived(
-                item.sender, item.incarnation, item.sequence_base, item.sequence
-            )
-            self._handle(arrived)
-            item.reply.set_result([])
-            return
         cpu0 = time.thread_time()
         try:
             acks, record = self.merger.merge_push(item)

@@ -42,7 +42,6 @@ from gossipd.node.protocols.base import (
     Push,
     Receipts,
     ReportTransfer,
-    Settle,
 )
 
 if TYPE_CHECKING:
@@ -86,8 +85,6 @@ class InboundPush:
     round: int = 0
     merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
     sequence_base: int = 1  # the sender's numbering (protocols.ledger)
-    settled: int = 0  # what of that numbering the sender settled before this push
-    closes: bool = False  # a settle: no segments, the numbering closed up to ``sequence``
     reply: concurrent.futures.Future[list[Ack]] = field(default_factory=concurrent.futures.Future)
 
 
@@ -98,8 +95,6 @@ class OutboundPush:
     # Sent raw whatever the codec: a leaving node's hand-off, which leaves no model behind
     # to keep what a lossy codec would drop.
     exact: bool = False
-    # A settle carried on the push path (``Settle``): no segments, nothing to book.
-    closes: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,9 +308,6 @@ class LoopPort(Protocol):
 
     def send_push(self, out: OutboundPush) -> None: ...
 
-    def send_settle(self, settle: Settle) -> None:
-        """Deliver ``settle`` until its peer answers or leaves the view; nothing comes back."""
-
     def start_pull(self, out: OutboundPull) -> None: ...
 
     def wake_at(self, at_s: float) -> None:
@@ -339,9 +331,6 @@ class Detached:
 
     def send_push(self, out: OutboundPush) -> None:
         self.events.put(PushOutcome(out, (), "no network is attached to carry out pushes"))
-
-    def send_settle(self, settle: Settle) -> None:
-        """Nobody to tell: no push of this replica reached anyone."""
 
     def start_pull(self, out: OutboundPull) -> None:
         self.events.put(PullOutcome(out, None, "no network is attached to carry out pulls"))

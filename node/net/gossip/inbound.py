@@ -106,8 +106,6 @@ class Inbound:
             open_.round,
             merge_new=not self.departure.leaving,
             sequence_base=open_.sequence_base,
-            settled=open_.settled,
-            closes=open_.closes,
         )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)

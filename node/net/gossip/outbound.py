@@ -27,7 +27,6 @@ from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable, Sta
 from gossipd.node.net.dial.client import OutcomeUnknown, PartialPush
 from gossipd.node.net.limits.cpu_budget import HOLD_POLL_S, CpuBudget
 from gossipd.node.net.wire.lastwords import LastWords
-from gossipd.node.protocols.base import Push, Settle
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.shared.tls import NotAllowed
 from gossipd.node.trainer.messages import Ack, OutboundPush, PushOutcome
@@ -110,14 +109,6 @@ class Outbound:
         task = self.tasks.spawn(self.push(out), f"push:{peer}")
         self._pushes.setdefault(peer, set()).add(task)
         task.add_done_callback(lambda t: self._forget(peer, t))
-
-    def start_settle(self, settle: Settle) -> None:
-        """Deliver ``settle`` in a task of its own, on the push path (a push with no segments
-        that ``closes`` its numbering), retried as a push is until the peer answers or leaves
-        the view. Nothing is booked: the core forgot the numbering when it sent it."""
-        push = Push(settle.peer, settle.up_to, {}, 0, settle.sequence_base, settle.up_to)
-        out = OutboundPush(push, {}, closes=True)
-        self.tasks.spawn(self.deliver(out, "settle"), f"settle:{settle.peer}")
 
     def _forget(self, peer: str, task: asyncio.Future[None]) -> None:
         tasks = self._pushes.get(peer)
