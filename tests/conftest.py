@@ -84,6 +84,7 @@ SLOW_FILES_FIRST = (
     "test_nat_mesh.py", "test_bench_wan_runs.py", "test_job_meshes.py", "test_diloco.py",
     "test_relay_mesh.py",
     "test_overlap_mesh.py", "test_allreduce.py", "test_insider_streams.py",
+    "test_insider_persyn.py", "test_insider_persyn_cap.py",
     "test_dashboards.py", "test_containers.py", "test_crash_all_sites.py",
     "test_crash_one_site.py", "test_crash_recovery.py", "test_insider_weight.py",
     "test_mqtt_outage.py", "test_coordinator_client.py",
