@@ -115,6 +115,17 @@ class Member(ABC):
             self._channels[address] = self.tls.channel(address, [])
         return self._channels[address]
 
+    def join(self, mesh: list[DaemonHandle]) -> None:
+        """Introduce this member to every site of ``mesh`` and wait until each lists it live."""
+        for h in mesh:
+            self.introduce_to(h.address)
+        wait_until(
+            lambda: all(self.node_id in status_of(h)["live_peers"] for h in mesh),
+            f"every honest site to list {self.node_id} as live",
+            60.0,
+            lambda: check_alive(mesh),
+        )
+
     def introduce_to(self, address: str, timeout_s: float = 10.0) -> None:
         """Handshake with a daemon over TLS; it dials back, checks the certificate, admits us."""
         request = pb.HandshakeRequest(

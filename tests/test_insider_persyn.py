@@ -104,14 +104,7 @@ pki, mesh = insider_mesh_fixtures(IDS, INSIDER, CONFIG)
 def insider(pki: Pki, mesh: list[DaemonHandle]) -> Iterator[PersynInsider]:
     """The 4th member, introduced to every honest site, which dials it back and admits it."""
     with PersynInsider(INSIDER, pki.creds(INSIDER)) as member:
-        for h in mesh:
-            member.introduce_to(h.address)
-        wait_until(
-            lambda: all(INSIDER in status_of(h)["live_peers"] for h in mesh),
-            "every honest site to list the insider as live",
-            60.0,
-            lambda: check_alive(mesh),
-        )
+        member.join(mesh)
         yield member
 
 

@@ -87,14 +87,7 @@ def insider(pki: Pki, mesh: list[DaemonHandle]) -> Iterator[Insider]:
     """The 4th member: introduced to every honest site, which dials it back and admits it."""
     tls = Credentials(ca=pki.ca, cert=pki.pem(INSIDER), key=pki.key(INSIDER))
     with Insider(INSIDER, tls) as member:
-        for h in mesh:
-            member.introduce_to(h.address)
-        wait_until(
-            lambda: all(INSIDER in status_of(h)["live_peers"] for h in mesh),
-            "every honest site to list the insider as live",
-            60.0,
-            lambda: check_alive(mesh),
-        )
+        member.join(mesh)
         yield member
 
 
