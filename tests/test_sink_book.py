@@ -1,11 +1,12 @@
 """The sink watch's book stays bounded without handing a sink its credit back.
 
-A node keeps at most ``SCORES_KEPT`` peers' scores (node/protocols/sinks.py). It used to
-forget a peer with score 0 or else the oldest row: in a mesh where a node meets more
-peers than that (crossover at scale, churn), a sink that took its fill of weight early
-and then stayed quiet was the oldest row, was forgotten, and came back with a clean
-score to take as much again. Now the lowest score is forgotten and the book remembers
-the highest score it forgot, which any peer without a row is taken to have.
+A node keeps at most ``rows`` peers' scores (node/protocols/sinks.py; BOOK_ROWS, 1,024,
+in the daemon; ROWS here, so the book turns over in a test's time). It used to forget a
+peer with score 0 or else the oldest row: in a mesh where a node meets more peers than
+that (crossover at scale, churn), a sink that took its fill of weight early and then
+stayed quiet was the oldest row, was forgotten, and came back with a clean score to take
+as much again. Now the lowest score is forgotten and the book remembers the highest
+score it forgot, which any peer without a row is taken to have.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import random
 
 import pytest
 
-from gossipd.node.protocols.sinks import SCORES_KEPT, SinkWatch
+from gossipd.node.protocols.sinks import SinkWatch
 
 BOUND, ALLOWANCE, HALF = 6.0, 0.5, 0.5  # the defaults; every protocol pushes halves
+ROWS = 64
 
 
 def _honest_meeting(watch: SinkWatch, peer: str, rng: random.Random) -> None:
@@ -28,16 +30,16 @@ def _honest_meeting(watch: SinkWatch, peer: str, rng: random.Random) -> None:
 
 
 def test_a_quiet_sink_is_not_forgotten_while_thousands_of_honest_peers_pass() -> None:
-    watch = SinkWatch(BOUND, ALLOWANCE)
+    watch = SinkWatch(BOUND, ALLOWANCE, rows=ROWS)
     pushes = int(watch.pushes_to_suspect(HALF)) - 1  # its fill, one push short of suspicion
     for _ in range(pushes):
         watch.sent("sink", HALF)
     taken = watch.scores["sink"]
     assert not watch.suspected("sink")
     rng = random.Random(0)
-    for i in range(10 * SCORES_KEPT):  # each met once: the sink is the oldest row by far
+    for i in range(10 * ROWS):  # each met once: the sink is the oldest row by far
         _honest_meeting(watch, f"honest-{i}", rng)
-    assert len(watch.scores) <= SCORES_KEPT
+    assert len(watch.scores) <= ROWS
     assert watch.scores.get("sink", watch.floor) == taken
     watch.sent("sink", HALF)  # the one more push it always was from suspicion
     assert watch.suspected("sink")
@@ -46,16 +48,17 @@ def test_a_quiet_sink_is_not_forgotten_while_thousands_of_honest_peers_pass() ->
 def test_no_peer_gains_by_being_forgotten() -> None:
     """Whatever the order of meetings, a peer's score after it was forgotten is never
     below the score it had when forgotten, and the honest peers are never suspected."""
-    watch = SinkWatch(BOUND, ALLOWANCE)
+    watch = SinkWatch(BOUND, ALLOWANCE, rows=ROWS)
     rng = random.Random(1)
     had: dict[str, float] = {}
-    peers = [f"p{i}" for i in range(3 * SCORES_KEPT)]
-    for _ in range(20 * SCORES_KEPT):
+    peers = [f"p{i}" for i in range(3 * ROWS)]
+    for _ in range(20 * ROWS):
         peer = rng.choice(peers)
         before = dict(watch.scores)
         _honest_meeting(watch, peer, rng)
         for gone in before.keys() - watch.scores.keys():
             had[gone] = before[gone]
+    assert had, "no peer was forgotten: the book never turned over"
     for peer, score in had.items():
         if peer not in watch.scores:
             assert watch.floor >= score, (peer, score, watch.floor)
@@ -64,11 +67,11 @@ def test_no_peer_gains_by_being_forgotten() -> None:
 
 
 def test_the_floor_survives_a_checkpoint() -> None:
-    watch = SinkWatch(BOUND, ALLOWANCE)
-    for i in range(SCORES_KEPT + 1):
-        watch.sent(f"p{i}", HALF * (1 + i / SCORES_KEPT))
+    watch = SinkWatch(BOUND, ALLOWANCE, rows=ROWS)
+    for i in range(ROWS + 1):
+        watch.sent(f"p{i}", HALF * (1 + i / ROWS))
     assert watch.floor > 0.0
-    again = SinkWatch(BOUND, ALLOWANCE)
+    again = SinkWatch(BOUND, ALLOWANCE, rows=ROWS)
     again.restore(watch.state())
     assert (again.scores, again.floor) == (watch.scores, watch.floor)
     assert again.scores.get("never-met", again.floor) == watch.floor
@@ -83,3 +86,8 @@ def test_a_peer_that_returns_weight_gets_a_row_below_the_floor() -> None:
     fresh = SinkWatch(BOUND, ALLOWANCE)
     fresh.received("quiet", 0.4)  # nothing to remember below a floor of 0
     assert fresh.scores == {}
+
+
+def test_a_watch_keeps_at_least_one_row() -> None:
+    with pytest.raises(ValueError, match="at least 1 row"):
+        SinkWatch(BOUND, ALLOWANCE, rows=0)

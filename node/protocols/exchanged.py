@@ -4,8 +4,10 @@ Part of the sum-weight ledger (:mod:`.ledger`): every acknowledged push adds to 
 this node sent a peer, every merged payload to what it received from it. When the
 peer restarts, its totals so far become the ``*_before`` pair, so a crash audit can
 tell what went to and came from its previous incarnation (tests/test_crash_one_site.py
-bounds a crash's cost by them). Only verified peers are booked, and at most
-``EXCHANGED_KEPT`` of them.
+bounds a crash's cost by them). Only verified peers are booked, and at most ``rows`` of
+them (:data:`~.settings.BOOK_ROWS`; a few in a larger simulated mesh): a peer new
+to a full book takes the place of one out of the view, or of the oldest. It is an
+account, not a defence: nothing is refused or sized by it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.node.protocols.base import PeerMass
-
-# Peers whose exchanged weight is kept (sent to, and received from, each); beyond this,
-# one out of the view (or the oldest) is forgotten.
-EXCHANGED_KEPT = 1024
+from gossipd.node.protocols.settings import BOOK_ROWS
 
 
 @dataclass
@@ -33,6 +32,7 @@ class ExchangedBook:
     sent: dict[str, float] = field(default_factory=dict)
     received: dict[str, float] = field(default_factory=dict)
     past: dict[str, PeerMass] = field(default_factory=dict)  # restarted peers' before pair
+    rows: int = BOOK_ROWS  # peers kept in each of the three
 
     def add(
         self,
@@ -45,9 +45,9 @@ class ExchangedBook:
         """Book weight sent to or received from ``peer``; a peer new to a full book takes
         the place of one not in ``members`` (the view), or of the oldest."""
         if sent is not None:
-            _book(self.sent, peer, sent, members)
+            _book(self.sent, peer, sent, members, self.rows)
         if received is not None:
-            _book(self.received, peer, received, members)
+            _book(self.received, peer, received, members, self.rows)
 
     @property
     def by_peer(self) -> dict[str, PeerMass]:
@@ -64,7 +64,7 @@ class ExchangedBook:
     def restarted(self, peer: str, incarnation: int) -> None:
         """``peer`` came back as ``incarnation``: what it exchanged so far is its past."""
         before = self.mass(peer)
-        if peer not in self.past and len(self.past) >= EXCHANGED_KEPT:
+        if peer not in self.past and len(self.past) >= self.rows:
             self.past.pop(next(iter(self.past)))
         self.past[peer] = PeerMass(
             sent_before=before.sent, received_before=before.received, incarnation=incarnation
@@ -76,8 +76,10 @@ class ExchangedBook:
         return {peer: dataclasses.asdict(m) for peer, m in self.by_peer.items()}
 
     @classmethod
-    def restore(cls, state: Mapping[str, Mapping[str, Any]]) -> ExchangedBook:
-        book = cls()
+    def restore(
+        cls, state: Mapping[str, Mapping[str, Any]], rows: int = BOOK_ROWS
+    ) -> ExchangedBook:
+        book = cls(rows=rows)
         for peer, m in state.items():
             mass = PeerMass(**m)
             book.sent[peer] = mass.sent
@@ -87,10 +89,12 @@ class ExchangedBook:
         return book
 
 
-def _book(totals: dict[str, float], peer: str, amount: float, members: Container[str]) -> None:
+def _book(
+    totals: dict[str, float], peer: str, amount: float, members: Container[str], rows: int
+) -> None:
     total = totals.get(peer)
     if total is None:
-        if len(totals) >= EXCHANGED_KEPT:
+        if len(totals) >= rows:
             stale = next((p for p in totals if p not in members), None)
             totals.pop(stale if stale is not None else next(iter(totals)))
         total = 0.0

@@ -79,6 +79,7 @@ from gossipd.node.protocols.exchanged import ExchangedBook
 from gossipd.node.protocols.receiving import Receiving
 from gossipd.node.protocols.reservations import Reservations
 from gossipd.node.protocols.sequences import Numberings, Windows
+from gossipd.node.protocols.settings import BOOK_ROWS
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
@@ -115,6 +116,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         sink_allowance: float = 0.5,
         peer_credit: float | None = math.inf,
         weight_balance: bool = False,
+        book_rows: int = BOOK_ROWS,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
@@ -124,7 +126,9 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         the daemon's default); ``weight_balance``: whether pushes are scaled so a
         site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
         a core built bare pushes its paper's shares; on in the daemon's and the
-        simulator's settings)."""
+        simulator's settings); ``book_rows``: the peers the credit and exchanged books
+        keep a row for (:data:`~.settings.BOOK_ROWS`; the sink watch keeps that many
+        always, :mod:`.sinks` says why)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -145,10 +149,10 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self.relayed: frozenset[str] = frozenset()  # peers reached only through a relay
         self.numberings = Numberings()  # of this node's pushes, per receiver
         self.windows = Windows()  # what this node merged, per sender numbering
-        self.exchanged = ExchangedBook()
+        self.exchanged = ExchangedBook(rows=book_rows)
         self.sinks = SinkWatch(sink_bound, sink_allowance)
         credit = self.default_peer_credit if peer_credit is None else peer_credit
-        self.credit = PeerCredit(credit, num_segments)
+        self.credit = PeerCredit(credit, num_segments, rows=book_rows)
         self._shares: dict[tuple[str, int], tuple[float, ...]] = {}  # push -> share per segment
         # Peers passed over for want of credit (Reservations.passed_over): this node's pushes
         # settled since they were, or since their last merge.
@@ -311,7 +315,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self.numberings.clear()
         self.round = int(state.get("round", 0))
         self.windows = Windows.restore(state.get("windows", ()))
-        self.exchanged = ExchangedBook.restore(state.get("exchanged", {}))
+        self.exchanged = ExchangedBook.restore(state.get("exchanged", {}), self.exchanged.rows)
         self._shares.clear()
         self._planned = None  # planned against the state this replaces
         self.sinks.restore(state.get("sink_scores", {}))

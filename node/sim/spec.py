@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from gossipd.node.protocols import CoreSettings, settings_class
 from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
+from gossipd.node.protocols.settings import BOOK_ROWS, SIM_BOOK_ROWS
 from gossipd.node.protocols.topology import ceil_log2
 from gossipd.node.sim import memory
 from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
@@ -105,6 +106,7 @@ def core_settings(
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
         weight_balance=spec.weight_balance,
         peer_credit=spec.peer_credit,
+        book_rows=BOOK_ROWS if spec.nodes <= BOOK_ROWS else SIM_BOOK_ROWS,
         coordinator=spec.coordinator,
         options=core_options(spec),
     )
