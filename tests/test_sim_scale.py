@@ -4,9 +4,10 @@ A million simulated nodes must fit the machine, so what one node costs is a budg
 (docs/simulator.md, "At scale"). It is measured, not assumed: ``gossipd sim`` runs
 20,000 nodes in a subprocess and reports its peak resident memory over what was
 resident before the nodes were built. Two rounds keep the run under half a minute
-here; each round adds about 1.1 KB a node (the peers it met: their credit, exchanged
-weight, sink score and de-duplication window, the window shared where it is alike), so
-the budget is for two rounds, not twenty: twenty are about 39 KB a node, not 16
+here; each of the first rounds adds about 1.1 KB a node (the peers it met: their credit,
+exchanged weight, sink score and de-duplication window, the window shared where it is
+alike), less once the books hold their 8 peers, so the budget is for two rounds, not
+twenty: twenty are about 25 KB a node (39 before the books kept 8), not 16
 (docs/simulator.md, "Scale").
 """
 

@@ -35,8 +35,8 @@ its direction every cycle, so weight comes back along every edge it left by; the
 default credit is :data:`HALF_PUSH_CREDIT`, the half push their exact average needs.
 
 The book keeps ``rows`` peers' nets per segment (:data:`~.settings.BOOK_ROWS`: every
-peer of a federation; a few in a larger simulated mesh); a full one forgets the net
-nearest 0. Forgetting a net resets that peer's credit, and the ones nearest 0 are those
+peer of a federation; a few in a larger simulated mesh); a full one forgets the half of
+its nets nearest 0. Forgetting a net resets that peer's credit, and the ones nearest 0 are those
 whose reset gives a peer the least: not a sink's (it holds all of ``take``) nor an
 inflater's (it brought up to ``bring``), which go last. Where every push is cut to the
 credit (crossover at scale: half a weight of 1 is more than a third) all new nets tie at
@@ -45,8 +45,8 @@ row can go with the honest ones and the sink gets ``take`` again: there the boun
 sink watch's (:mod:`.sinks`), which no peer escapes by being forgotten. A net forgotten
 at one end only leaves the two books apart by what it was, which ``bring − take`` covers
 while it is under a founding weight; where peers meet again and again an honest push can
-then be refused (and the sender keeps its weight): 6 in 64 simulated crossover nodes
-over 120 rounds with 8 rows, none in 4,000 nodes over 20 rounds.
+then be refused (and the sender keeps its weight): 101 in 100 simulated sumweight nodes
+over 600 rounds with 8 rows, none in 4,000 crossover nodes over 20 rounds.
 
 Pure: no clock, no I/O; the simulator drives it through the same cores.
 """
@@ -145,8 +145,9 @@ class PeerCredit:
         nets = self.nets[segment]
         net = nets.get(peer)
         if net is None:
-            while len(nets) >= self.rows:  # (a checkpoint may hold more)
-                del nets[min(nets, key=lambda p: abs(nets[p]))]
+            if len(nets) >= self.rows:  # half at once: a scan per newcomer cost a tenth
+                for gone in sorted(nets, key=lambda p: abs(nets[p]))[: len(nets) - self.rows // 2]:
+                    del nets[gone]
             net = 0.0
         nets[peer] = net + delta
 

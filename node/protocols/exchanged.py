@@ -5,8 +5,8 @@ this node sent a peer, every merged payload to what it received from it. When th
 peer restarts, its totals so far become the ``*_before`` pair, so a crash audit can
 tell what went to and came from its previous incarnation (tests/test_crash_one_site.py
 bounds a crash's cost by them). Only verified peers are booked, and at most ``rows`` of
-them (:data:`~.settings.BOOK_ROWS`; a few in a larger simulated mesh): a peer new
-to a full book takes the place of one out of the view, or of the oldest. It is an
+them (:data:`~.settings.BOOK_ROWS`; a few in a larger simulated mesh): a full book
+forgets half its peers, those out of the view first, then the oldest. It is an
 account, not a defence: nothing is refused or sized by it.
 """
 
@@ -42,8 +42,8 @@ class ExchangedBook:
         received: float | None = None,
         members: Container[str] = (),
     ) -> None:
-        """Book weight sent to or received from ``peer``; a peer new to a full book takes
-        the place of one not in ``members`` (the view), or of the oldest."""
+        """Book weight sent to or received from ``peer``; a peer new to a full book makes it
+        forget half its peers, those not in ``members`` (the view) first, then the oldest."""
         if sent is not None:
             _book(self.sent, peer, sent, members, self.rows)
         if received is not None:
@@ -94,8 +94,8 @@ def _book(
 ) -> None:
     total = totals.get(peer)
     if total is None:
-        if len(totals) >= rows:
-            stale = next((p for p in totals if p not in members), None)
-            totals.pop(stale if stale is not None else next(iter(totals)))
+        if len(totals) >= rows:  # half at once, those out of the view first, then the oldest
+            for gone in sorted(totals, key=members.__contains__)[: len(totals) - rows // 2]:
+                del totals[gone]
         total = 0.0
     totals[peer] = total + amount

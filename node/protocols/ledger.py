@@ -126,9 +126,8 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         the daemon's default); ``weight_balance``: whether pushes are scaled so a
         site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
         a core built bare pushes its paper's shares; on in the daemon's and the
-        simulator's settings); ``book_rows``: the peers the credit and exchanged books
-        keep a row for (:data:`~.settings.BOOK_ROWS`; the sink watch keeps that many
-        always, :mod:`.sinks` says why)."""
+        simulator's settings); ``book_rows``: the peers each of the credit, sink and
+        exchanged books keeps a row for (:data:`~.settings.BOOK_ROWS`)."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -150,7 +149,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self.numberings = Numberings()  # of this node's pushes, per receiver
         self.windows = Windows()  # what this node merged, per sender numbering
         self.exchanged = ExchangedBook(rows=book_rows)
-        self.sinks = SinkWatch(sink_bound, sink_allowance)
+        self.sinks = SinkWatch(sink_bound, sink_allowance, rows=book_rows)
         credit = self.default_peer_credit if peer_credit is None else peer_credit
         self.credit = PeerCredit(credit, num_segments, rows=book_rows)
         self._shares: dict[tuple[str, int], tuple[float, ...]] = {}  # push -> share per segment

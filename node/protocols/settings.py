@@ -19,14 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-# Peers a node keeps a row for in its credit and exchanged books (the sink watch keeps
-# BOOK_ROWS always: node/protocols/sinks.py); the rest are forgotten as each book says.
-# More than a federation's sites, so a daemon's books are exact. A simulated mesh larger
-# than that keeps SIM_BOOK_ROWS: its nodes meet a new peer at nearly every push, and the
-# rows were a third of a node's memory (39.7 KB a node at 4,000 crossover nodes and 20
-# rounds, 27.4 KB with 8). Forgetting a net at one end only can get an honest push
-# refused where peers meet again and again (6 refusals in 64 crossover nodes over 120
-# rounds with 8 rows), never where they hardly meet twice (none in 4,000 x 20 rounds).
+# Peers a node keeps a row for in each of its books of peers (credit nets, sink scores,
+# weight exchanged); the rest are forgotten as each book says. More than a federation's
+# sites, so a daemon's books are exact. A simulated mesh larger than that keeps
+# SIM_BOOK_ROWS: its nodes meet a new peer at nearly every push, and the rows were most
+# of what a node grew by. Forgetting a net at one end only can get an honest push refused
+# where peers meet again and again (101 in 100 sumweight nodes over 600 rounds with 8
+# rows), never where they hardly meet twice (none in 4,000 nodes over 20 rounds).
 BOOK_ROWS = 1024
 SIM_BOOK_ROWS = 8
 

@@ -32,18 +32,27 @@ that many pushes' worth, each ``f`` of this node's weight at the time (and each 
 pushes bring the score down); nothing but that clears it, so waiting does not help a
 sink.
 
-The book keeps ``rows`` peers' scores (:data:`~.settings.BOOK_ROWS`, in the simulator
-too). Past that it forgets the lowest score (not the oldest: a sink that takes weight and
-then stays quiet would be forgotten first and come back with a clean score) and takes
-any peer without a row to have the ``floor``, the highest score it forgot, so no peer
-gains by being forgotten. Where a node keeps a row for every peer it met (every mesh of
-fewer sites than ``rows``) the floor stays 0. In a larger mesh it creeps up as honest
-peers' rows are forgotten, since a newcomer's row starts at the floor: with 8 rows, 500
-simulated crossover nodes had a mean floor of 3.5 (of the bound 6) after 160 rounds, and
-lowering the floor by what peers without a row return did not stop it (3.3: the rows
-still carry the floor they started at). That is why the watch keeps 1,024 rows where the
-other books keep a few; a floor that a long run cannot ratchet, without handing a
-forgotten sink a clean score, is still to be found.
+The book keeps ``rows`` peers' scores (:data:`~.settings.BOOK_ROWS`: every peer of a
+federation; a few in a larger simulated mesh). The peers without a row are watched as one
+peer, whose score is the ``floor``:
+
+* a push to a peer without a row gives it a row at the floor plus the push;
+* a payload from a peer without a row lowers the floor, as it would that peer's row;
+* a full book forgets its lowest half of rows (not the oldest: a sink that takes weight and then
+  stays quiet would be forgotten first and come back with a clean score) and raises the
+  floor to each one's score less what the floor fell while that row was kept.
+
+So a peer gains by being forgotten no more than what the peers without a row returned
+since it got its row, and a sink near the bound is the last row forgotten; one that keeps
+its score low enough to be forgotten takes no more than an honest peer met once. Where a
+node keeps a row for every peer it met (every mesh of fewer sites than ``rows``) the floor
+stays 0. The fall is what stops a ratchet: a newcomer's row starts at the floor, so a
+floor raised to the full score forgotten climbed by a push's worth each time the book
+turned over, whatever the payloads of peers without a row took off it (with 8 rows, 500
+simulated crossover nodes had a mean floor of 3.5 of the bound 6 after 160 rounds, 3.3
+with the payloads lowering it; 0.06 now). And rows do not move with the floor: had each
+row kept its score as an excess over the floor, a sink pushed every tenth push beside
+8 rows of peers met once was never suspected (honest returns lowered its score too).
 
 Pure: no clock, no I/O; the simulator drives it through the same cores.
 """
@@ -65,9 +74,12 @@ class SinkWatch:
     bound: float
     allowance: float
     scores: dict[str, float] = field(default_factory=dict)
-    # A peer with no row is taken to have this score: the highest a forgotten peer had.
+    # The score of every peer without a row (see the module's text).
     floor: float = 0.0
     rows: int = BOOK_ROWS
+    # How far the floor has fallen in all, and how far it had when each row was made.
+    fallen: float = 0.0
+    made: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.bound > 0:  # inf: no peer is ever suspected
@@ -103,13 +115,21 @@ class SinkWatch:
     def _move(self, peer: str, delta: float) -> None:
         score = self.scores.get(peer)
         if score is None:
-            if delta == 0.0 or (delta < 0.0 and self.floor == 0.0):
-                return  # the floor's score need not be kept
-            while len(self.scores) >= self.rows:  # (a checkpoint may hold more)
-                lowest = min(self.scores, key=self.scores.__getitem__)
-                self.floor = max(self.floor, self.scores.pop(lowest))
+            if delta <= 0.0:  # returned by a peer without a row: the floor's to lower
+                fallen = min(self.floor, -delta)
+                self.floor -= fallen
+                self.fallen += fallen
+                return
+            if len(self.scores) >= self.rows:  # half at once: a scan per newcomer is slow
+                self._forget_lowest(len(self.scores) - self.rows // 2)
             score = self.floor
+            self.made[peer] = self.fallen
         self.scores[peer] = max(0.0, score + delta)
+
+    def _forget_lowest(self, count: int) -> None:
+        for lowest in sorted(self.scores, key=self.scores.__getitem__)[:count]:
+            since = self.fallen - self.made.pop(lowest, self.fallen)
+            self.floor = max(self.floor, self.scores.pop(lowest) - since)
 
     def state(self) -> dict[str, Any]:
         """The rows, and the floor under the key ``""`` (no node id is empty)."""
@@ -120,3 +140,5 @@ class SinkWatch:
         rows = {str(p): float(s) for p, s in scores.items()}
         self.floor = rows.pop("", 0.0)
         self.scores = rows
+        self.fallen = 0.0  # a row restored folds into the floor at its full score
+        self.made = dict.fromkeys(rows, 0.0)
