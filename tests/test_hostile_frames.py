@@ -128,6 +128,9 @@ def victim(attacker: FakePeer, tmp_path_factory: pytest.TempPathFactory) -> Any:
         free_ports(1)[0],
         limits={"max_chunk_bytes": MAX_CHUNK},
         metrics={"listen": "127.0.0.1:0"},
+        # The attacker takes no hand-off: the victim keeps its weight after this long,
+        # not the default 10 s (tests/test_leaving_receiver.py covers hand-offs).
+        shutdown_timeout_s=2.0,
     )
     yield handle
     assert handle.stop() == 0, handle.log()

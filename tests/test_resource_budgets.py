@@ -93,8 +93,13 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonHandle]:
     fake = FakePeer(SENDER, fingerprint=PLAN.fingerprint, incarnation=INCARNATION, serve_peers=True)
     with fake:
         port = free_ports(1)[0]
-        handle = start_daemon(
-            tmp_path_factory.mktemp("victim"), "victim", port, job=JOB, limits=LIMITS
+        handle = start_daemon(  # the fake takes no hand-off: 2 s, not 10, to give up on it
+            tmp_path_factory.mktemp("victim"),
+            "victim",
+            port,
+            job=JOB,
+            limits=LIMITS,
+            shutdown_timeout_s=2.0,
         )
         try:
             fake.introduce_to(handle.address)

@@ -28,6 +28,7 @@ import torch
 
 from gossipd.node.errors import GossipdError
 from gossipd.node.model.torchthreads import use_for_default_executor
+from gossipd.node.net.gossip.leaving import warn_unfinished
 from gossipd.node.net.network import Network
 from gossipd.node.shared.config import NodeConfig, load_config, parse_config
 from gossipd.node.trainer import checkpoint
@@ -120,7 +121,7 @@ class GossipNode:
                 self.replica.idle(0.05)
             leaving.result()
         except (TimeoutError, GossipdError) as err:
-            log.warning("leaving the mesh did not complete: %r", err)
+            warn_unfinished(err, timeout_s)
         finally:
             self._stop_loop()
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from gossipd.node.errors import CheckpointError, ConfigError, GossipdError
 from gossipd.node.jobs.registry import Job, build_job
+from gossipd.node.net.gossip.leaving import warn_unfinished
 from gossipd.node.net.limits.cpu_budget import CollectiveThreads
 from gossipd.node.net.network import Network
 from gossipd.node.net.peers.mqtt import MqttAgent
@@ -298,7 +299,7 @@ class Site:
                     self.network.leave_mesh(), max(0.1, deadline - time.monotonic() - 1.0)
                 )
             except (TimeoutError, GossipdError) as err:
-                log.warning("leaving the mesh did not complete: %r", err)
+                warn_unfinished(err, self.config.shutdown_timeout_s)
             finally:
                 self.loop_thread.release.set()
                 await asyncio.to_thread(driver.join, max(0.1, deadline - time.monotonic()))

@@ -227,3 +227,16 @@ class Leaver:
                 ", ".join(f"{w:.6g}" for w in replica.summary.weights),
             )
         return False
+
+
+def warn_unfinished(err: Exception, shutdown_timeout_s: float) -> None:
+    """What an operator reads when a stop gave up on its hand-offs: what became of the
+    weight, and the setting that gives the peers longer."""
+    why = "it timed out" if isinstance(err, TimeoutError) else str(err)
+    log.warning(
+        "leaving the mesh did not complete (%s): the weight not handed off stays with "
+        "this site and returns to the mesh only if the site restarts from its checkpoint; "
+        "give slow peers longer with shutdown_timeout_s (now %g s)",
+        why,
+        shutdown_timeout_s,
+    )
