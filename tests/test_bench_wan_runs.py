@@ -75,7 +75,7 @@ def test_namespace_run_compares_sumweight_with_both_baselines_and_leaves_nothing
         "--protocols",
         "sumweight,allreduce,diloco",
         "--budget-s",
-        "4",
+        "2",
         "--inner-steps",
         "50",
         "--no-throughput",
