@@ -145,7 +145,7 @@ class ReachReply(_message.Message):
     def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class PushOpen(_message.Message):
-    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token", "receiver_incarnation")
+    __slots__ = ("mesh_id", "sender", "fingerprint", "sequence", "segment_count", "incarnation", "round", "sequence_base", "deadline_s", "bulk_token", "receiver_incarnation", "settled", "closes")
     MESH_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,8 @@ class PushOpen(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     BULK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    CLOSES_FIELD_NUMBER: _ClassVar[int]
     mesh_id: str
     sender: str
     fingerprint: str
@@ -168,7 +170,9 @@ class PushOpen(_message.Message):
     deadline_s: float
     bulk_token: bytes
     receiver_incarnation: int
-    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ..., bulk_token: _Optional[bytes] = ..., receiver_incarnation: _Optional[int] = ...) -> None: ...
+    settled: int
+    closes: bool
+    def __init__(self, mesh_id: _Optional[str] = ..., sender: _Optional[str] = ..., fingerprint: _Optional[str] = ..., sequence: _Optional[int] = ..., segment_count: _Optional[int] = ..., incarnation: _Optional[int] = ..., round: _Optional[int] = ..., sequence_base: _Optional[int] = ..., deadline_s: _Optional[float] = ..., bulk_token: _Optional[bytes] = ..., receiver_incarnation: _Optional[int] = ..., settled: _Optional[int] = ..., closes: _Optional[bool] = ...) -> None: ...
 
 class PushEnd(_message.Message):
     __slots__ = ()

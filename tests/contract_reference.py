@@ -25,6 +25,8 @@ from gossipd.node.protocols.base import (
     PullMerged,
     Push,
     PushSettled,
+    Settle,
+    SettleArrived,
     StartTimer,
     StepEnded,
     TimerFired,
@@ -49,6 +51,7 @@ class Reference:
         # Pulls that landed before the step they merge at (Pull.merge_at_step).
         self.held: list[tuple[str, PullArrived, dict[int, np.ndarray], int]] = []
         self.outers: dict[str, OuterNesterov] = {}
+        self.settles = 0  # Settles delivered
         for n in self.ids:
             self.act(n, self.cores[n].handle(ViewChanged(frozenset(self.ids))))
 
@@ -60,6 +63,8 @@ class Reference:
             if isinstance(a, Push | Pull):
                 segments = a.weights if isinstance(a, Push) else a.segments
                 self.queue.append((node, a, {s: self.seg(node, s).copy() for s in segments}))
+            elif isinstance(a, Settle):
+                self.queue.append((node, a, {}))
             elif isinstance(a, StartTimer):
                 self.timers.append((a.at_s, node, a.tag))
             elif isinstance(a, OuterStep):
@@ -78,9 +83,20 @@ class Reference:
     def settle(self) -> None:
         while self.queue:
             sender, action, snap = self.queue.pop(0)
-            if isinstance(action, Push):
+            if isinstance(action, Settle):  # delivered twice: a settle is idempotent
+                self.settles += 1
+                arrived = SettleArrived(sender, 1, action.sequence_base, action.up_to)
+                for _ in range(2):
+                    assert self.cores[action.peer].handle(arrived) == []
+            elif isinstance(action, Push):
                 arrival = PayloadArrived(
-                    sender, 1, action.sequence, action.round, action.weights, action.sequence_base
+                    sender,
+                    1,
+                    action.sequence,
+                    action.round,
+                    action.weights,
+                    action.sequence_base,
+                    action.settled,
                 )
                 receiver = self.cores[action.peer]
                 plan = receiver.handle(arrival)
@@ -90,8 +106,11 @@ class Reference:
                 again = receiver.handle(arrival)
                 assert all(isinstance(a, Duplicate) for a in again), again
                 settled = PushSettled(action.peer, action.sequence, tuple(action.weights))
-                for fold in self.cores[sender].handle(settled):
-                    assert isinstance(fold, FoldBack)
+                for answer in self.cores[sender].handle(settled):
+                    if isinstance(answer, Settle):  # training over: the numbering closes now
+                        self.act(sender, [answer])
+                    else:
+                        assert isinstance(answer, FoldBack)
             else:
                 peer_weights = self.cores[action.peer].status().weights
                 values = {s: self.seg(action.peer, s).copy() for s in action.segments}

@@ -19,7 +19,7 @@ import numpy as np
 
 from gossipd.node.protocols.base import Duplicate, Merge, Push
 from gossipd.node.protocols.sumweight import SumWeightGossip
-from tests.sumweight_events import hand_off, peer_down, receive, settle, step, view
+from tests.sumweight_events import hand_off, numbered, peer_down, receive, settle, step, view
 
 REL = 1e-12
 ABS = 1e-12
@@ -96,6 +96,7 @@ class Mesh:
         self.progress: dict[tuple[tuple[int, int, int], int], set[int]] = {}
         self.left: set[int] = set()
         self.counts = {"merged": 0, "duplicate": 0, "failed": 0, "acked": 0, "pushes": 0}
+        self.sequences: dict[int, dict[str, int]] = {}  # per sender: sumweight_events.numbered
 
     # -- ledger ---------------------------------------------------------------------
     def active(self) -> list[int]:
@@ -157,8 +158,7 @@ class Mesh:
         busy = node.busy_peers()
         for push in step(node):
             assert push.peer not in busy, "a second push to a peer that had one in flight"
-            edge = [k for k in self.flights if k[:2] == (i, self.ids.index(push.peer))]
-            assert push.sequence == len(edge) + 1, "per-edge sequences must count 1, 2, 3..."
+            numbered(push, self.sequences.setdefault(i, {}))
             self._register(i, push)
         assert len(node.in_flight) <= node.max_in_flight
         assert len(node.busy_peers()) == len(node.in_flight), "two pushes in flight to one peer"

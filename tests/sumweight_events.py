@@ -56,6 +56,19 @@ def step(node: SumWeightGossip, step: int = 0) -> list[Push]:
     return actions
 
 
+def numbered(push: Push, last: dict[str, int]) -> None:
+    """Check ``push``'s sequence against the sender's earlier ones and record it (``last``:
+    per receiver the last sequence, under "" the highest to anyone): a push continues its
+    numbering by one, or opens a numbering above every sequence the sender used."""
+    top = last.get("", 0)
+    if push.sequence == push.sequence_base:
+        assert push.sequence > top, f"a new numbering at {push.sequence}, not above {top}"
+    else:
+        assert push.sequence == last.get(push.peer, 0) + 1, "a numbering counts on by one"
+    last[push.peer] = push.sequence
+    last[""] = max(top, push.sequence)
+
+
 def settle(node: SumWeightGossip, key: tuple[str, int], acked: Iterable[int]) -> list[FoldBack]:
     """``PushSettled`` for the push known by ``key`` (peer, sequence): the fold-backs."""
     peer, sequence = key

@@ -29,7 +29,8 @@ import torch
 from gossipd.node.launch.localmesh import free_ports
 from gossipd.node.net.network import Network
 from gossipd.node.protocols import PROTOCOLS, keeps_weights
-from gossipd.node.protocols.base import Action
+from gossipd.node.protocols.base import Action, GossipProtocol
+from gossipd.node.protocols.ledger import SumWeightLedger
 from gossipd.node.shared import certs
 from gossipd.node.shared.config import parse_config
 from gossipd.node.sim import SimSpec, Simulation
@@ -93,6 +94,9 @@ class Simulator:
 
     def vectors(self) -> np.ndarray:
         return self.sim.payload.x[: len(self.sim.nodes)].copy()
+
+    def cores(self) -> dict[str, GossipProtocol]:
+        return {n.id: n.core for n in self.sim.nodes}
 
 
 # -- the daemon --------------------------------------------------------------------------------
@@ -190,6 +194,19 @@ class Daemon:
     def weights(self) -> np.ndarray:
         return np.array([r.summary.weights for r in self.replicas])
 
+    def cores(self) -> dict[str, GossipProtocol]:
+        return {r.core.node_id: r.core for r in self.replicas}
+
+    async def deliver_settles(self) -> None:
+        """Until no receiver keeps a window its sender closed: settles go over the wire and
+        merge at a step boundary, after the pushes they settle (bounded)."""
+        deadline = time.monotonic() + SETTLE_S
+        while stale := stale_windows(self.cores()):
+            assert time.monotonic() < deadline, f"settles never arrived: {stale}"
+            for r in self.replicas:
+                await asyncio.to_thread(r.idle, 0)
+            await asyncio.sleep(0.005)
+
     def vectors(self) -> np.ndarray:
         return np.array(
             [torch.cat([b.double() for b in r.flat.buffers]).numpy() for r in self.replicas]
@@ -205,8 +222,14 @@ async def test_every_driver_carries_out_the_same_actions_alike(name: str, tmp_pa
     try:
         await daemon.start()
         await run(daemon, script)
+        await daemon.deliver_settles()
     finally:
         await daemon.close()
+    # Every numbering a sender closed is forgotten at its receiver too: the Settle carried.
+    assert stale_windows(reference.cores) == []
+    assert stale_windows(simulator.cores()) == []
+    if script.end_training:  # training over, every numbering closes and is told
+        assert reference.settles > 0
     start = initial_vectors(script.nodes)
     assert not np.allclose(reference.vectors(), start), "the script moved nothing"
     w0 = np.full(SEGMENTS, float(script.nodes))
@@ -222,6 +245,21 @@ async def test_every_driver_carries_out_the_same_actions_alike(name: str, tmp_pa
         for driver in (simulator, daemon):
             np.testing.assert_array_equal(driver.weights(), reference.weights())
             np.testing.assert_allclose(driver.vectors(), reference.vectors(), rtol=0, atol=1e-5)
+
+
+def stale_windows(cores: dict[str, GossipProtocol]) -> list[tuple[str, str, int]]:
+    """(receiver, sender, base) of each window a receiver keeps for a numbering its sender
+    no longer has open: one a ``Settle`` should have closed."""
+    stale = []
+    for receiver, core in cores.items():
+        if not isinstance(core, SumWeightLedger):
+            continue
+        for sender, _, base in core.windows:
+            sender_core = cores[sender]
+            assert isinstance(sender_core, SumWeightLedger)
+            if sender_core.numberings.bases.get(receiver) != base:
+                stale.append((receiver, sender, base))
+    return stale
 
 
 def test_a_driver_that_skips_an_action_fails_the_contract() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from gossipd.node.jobs.registry import JobSpec, build_job
 from gossipd.node.net.wire.frames import ReceivedSegment
-from gossipd.node.protocols.base import PushSettled
+from gossipd.node.protocols.base import PushSettled, Settle
 from gossipd.node.protocols.credit import DEFAULT_CREDIT
 from gossipd.node.protocols.sumweight import SumWeightGossip
 from gossipd.node.trainer.messages import (
@@ -123,6 +123,9 @@ class HeldPort:
 
     def send_push(self, out: OutboundPush) -> None:
         self.pushes.append(out)
+
+    def send_settle(self, settle: Settle) -> None:
+        """Settles carry no weight: what this test follows is the weight."""
 
     def start_pull(self, out: OutboundPull) -> None:
         raise AssertionError("sum-weight gossip does not pull")

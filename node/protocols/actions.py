@@ -26,11 +26,29 @@ class Push:
     # the receiver keeps one de-duplication window per numbering, so the windows it
     # restored from a checkpoint answer only for the pushes they saw.
     sequence_base: int = 1
+    # The highest sequence of this numbering whose push ``peer`` acknowledged before this
+    # one went (0: none): the receiver forgets those, as it would on a ``Settle``.
+    settled: int = 0
     # Sequences to one receiver never repeat, so a push is known by (peer, sequence).
     key: tuple[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", (self.peer, self.sequence))
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Tell ``peer`` that this node's numbering ``sequence_base`` towards it is closed, every
+    push of it up to ``up_to`` settled: it forgets that numbering's de-duplication window.
+
+    Idempotent and weightless: the driver delivers it on its own, retrying until ``peer``
+    answers or leaves the view, and nothing comes back to the core (which has forgotten
+    the numbering already: its next push to ``peer`` opens a new one). A lost settle
+    leaves ``peer`` a window it no longer needs, never weight."""
+
+    peer: str
+    sequence_base: int
+    up_to: int
 
 
 @dataclass(frozen=True)
@@ -115,5 +133,14 @@ class OuterStep:
 
 
 Action = (
-    Push | Merge | Duplicate | FoldBack | Pull | StartTimer | AskPeer | ReportTransfer | OuterStep
+    Push
+    | Settle
+    | Merge
+    | Duplicate
+    | FoldBack
+    | Pull
+    | StartTimer
+    | AskPeer
+    | ReportTransfer
+    | OuterStep
 )

@@ -43,6 +43,7 @@ from gossipd.node.protocols.actions import (
     Pull,
     Push,
     ReportTransfer,
+    Settle,
     StartTimer,
 )
 from gossipd.node.protocols.events import (
@@ -56,6 +57,7 @@ from gossipd.node.protocols.events import (
     PullFailed,
     PullMerged,
     PushSettled,
+    SettleArrived,
     StepEnded,
     TimerFired,
     TrainingEnded,
@@ -92,6 +94,8 @@ __all__ = [
     "Receipts",
     "Refused",
     "ReportTransfer",
+    "Settle",
+    "SettleArrived",
     "StartTimer",
     "StepEnded",
     "TimerFired",

@@ -58,6 +58,18 @@ class PayloadArrived:
     round: int
     weights: Mapping[int, float]
     sequence_base: int = 1  # the sender's numbering this sequence belongs to (Push)
+    settled: int = 0  # what of that numbering the sender settled before this push (Push)
+
+
+@dataclass(frozen=True)
+class SettleArrived:
+    """``sender`` (as ``incarnation``) closed its numbering ``sequence_base`` towards this
+    node, every push of it up to ``up_to`` settled (a ``Settle``): forget its window."""
+
+    sender: str
+    incarnation: int
+    sequence_base: int
+    up_to: int
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,7 @@ Event = (
     | ViewChanged
     | PeerRestarted
     | PayloadArrived
+    | SettleArrived
     | PayloadMerged
     | PushSettled
     | HandOff

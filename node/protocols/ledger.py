@@ -67,6 +67,7 @@ from gossipd.node.protocols.base import (
     PushSettled,
     Receipts,
     Refused,
+    SettleArrived,
     StepEnded,
     TimerFired,
     TrainingEnded,
@@ -76,9 +77,10 @@ from gossipd.node.protocols.base import (
 )
 from gossipd.node.protocols.credit import DEFAULT_CREDIT, PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
+from gossipd.node.protocols.numberings import Numberings
 from gossipd.node.protocols.receiving import Receiving
 from gossipd.node.protocols.reservations import Reservations
-from gossipd.node.protocols.sequences import Numberings, Windows
+from gossipd.node.protocols.sequences import Windows
 from gossipd.node.protocols.settings import BOOK_ROWS
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
@@ -147,6 +149,8 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self.view: View = ranked(frozenset({node_id}))
         self.relayed: frozenset[str] = frozenset()  # peers reached only through a relay
         self.numberings = Numberings()  # of this node's pushes, per receiver
+        self.step = 0  # the latest local step (an idle numbering is closed by the step)
+        self._training_done = False
         self.windows = Windows()  # what this node merged, per sender numbering
         self.exchanged = ExchangedBook(rows=book_rows)
         self.sinks = SinkWatch(sink_bound, sink_allowance, rows=book_rows)
@@ -184,13 +188,25 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
                 if planned is None or planned[0] is not p:
                     planned = (p, self.plan_receive(*_payload_key(p), p.weights, p.sequence_base))
                 self.apply_receive(*_payload_key(p), planned[1], p.sequence_base)
+                if p.settled:
+                    self.windows.settle(p.sender, p.incarnation, p.sequence_base, p.settled, False)
                 return []
             case PushSettled():
                 key = (event.peer, event.sequence)
                 self.hear_receiver(key, event.acked, event.receiver_weights)
-                return list(self.settle(key, event.acked))
+                actions: list[Action] = list(self.settle(key, event.acked))
+                if self._training_done and event.peer not in self._to:
+                    actions.extend(self.close_numberings([event.peer]))  # no step will find it idle
+                return actions
             case StepEnded():
-                return list(self.on_step(event))
+                self.step = event.step
+                actions = list(self.on_step(event))
+                return actions + self.close_numberings(self.numberings.idle(event.step))
+            case SettleArrived():
+                self.windows.settle(
+                    event.sender, event.incarnation, event.sequence_base, event.up_to, True
+                )
+                return []
             case ViewChanged():
                 self.set_members(event.members)
                 self.relayed = event.relayed
@@ -202,7 +218,9 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
                 push = self.hand_off(event.peer)
                 return [push] if push else []
             case TrainingEnded():
-                return list(self.on_training_ended(event))
+                self._training_done = True
+                actions = list(self.on_training_ended(event))
+                return actions + self.close_numberings(list(self.numberings.last))
             case TimerFired():
                 return list(self.on_timer(event))
             case PullArrived() | PullMerged() | PullFailed():

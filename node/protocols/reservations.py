@@ -20,10 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
-from gossipd.node.protocols.base import FoldBack, Push, View
+from gossipd.node.protocols.base import FoldBack, Push, Settle, View
 from gossipd.node.protocols.credit import PeerCredit
 from gossipd.node.protocols.exchanged import ExchangedBook
-from gossipd.node.protocols.sequences import Numberings
+from gossipd.node.protocols.numberings import Numberings
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 
@@ -43,6 +43,7 @@ class Reservations:
     in_flight: dict[tuple[str, int], Push]
     _to: dict[str, tuple[Push, ...]]  # in_flight by receiver, in the order sent
     round: int
+    step: int
     numberings: Numberings
     exchanged: ExchangedBook
     sinks: SinkWatch
@@ -145,7 +146,8 @@ class Reservations:
         for s, w in weights.items():
             if w > self.available(s) * (1 + 1e-12):
                 raise ValueError(f"segment {s}: pushing {w} exceeds available {self.available(s)}")
-        sequence, base = self.numberings.next(peer)
+        settled = self.numberings.settled(peer)
+        sequence, base = self.numberings.next(peer, self.step)
         # Each segment's share of the available weight, in the order of ``weights``: a tuple,
         # not a dict, since every push of a simulated round is in flight at once.
         shares = tuple(
@@ -154,7 +156,7 @@ class Reservations:
         for s, w in weights.items():
             whole = everything and w == asked[s]
             self.reserved[s] = self.weights[s] if whole else self.reserved[s] + w
-        push = Push(peer, sequence, weights, self.round, base)
+        push = Push(peer, sequence, weights, self.round, base, settled)
         self.in_flight[push.key] = push
         self._to[peer] = (*self._to.get(peer, ()), push)
         self._shares[push.key] = shares
@@ -201,6 +203,18 @@ class Reservations:
             for s in range(len(self.weights))
         )
 
+    def close_numberings(self, receivers: Iterable[str]) -> list[Settle]:
+        """Close the numberings to ``receivers`` that have no push in flight, telling each
+        receiver that merged any of its pushes (``Settle``) to forget its window."""
+        settles: list[Settle] = []
+        for receiver in receivers:
+            if receiver in self._to:
+                continue  # its push in flight is still being retried in this numbering
+            closed = self.numberings.close(receiver)
+            if closed is not None and closed[2]:
+                settles.append(Settle(receiver, closed[0], closed[1]))
+        return settles
+
     def settle(self, key: tuple[str, int], acked_segments: Sequence[int]) -> list[FoldBack]:
         """Commit acknowledged segments; the rest of the reservation comes home.
 
@@ -236,6 +250,7 @@ class Reservations:
         if not self.in_flight:  # nor in a segment this push did not carry
             self.reserved = [0.0] * len(self.reserved)
         if acked & push.weights.keys():
+            self.numberings.acknowledged(push.peer, push.sequence_base, push.sequence)
             self.exchanged.add(push.peer, sent=sent, members=self.view.rank_of)
             taken = sum(f for s, f in zip(push.weights, shares, strict=False) if s in acked)
             self.sinks.sent(push.peer, taken / len(self.weights))

@@ -1,18 +1,26 @@
-"""Per-edge sequences: a sender's numberings and a receiver's de-duplication windows.
+"""A receiver's de-duplication windows, one per sender numbering.
 
 Part of the sum-weight ledger (:mod:`.ledger`), which uses them to keep a retried push
 from merging twice. Sequences are per edge and never repeat: a sender numbers its
-pushes to each receiver 1, 2, 3… for its whole incarnation, and a retry reuses its
-number (:class:`Numberings`). When the receiver restarts (or leaves the view and
-comes back) the sender starts a new *numbering*: the next sequence becomes its
-``sequence_base``, carried by every push. The receiver keeps one de-duplication
-window per (sender, incarnation, base) (:class:`Windows`). A restarted receiver
-restores the windows of its checkpoint, which are a faithful record of what its
-restored model holds: a retry of a push it merged before that checkpoint is answered
-DUPLICATE, one it merged after (lost with the crash) is merged again, and new pushes
-open a fresh window. A sender that restarted numbering at 1 into the receiver's
-restored window would be answered DUPLICATE for pushes never merged, and drop their
-weight: that was the defect this design removes.
+pushes to each receiver in numberings of consecutive sequences, each known by its first
+(``sequence_base``, carried by every push), and a retry reuses its number
+(:mod:`.numberings`, the sender's side). A new numbering starts above every sequence the
+sender used, when its last one was closed (settled, below) or the receiver restarted or
+left the view and came back. The receiver keeps one window per (sender, incarnation,
+base) (:class:`Windows`). A restarted receiver restores the windows of its checkpoint,
+which are a faithful record of what its restored model holds: a retry of a push it
+merged before that checkpoint is answered DUPLICATE, one it merged after (lost with the
+crash) is merged again, and new pushes open a fresh window. A sender that restarted
+numbering at 1 into the receiver's restored window would be answered DUPLICATE for pushes
+never merged, and drop their weight: that was the defect numberings remove.
+
+Settled pushes are forgotten (:meth:`Windows.settle`): a push says what of its numbering
+settled before it (acknowledged to the sender, which never sends those again), and a
+``Settle`` says the sender closed the numbering, whose window then goes. A receiver keeps
+windows only for the numberings still open towards it, not for every sender it ever met.
+A settle is believed from the sender it names (the transport authenticates it); a
+member lying in one can get a push it made that is still being retried merged twice,
+which its credit bounds as it bounds any weight it brings (``limits.peer_credit``).
 
 Within a window the receiver admits a sequence at most ``SEQUENCE_AHEAD`` beyond
 the highest it admitted (beyond ``base - 1`` before the first) and refuses anything
@@ -29,7 +37,6 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.node.protocols.base import Refused
@@ -50,30 +57,6 @@ NUMBERINGS_KEPT = 4
 SHARED_KEPT = 1024
 
 Numbering = tuple[str, int, int]  # (sender, incarnation, base)
-
-
-@dataclass
-class Numberings:
-    """A sender's side: the last sequence used towards each receiver, and the first
-    sequence of the numbering its pushes to that receiver belong to now."""
-
-    last: dict[str, int] = field(default_factory=dict)
-    bases: dict[str, int] = field(default_factory=dict)
-
-    def next(self, receiver: str) -> tuple[int, int]:
-        """(sequence, base) of the next push to ``receiver``."""
-        sequence = self.last.get(receiver, 0) + 1
-        self.last[receiver] = sequence
-        return sequence, self.bases.get(receiver, 1)
-
-    def renumber(self, receiver: str) -> None:
-        """Number the next pushes to ``receiver`` in a numbering of their own."""
-        if receiver in self.last:
-            self.bases[receiver] = self.last[receiver] + 1
-
-    def clear(self) -> None:
-        self.last.clear()
-        self.bases.clear()
 
 
 class Window:
@@ -190,6 +173,18 @@ class Window:
             sequence, mask = self._newest, self._mask
             self._newest, self._mask = None, 0
         self._pairs -= mask.bit_count()
+        self.forgotten_up_to = max(self.forgotten_up_to, sequence)
+
+    def forget_up_to(self, sequence: int) -> None:
+        """Forget every pair of a sequence up to ``sequence``: its sender settled them."""
+        if self.shared:
+            raise RuntimeError("a shared de-duplication window was written: copy it first")
+        if self._older:
+            for settled in [q for q in self._older if q <= sequence]:
+                self._pairs -= self._older.pop(settled).bit_count()
+        if self._newest is not None and self._newest <= sequence:
+            self._pairs -= self._mask.bit_count()
+            self._newest, self._mask = None, 0
         self.forgotten_up_to = max(self.forgotten_up_to, sequence)
 
     def pairs(self, after: int = -1) -> list[tuple[int, int]]:
@@ -351,6 +346,21 @@ class Windows:
     def of(self, sender: str) -> list[Window]:
         """``sender``'s windows, newest numbering first."""
         return list(self._chain(sender))
+
+    def settle(self, sender: str, incarnation: int, base: int, up_to: int, closed: bool) -> None:
+        """``sender`` settled its pushes of numbering ``base`` up to ``up_to``: forget them,
+        and the window too if the sender ``closed`` the numbering (it never pushes in it
+        again) or nothing of it is left. Idempotent, and a no-op for a window not kept."""
+        window = self._get(sender, incarnation, base)
+        if window is None:
+            return
+        if not closed:
+            if window.shared:
+                window = self.open(sender, incarnation, base)
+            window.forget_up_to(up_to)
+            if window.remembered:
+                return
+        self._relink(sender, [w for w in self._chain(sender) if w is not window])
 
     def forget_sender(self, sender: str, keep_incarnation: int) -> None:
         """Close the windows of a sender's older incarnations (it restarted)."""

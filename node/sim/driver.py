@@ -55,6 +55,7 @@ from gossipd.node.protocols.base import (
     Pull,
     Push,
     ReportTransfer,
+    Settle,
     StartTimer,
     StepEnded,
     TimerFired,
@@ -143,7 +144,7 @@ class Simulation(PushSide, PullSide):
         self.members: frozenset[str] = frozenset(self.by_id)
         self.member_idx = np.arange(spec.nodes)
         self.stopped = False
-        self.messages = self.acks = self.retries = self.refused = 0
+        self.messages = self.settles = self.acks = self.retries = self.refused = 0
         self.bytes_sent = 0
         self.book = MassBook(self.payload)
         if spec.check_invariants:
@@ -279,6 +280,8 @@ class Simulation(PushSide, PullSide):
                 self._ask(node, action)
             elif isinstance(action, ReportTransfer):
                 self._report(node, action)
+            elif isinstance(action, Settle):
+                self._send_settle(node, action)
             elif isinstance(action, OuterStep):
                 self._outer_step(node, action)
             else:

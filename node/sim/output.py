@@ -88,6 +88,7 @@ def print_table(result: SimResult, spec: SimSpec, file: IO[str]) -> None:
         print("  ".join(row), file=file)
     print(
         f"{result.messages} payloads ({result.retries} retries, {result.refused} refused), "
+        f"{result.settles} settles, "
         f"{result.bytes / 1e6:.3f} MB, {result.bytes_per_node_per_round:.0f} B per node per "
         f"round; {result.steps} steps; virtual {result.virtual_time_s:.2f} s in "
         f"{result.wall_s:.2f} s wall ({result.events / max(result.wall_s, 1e-9):,.0f} events/s)",

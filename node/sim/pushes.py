@@ -5,7 +5,9 @@ over a link that takes latency + bytes/bandwidth, merged whole or not at all at 
 receiver (``PayloadArrived``, the blends, then ``PayloadMerged``), acknowledged over
 the latency back, retried with the same sequence until the receiver answers or leaves
 every view, and settled exactly once with ``PushSettled``, its unacknowledged segments
-folded back from that snapshot.
+folded back from that snapshot. A ``Settle`` (the sender closed a numbering) goes over
+the latency too, retried after the timeout while a loss takes it, until the receiver
+has it or has left every view.
 
 :class:`PushSide` is a part of :class:`~gossipd.node.sim.driver.Simulation`, kept in
 its own file as :mod:`.pulls` is; it owns no state of its own and uses the driver's
@@ -31,6 +33,8 @@ from gossipd.node.protocols.base import (
     Push,
     PushSettled,
     Refused,
+    Settle,
+    SettleArrived,
 )
 from gossipd.node.sim.accounting import MassBook
 from gossipd.node.sim.payloads import Payload, VectorPayload
@@ -53,6 +57,13 @@ def _reported(sender: SimNode, receiver: SimNode, acked: tuple[int, ...]) -> tup
     return tuple(weights[s] for s in acked) if weights else ()
 
 
+def _arrival(sender: str, push: Push) -> PayloadArrived:
+    p = push
+    return PayloadArrived(
+        sender, INCARNATION, p.sequence, p.round, p.weights, p.sequence_base, p.settled
+    )
+
+
 def _numel(values: Any) -> int:
     """Elements of a snapshot: a numpy vector's ``size``, a tensor's ``numel()``."""
     return int(values.size) if isinstance(values, np.ndarray) else int(values.numel())
@@ -71,6 +82,7 @@ class PushSide:
     by_id: dict[str, SimNode]
     members: frozenset[str]
     messages: int
+    settles: int
     acks: int
     retries: int
     refused: int
@@ -128,9 +140,7 @@ class PushSide:
         if not receiver.alive:
             self._at(self.now + self.scenario.timeout_s, self._retry, flight)
             return
-        arrival = PayloadArrived(
-            sender.id, INCARNATION, push.sequence, push.round, push.weights, push.sequence_base
-        )
+        arrival = _arrival(sender.id, push)
         acked: tuple[int, ...] = ()
         reported: tuple[float, ...] = ()
         values = flight.values
@@ -245,3 +255,25 @@ class PushSide:
             self._keep_what_the_codec_dropped(flight, acked)
         if sender.leaving and not sender.flights:
             self._finish_leaving(sender)
+
+    def _send_settle(self, sender: SimNode, settle: Settle) -> None:
+        self.settles += 1
+        if self.scenario.loss and self.rng.random() < self.scenario.loss:
+            self._at(self.now + self.scenario.timeout_s, self._retry_settle, sender, settle)
+            return
+        receiver = self.by_id[settle.peer]
+        latency, _ = self._link(sender, receiver)
+        self._at(self.now + latency, self._deliver_settle, sender, settle)
+
+    def _deliver_settle(self, sender: SimNode, settle: Settle) -> None:
+        receiver = self.by_id[settle.peer]
+        if not receiver.alive:
+            self._at(self.now + self.scenario.timeout_s, self._retry_settle, sender, settle)
+            return
+        arrived = SettleArrived(sender.id, INCARNATION, settle.sequence_base, settle.up_to)
+        receiver.core.handle(arrived)
+
+    def _retry_settle(self, sender: SimNode, settle: Settle) -> None:
+        """Again, unless the receiver is gone from every view (then nobody needs it)."""
+        if settle.peer in self.members or self.by_id[settle.peer].alive:
+            self._send_settle(sender, settle)

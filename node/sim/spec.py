@@ -205,6 +205,7 @@ class SimResult:
     peak_memory_bytes: int = 0
     start_memory_bytes: int = 0
     messages: int = 0  # payload transmissions, retries included
+    settles: int = 0  # Settle transmissions (a sender closing a numbering), retries included
     acks: int = 0
     retries: int = 0
     refused: int = 0
@@ -282,6 +283,7 @@ class SimResult:
         self.peak_memory_bytes = memory.peak_bytes()
         self.start_memory_bytes = sim.start_memory_bytes
         self.messages, self.acks, self.retries = sim.messages, sim.acks, sim.retries
+        self.settles = sim.settles
         self.refused, self.bytes = sim.refused, sim.bytes_sent
         self.steps = sum(n.steps for n in sim.nodes)
         self.live_nodes = len(sim.members)

@@ -23,6 +23,7 @@ from gossipd.node.protocols.base import (
     PeerRestarted,
     Push,
     PushSettled,
+    Settle,
     ViewChanged,
 )
 from gossipd.node.trainer.messages import (
@@ -171,6 +172,7 @@ class Arrivals:
                 PushSettled(out.push.peer, out.push.sequence, acked, reported)
             )
             self.merger.fold_back(out, settled)
+            self.dispatch.carry_out([a for a in settled if isinstance(a, Settle)])
             if rebuilt:
                 self.merger.keep_dropped(out, rebuilt, acked, self.core.status())
             if len(acked) == len(out.push.weights):

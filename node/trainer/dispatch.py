@@ -30,6 +30,7 @@ from gossipd.node.protocols.base import (
     Pull,
     Push,
     ReportTransfer,
+    Settle,
     StartTimer,
     TimerFired,
 )
@@ -138,6 +139,8 @@ class Dispatcher:
                     self.port.ask_peer(action)
                 case ReportTransfer():
                     self.port.report_transfer(action)
+                case Settle():
+                    self.port.send_settle(action)
                 case OuterStep():
                     self.outer_step(action)
                 case _:

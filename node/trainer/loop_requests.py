@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gossipd.node.protocols.base import GossipProtocol, PeerGranted, Receipts
+from gossipd.node.protocols.base import GossipProtocol, PeerGranted, Receipts, SettleArrived
 from gossipd.node.trainer.messages import (
     Barrier,
     EventQueue,
@@ -100,6 +100,13 @@ class LoopRequests:
         """
         with self.core_lock:
             self.dispatch.fire_due(self.clock(), mid_step=True)
+
+    def forget_settled(self, settled: SettleArrived) -> None:
+        """A sender closed its numbering towards this node: forget its window, at once, even
+        mid-step (only the core is touched). Not through the inbox: a settle waiting there
+        for a step boundary held a slot a push needed."""
+        with self.core_lock:
+            self.dispatch.carry_out(self.core.handle(settled), mid_step=True)
 
     def grant(self, granted: PeerGranted) -> None:
         """The coordinator's answer to the core's ``AskPeer``, applied at once, even

@@ -101,6 +101,7 @@ class Merger:
             item.round,
             {seg.segment: seg.sum_weight for seg in item.segments},
             item.sequence_base,
+            item.settled,
         )
         values = {seg.segment: seg.values for seg in item.segments}
         gauges = {seg.segment: seg.gauge for seg in item.segments if seg.gauge is not None}

@@ -42,6 +42,8 @@ from gossipd.node.protocols.base import (
     Push,
     Receipts,
     ReportTransfer,
+    Settle,
+    SettleArrived,
 )
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ class InboundPush:
     round: int = 0
     merge_new: bool = True  # False: only acknowledge what was merged before (leaving)
     sequence_base: int = 1  # the sender's numbering (protocols.ledger)
+    settled: int = 0  # what of that numbering the sender settled before this push
     reply: concurrent.futures.Future[list[Ack]] = field(default_factory=concurrent.futures.Future)
 
 
@@ -95,6 +98,8 @@ class OutboundPush:
     # Sent raw whatever the codec: a leaving node's hand-off, which leaves no model behind
     # to keep what a lossy codec would drop.
     exact: bool = False
+    # A settle carried on the push path (``Settle``): no segments, nothing to book.
+    closes: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,9 @@ class LoopPort(Protocol):
 
     def send_push(self, out: OutboundPush) -> None: ...
 
+    def send_settle(self, settle: Settle) -> None:
+        """Deliver ``settle`` until its peer answers or leaves the view; nothing comes back."""
+
     def start_pull(self, out: OutboundPull) -> None: ...
 
     def wake_at(self, at_s: float) -> None:
@@ -331,6 +339,9 @@ class Detached:
 
     def send_push(self, out: OutboundPush) -> None:
         self.events.put(PushOutcome(out, (), "no network is attached to carry out pushes"))
+
+    def send_settle(self, settle: Settle) -> None:
+        """Nobody to tell: no push of this replica reached anyone."""
 
     def start_pull(self, out: OutboundPull) -> None:
         self.events.put(PullOutcome(out, None, "no network is attached to carry out pulls"))
@@ -380,6 +391,7 @@ class ReplicaLink(Protocol):
     ) -> concurrent.futures.Future[dict[str, list[Receipts]]]: ...
     def barrier(self) -> concurrent.futures.Future[int]: ...
     def grant(self, granted: PeerGranted) -> None: ...
+    def forget_settled(self, settled: SettleArrived) -> None: ...
     def fire_due_timers(self) -> None: ...
     def gauge(
         self, segment: int, values: torch.Tensor, each: Callable[[torch.Tensor], None] | None = None

@@ -72,6 +72,8 @@ class PushSender:
         others merged, nor leave them running unobserved. ``addressed_to``: the
         receiver's incarnation this node verified (0: any)."""
         groups = [segments[i :: self.streams] for i in range(min(self.streams, len(segments)))]
+        if out.closes:
+            groups = [[]]  # a settle: its open frame alone
 
         async def one(group: list[int]) -> pb.PushReply:
             async with asyncio.timeout(timeout_s):
@@ -275,5 +277,7 @@ class PushSender:
                 deadline_s=timeout_s,
                 bulk_token=lane.token if lane is not None else b"",
                 receiver_incarnation=addressed_to,
+                settled=out.push.settled,
+                closes=out.closes,
             )
         ).SerializeToString()

@@ -21,6 +21,7 @@ from gossipd.node.net.telemetry.metrics import NodeMetrics
 from gossipd.node.net.wire.assembly import Limits, SegmentAssembler
 from gossipd.node.net.wire.frames import segment_frames
 from gossipd.node.net.wire.shaping import LinkShaper
+from gossipd.node.protocols.base import SettleArrived
 from gossipd.node.trainer.messages import InboundPush, ReceivedSegment, ReplicaLink
 from gossipd.proto import gossip_pb2 as pb
 
@@ -89,15 +90,24 @@ class Inbound:
                 "this incarnation first (usual for a moment after a restart; the push is retried)"
             )
 
+    async def _settled(self, open_: pb.PushOpen) -> pb.PushReply:
+        """A settle: forgotten at once, off the loop, never queued behind pushes."""
+        settled = SettleArrived(
+            open_.sender, open_.incarnation, open_.sequence_base, open_.sequence
+        )
+        await asyncio.to_thread(self.replica.forget_settled, settled)
+        return pb.PushReply()
+
     async def on_push(
         self, open_: pb.PushOpen, segments: list[ReceivedSegment], deadline_s: float | None
     ) -> pb.PushReply:
         self.health.check_sender(open_.sender, open_.incarnation)
-        # A leaving node merges nothing new (its weight is being handed off), but it
-        # still answers DUPLICATE for what it merged: that answer is what lets a
-        # sender whose acknowledgement was lost commit exactly instead of folding
-        # back weight this node already passed on. The rest it leaves unacknowledged,
-        # and since it will never merge them, the sender folds them back exactly.
+        if open_.closes:
+            return await self._settled(open_)
+        # A leaving node merges nothing new (its weight is being handed off), but it still
+        # answers DUPLICATE for what it merged: that answer lets a sender whose acknowledgement
+        # was lost commit exactly instead of folding back weight this node already passed on.
+        # The rest it leaves unacknowledged; never merged, the sender folds them back exactly.
         item = InboundPush(
             open_.sender,
             open_.incarnation,
@@ -106,6 +116,7 @@ class Inbound:
             open_.round,
             merge_new=not self.departure.leaving,
             sequence_base=open_.sequence_base,
+            settled=open_.settled,
         )
         nbytes = sum(s.values.numel() * s.values.element_size() for s in segments)
         self.replica.inbox.put(item)

@@ -27,6 +27,7 @@ from gossipd.node.errors import GossipdError, InvalidFrame, PeerUnreachable, Sta
 from gossipd.node.net.dial.client import OutcomeUnknown, PartialPush
 from gossipd.node.net.limits.cpu_budget import HOLD_POLL_S, CpuBudget
 from gossipd.node.net.wire.lastwords import LastWords
+from gossipd.node.protocols.base import Push, Settle
 from gossipd.node.shared.rejections import Throttle
 from gossipd.node.shared.tls import NotAllowed
 from gossipd.node.trainer.messages import Ack, OutboundPush, PushOutcome
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 INCONSISTENCY_LOG_EVERY_S = 60.0  # one INFO line per peer per minute, with the count since
 MAX_HOLD_S = 5.0  # the longest a push waits for gossip's CPU budget
+SETTLE_TRIES = 8  # deliveries of a settle its receiver refused, before it is given up
 
 
 class Delivery(NamedTuple):
@@ -109,6 +111,27 @@ class Outbound:
         task = self.tasks.spawn(self.push(out), f"push:{peer}")
         self._pushes.setdefault(peer, set()).add(task)
         task.add_done_callback(lambda t: self._forget(peer, t))
+
+    def start_settle(self, settle: Settle) -> None:
+        """Deliver ``settle`` in a task of its own, on the push path (a push with no segments
+        that ``closes`` its numbering). Nothing is booked: the core forgot the numbering
+        when it sent it."""
+        push = Push(settle.peer, settle.up_to, {}, 0, settle.sequence_base, settle.up_to)
+        self.tasks.spawn(self._settle(OutboundPush(push, {}, closes=True)), f"settle:{push.peer}")
+
+    async def _settle(self, out: OutboundPush) -> None:
+        """Retried as a push is until answered; a refusal (a full inbox, a leaving peer) is
+        tried again, backing off, at most ``SETTLE_TRIES`` times while the peer stays in
+        the view: a peer that keeps refusing keeps a window it does not need, no weight."""
+        delay_s = min(0.5, self.gossip.retry_max_s)
+        for _ in range(SETTLE_TRIES):
+            delivery = await self.deliver(out, "settle")
+            if delivery.error is None or out.push.peer not in self.membership.peers:
+                return
+            await self.retries.wait(delay_s)
+            if self.stopping.is_set():
+                return
+            delay_s = min(delay_s * 2, self.gossip.retry_max_s)
 
     def _forget(self, peer: str, task: asyncio.Future[None]) -> None:
         tasks = self._pushes.get(peer)

@@ -18,7 +18,7 @@ from gossipd.node.errors import GossipdError
 from gossipd.node.net.gossip.outbound import Outbound
 from gossipd.node.net.gossip.pulls import Puller
 from gossipd.node.net.wire.tasks import LoopTasks
-from gossipd.node.protocols.base import AskPeer, PeerGranted, ReportTransfer
+from gossipd.node.protocols.base import AskPeer, PeerGranted, ReportTransfer, Settle
 from gossipd.node.trainer.messages import (
     OutboundPull,
     OutboundPush,
@@ -75,6 +75,9 @@ class NetworkPort:
         if not self._schedule(self._start_push, out):
             self.replica.post(PushOutcome(out, (), "the node stopped before sending it"))
 
+    def send_settle(self, settle: Settle) -> None:
+        self._schedule(self._start_settle, settle)  # stopped: the peer keeps a spare window
+
     def start_pull(self, out: OutboundPull) -> None:
         if not self._schedule(self._start_pull, out):
             self.replica.post(PullOutcome(out, None, "the node stopped before the pull"))
@@ -108,6 +111,10 @@ class NetworkPort:
             self.replica.post(PushOutcome(out, (), f"{why} before sending it"))
             return
         self.outbound.start(out)
+
+    def _start_settle(self, settle: Settle) -> None:
+        if not self.stopping.is_set():
+            self.outbound.start_settle(settle)
 
     def _start_pull(self, out: OutboundPull) -> None:
         self.tasks.spawn(self.puller.pull(out), f"pull:{out.pull.peer}")

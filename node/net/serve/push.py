@@ -129,6 +129,17 @@ class PushReceiver:
                 f"push {opened.sender!r}#{opened.sequence} names sequence_base "
                 f"{opened.sequence_base}; it must be in 1..{opened.sequence}"
             )
+        if opened.closes and (opened.segment_count or opened.settled != opened.sequence):
+            raise InvalidFrame(
+                f"settle {opened.sender!r}#{opened.sequence} carries {opened.segment_count} "
+                f"segments and settles up to {opened.settled}: a settle carries none, and "
+                "settles up to its own sequence"
+            )
+        if not opened.closes and opened.settled >= opened.sequence:
+            raise InvalidFrame(
+                f"push {opened.sender!r}#{opened.sequence} says it settled up to "
+                f"{opened.settled}: only pushes before it can have settled"
+            )
         return opened
 
     async def _lane(

@@ -41,7 +41,8 @@ NODE_METRICS: tuple[MetricDef, ...] = (
     counter(
         "bytes",
         "gossipd_gossip_bytes_total",
-        "Payload bytes by direction (sent, received), kind (push, pull, handoff) and result",
+        "Payload bytes by direction (sent, received), kind (push, pull, handoff, settle) "
+        "and result",
         ("direction", "kind", "result"),
     ),
     counter(
@@ -59,7 +60,7 @@ NODE_METRICS: tuple[MetricDef, ...] = (
     counter(
         "messages",
         "gossipd_gossip_messages_total",
-        "Messages by direction, kind (push, pull, handoff; request: a refused inbound "
+        "Messages by direction, kind (push, pull, handoff, settle; request: a refused inbound "
         "request of any RPC) and result (ok, failed, retry, rejected, leaving: answered by "
         "a leaving node without merging)",
         ("direction", "kind", "result"),
