@@ -28,7 +28,7 @@ from gossipd.node.protocols.base import (
     StepEnded,
     ViewChanged,
 )
-from gossipd.node.protocols.numberings import SETTLE_IDLE_STEPS
+from gossipd.node.protocols.settings import SETTLE_IDLE_STEPS
 from gossipd.node.protocols.sumweight import SumWeightGossip
 
 SEGMENTS = 2

@@ -81,7 +81,7 @@ from gossipd.node.protocols.numberings import Numberings
 from gossipd.node.protocols.receiving import Receiving
 from gossipd.node.protocols.reservations import Reservations
 from gossipd.node.protocols.sequences import Windows
-from gossipd.node.protocols.settings import BOOK_ROWS
+from gossipd.node.protocols.settings import BOOK_ROWS, SETTLE_IDLE_STEPS
 from gossipd.node.protocols.sinks import SinkWatch
 from gossipd.node.protocols.weight_balance import WeightBalance
 from gossipd.node.protocols.weight_cap import WeightCap
@@ -119,6 +119,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         peer_credit: float | None = math.inf,
         weight_balance: bool = False,
         book_rows: int = BOOK_ROWS,
+        settle_idle_steps: int = SETTLE_IDLE_STEPS,
     ) -> None:
         """``max_weight``: the most weight a segment may hold after a merge (None: derived
         from the number of founding members, see :mod:`.weight_cap`; the daemon's default);
@@ -128,8 +129,8 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         the daemon's default); ``weight_balance``: whether pushes are scaled so a
         site's weight does not depend on its speed (:mod:`.weight_balance`; off here, so
         a core built bare pushes its paper's shares; on in the daemon's and the
-        simulator's settings); ``book_rows``: the peers each of the credit, sink and
-        exchanged books keeps a row for (:data:`~.settings.BOOK_ROWS`)."""
+        simulator's settings); ``book_rows`` and ``settle_idle_steps``: see
+        :data:`~.settings.BOOK_ROWS` and :data:`~.settings.SETTLE_IDLE_STEPS`."""
         if num_segments < 1:
             raise ValueError(f"num_segments must be at least 1, got {num_segments}")
         if max_in_flight < 1:
@@ -148,7 +149,7 @@ class SumWeightLedger(Reservations, Receiving, GossipProtocol):
         self.round = 0
         self.view: View = ranked(frozenset({node_id}))
         self.relayed: frozenset[str] = frozenset()  # peers reached only through a relay
-        self.numberings = Numberings()  # of this node's pushes, per receiver
+        self.numberings = Numberings(idle_steps=settle_idle_steps)  # this node's, per receiver
         self.step = 0  # the latest local step (an idle numbering is closed by the step)
         self._training_done = False
         self.windows = Windows()  # what this node merged, per sender numbering

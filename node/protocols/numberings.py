@@ -11,16 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A numbering whose receiver has had no push from this node for this many local steps, and
-# none in flight, is closed (Numberings.close): the receiver is told, forgets its window, and
-# this node its row. An edge pushed along now and then keeps its numbering, each push
-# carrying what settled before it instead of a message of its own: among 4 sites pushing
-# to one of 3 peers a step, an edge is idle 16 steps once in 650, where at 2 steps it was
-# 4 in 9, and a settle went with 70% of the pushes (through a natted site's relay too:
-# the NAT re-attach test then failed in 3 of 4 full runs). In a large crossover mesh, where
-# a round is a step and a peer is rarely met twice, nearly every numbering holds one push
-# and is closed 16 rounds after it.
-SETTLE_IDLE_STEPS = 16
+from gossipd.node.protocols.settings import SETTLE_IDLE_STEPS
 
 
 @dataclass
@@ -41,6 +32,7 @@ class Numberings:
     acked: dict[str, int] = field(default_factory=dict)
     pushed_at: dict[str, int] = field(default_factory=dict)
     top: int = 0  # the highest sequence used towards any receiver
+    idle_steps: int = SETTLE_IDLE_STEPS  # steps without a push that close a numbering
 
     def next(self, receiver: str, step: int = 0) -> tuple[int, int]:
         """(sequence, base) of the next push to ``receiver``, at local step ``step``."""
@@ -65,8 +57,8 @@ class Numberings:
         return self.acked.get(receiver, 0)
 
     def idle(self, step: int) -> list[str]:
-        """The receivers whose numbering saw no push for ``SETTLE_IDLE_STEPS`` steps."""
-        return [r for r, at in self.pushed_at.items() if step - at >= SETTLE_IDLE_STEPS]
+        """The receivers whose numbering saw no push for ``idle_steps`` steps."""
+        return [r for r, at in self.pushed_at.items() if step - at >= self.idle_steps]
 
     def close(self, receiver: str) -> tuple[int, int, int] | None:
         """Forget the numbering to ``receiver``: (base, last sequence, highest acknowledged

@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from gossipd.node.protocols import CoreSettings, settings_class
 from gossipd.node.protocols.base import GossipProtocol, Push, shared_seed
-from gossipd.node.protocols.settings import BOOK_ROWS, SIM_BOOK_ROWS
+from gossipd.node.protocols.settings import (
+    BOOK_ROWS,
+    SETTLE_IDLE_STEPS,
+    SIM_BOOK_ROWS,
+    SIM_SETTLE_IDLE_STEPS,
+)
 from gossipd.node.protocols.topology import ceil_log2
 from gossipd.node.sim import memory
 from gossipd.node.sim.scenarios import HOMOGENEOUS, Scenario
@@ -107,6 +112,7 @@ def core_settings(
         weight_balance=spec.weight_balance,
         peer_credit=spec.peer_credit,
         book_rows=BOOK_ROWS if spec.nodes <= BOOK_ROWS else SIM_BOOK_ROWS,
+        settle_idle_steps=SETTLE_IDLE_STEPS if spec.nodes <= BOOK_ROWS else SIM_SETTLE_IDLE_STEPS,
         coordinator=spec.coordinator,
         options=core_options(spec),
     )
