@@ -36,8 +36,8 @@ default credit is :data:`HALF_PUSH_CREDIT`, the half push their exact average ne
 
 The book keeps ``rows`` peers' nets per segment (:data:`~.settings.BOOK_ROWS`: every
 peer of a federation; a few in a larger simulated mesh); a full one forgets the half of
-its nets nearest 0. Forgetting a net resets that peer's credit, and the ones nearest 0 are those
-whose reset gives a peer the least: not a sink's (it holds all of ``take``) nor an
+its nets nearest 0. Forgetting a net resets that peer's credit, and the ones nearest 0
+are those whose reset gives a peer the least: not a sink's (it holds all of ``take``) nor an
 inflater's (it brought up to ``bring``), which go last. Where every push is cut to the
 credit (crossover at scale: half a weight of 1 is more than a third) all new nets tie at
 ``take``, so in a mesh where a node meets more peers than it keeps rows for, a sink's
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.node.protocols.base import Refused
-from gossipd.node.protocols.settings import BOOK_ROWS
+from gossipd.node.protocols.settings import BOOK_ROWS, overflow
 
 # limits.peer_credit's default: a sink ends with at most a third of each honest site's
 # founding weight, so the honest sites keep two thirds of theirs.
@@ -145,9 +145,8 @@ class PeerCredit:
         nets = self.nets[segment]
         net = nets.get(peer)
         if net is None:
-            if len(nets) >= self.rows:  # half at once: a scan per newcomer cost a tenth
-                for gone in sorted(nets, key=lambda p: abs(nets[p]))[: len(nets) - self.rows // 2]:
-                    del nets[gone]
+            for gone in overflow(nets, len(nets), self.rows, lambda p: abs(nets[p])):
+                del nets[gone]
             net = 0.0
         nets[peer] = net + delta
 

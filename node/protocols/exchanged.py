@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossipd.node.protocols.base import PeerMass
-from gossipd.node.protocols.settings import BOOK_ROWS
+from gossipd.node.protocols.settings import BOOK_ROWS, overflow
 
 
 @dataclass
@@ -94,8 +94,7 @@ def _book(
 ) -> None:
     total = totals.get(peer)
     if total is None:
-        if len(totals) >= rows:  # half at once, those out of the view first, then the oldest
-            for gone in sorted(totals, key=members.__contains__)[: len(totals) - rows // 2]:
-                del totals[gone]
+        for gone in overflow(totals, len(totals), rows, members.__contains__):  # out of view
+            del totals[gone]  # first, then the oldest (the sort is stable)
         total = 0.0
     totals[peer] = total + amount

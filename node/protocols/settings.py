@@ -13,7 +13,7 @@ This module needs pydantic only, so the config can use it without loading a core
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 # rows), never where they hardly meet twice (none in 4,000 nodes over 20 rounds).
 BOOK_ROWS = 1024
 SIM_BOOK_ROWS = 8
+
+
+def overflow(book: Iterable[str], size: int, rows: int, order: Callable[[str], Any]) -> list[str]:
+    """The peers a book of ``rows`` forgets as a newcomer arrives: none while it has room,
+    else the first half in ``order`` at once (one scan per newcomer cost the simulator a
+    tenth of its time)."""
+    if size < rows:
+        return []
+    return sorted(book, key=order)[: size - rows // 2]
+
 
 # A numbering whose receiver has had no push from this node for this many local steps, and
 # none in flight, is closed (Numberings.close): the receiver is told, forgets its window, and

@@ -64,7 +64,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gossipd.node.protocols.settings import BOOK_ROWS
+from gossipd.node.protocols.settings import BOOK_ROWS, overflow
 
 
 @dataclass
@@ -120,16 +120,12 @@ class SinkWatch:
                 self.floor -= fallen
                 self.fallen += fallen
                 return
-            if len(self.scores) >= self.rows:  # half at once: a scan per newcomer is slow
-                self._forget_lowest(len(self.scores) - self.rows // 2)
+            for lowest in overflow(self.scores, len(self.scores), self.rows, self.scores.get):
+                since = self.fallen - self.made.pop(lowest, self.fallen)
+                self.floor = max(self.floor, self.scores.pop(lowest) - since)
             score = self.floor
             self.made[peer] = self.fallen
         self.scores[peer] = max(0.0, score + delta)
-
-    def _forget_lowest(self, count: int) -> None:
-        for lowest in sorted(self.scores, key=self.scores.__getitem__)[:count]:
-            since = self.fallen - self.made.pop(lowest, self.fallen)
-            self.floor = max(self.floor, self.scores.pop(lowest) - since)
 
     def state(self) -> dict[str, Any]:
         """The rows, and the floor under the key ``""`` (no node id is empty)."""

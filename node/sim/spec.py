@@ -101,6 +101,7 @@ def core_settings(
     spec: SimSpec, node_id: str, segments: int, initial_weight: float
 ) -> CoreSettings:
     """Every node's settings: shared mesh seed, its own seed, the sim's sizing defaults."""
+    beyond_a_federation = spec.nodes > BOOK_ROWS  # where the books keep a few rows
     return CoreSettings(
         node_id=node_id,
         num_segments=segments,
@@ -111,8 +112,8 @@ def core_settings(
         or max(4, segments, math.isqrt(max(spec.nodes - 1, 0)) + 3),
         weight_balance=spec.weight_balance,
         peer_credit=spec.peer_credit,
-        book_rows=BOOK_ROWS if spec.nodes <= BOOK_ROWS else SIM_BOOK_ROWS,
-        settle_idle_steps=SETTLE_IDLE_STEPS if spec.nodes <= BOOK_ROWS else SIM_SETTLE_IDLE_STEPS,
+        book_rows=SIM_BOOK_ROWS if beyond_a_federation else BOOK_ROWS,
+        settle_idle_steps=SIM_SETTLE_IDLE_STEPS if beyond_a_federation else SETTLE_IDLE_STEPS,
         coordinator=spec.coordinator,
         options=core_options(spec),
     )
